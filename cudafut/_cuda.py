@@ -1,0 +1,236 @@
+"""The seam to CUDA: the only module that imports CuPy.
+
+Everything here is a thin, typed wrapper over ``cupy.cuda.runtime``. CuPy is
+imported on first use, so ``import cudafut`` works on a machine without a GPU;
+the first call that needs CUDA raises :class:`CudaUnavailableError` with the
+reason.
+
+Costs (measured with CuPy 14.2, see docs/performance.md): an event record is
+under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
+0.4 µs and releases the GIL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ._errors import CudaError, CudaUnavailableError
+
+#: ``cudaErrorNotReady``: what a query returns while the work is pending.
+NOT_READY = 600
+
+# cudaStreamLegacy and cudaStreamPerThread: handles that stand for "the
+# default stream of the current device (and, for per-thread, thread)".
+_SPECIAL_STREAMS = (0, 1, 2)
+
+_init_lock = threading.Lock()
+_cupy: Any = None
+_rt: Any = None
+_count = 0
+
+_DRIVER_HINTS = {
+    35: (
+        "the NVIDIA driver is missing or older than the CUDA version CuPy was "
+        "built for; install a newer driver, or the cudafut extra that matches "
+        "it ('cudafut[cuda12]' or 'cudafut[cuda13]')"
+    ),
+    100: ("no CUDA-capable device is visible; check `nvidia-smi` and the CUDA_VISIBLE_DEVICES variable"),
+    3: "the CUDA driver failed to initialise; check `nvidia-smi` and dmesg",
+    999: "the CUDA driver reported an unknown error; check `nvidia-smi`",
+}
+
+
+def runtime() -> Any:
+    """``cupy.cuda.runtime``, after checking once that CUDA is usable."""
+    rt = _rt
+    if rt is None:
+        rt = _initialise()
+    return rt
+
+
+def cupy() -> Any:
+    """The ``cupy`` module, after checking once that CUDA is usable."""
+    if _cupy is None:
+        _initialise()
+    return _cupy
+
+
+def _initialise() -> Any:
+    global _cupy, _rt, _count
+    with _init_lock:
+        if _rt is not None:
+            return _rt
+        try:
+            import cupy as cp
+        except ImportError as exc:
+            raise CudaUnavailableError(
+                "CuPy is not installed. Install cudafut with the extra that "
+                "matches your CUDA driver: pip install 'cudafut[cuda12]' or "
+                "'cudafut[cuda13]'"
+            ) from exc
+        rt = cp.cuda.runtime
+        try:
+            count = rt.getDeviceCount()
+        except rt.CUDARuntimeError as exc:
+            hint = _DRIVER_HINTS.get(exc.status, "CUDA could not be initialised")
+            raise CudaUnavailableError(f"{hint} (CUDA said: {exc})") from exc
+        if count == 0:
+            raise CudaUnavailableError(_DRIVER_HINTS[100])
+        _cupy, _count = cp, count
+        _rt = rt
+        return rt
+
+
+def device_count() -> int:
+    """Number of visible CUDA devices; raises if CUDA is unusable."""
+    runtime()
+    return _count
+
+
+def check_device(device: object) -> int:
+    """Validate a device index and return it as an int."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"a device is an int index, not {device!r}")
+    n = device_count()
+    if not 0 <= device < n:
+        raise ValueError(
+            f"device {device} is out of range: this process sees {n} CUDA "
+            f"device(s), numbered 0 to {n - 1} (see CUDA_VISIBLE_DEVICES)"
+        )
+    return device
+
+
+def current_device() -> int:
+    return int(runtime().getDevice())
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device`` current for the block, restoring the previous one."""
+    rt = runtime()
+    prev = rt.getDevice()
+    if prev == device:
+        yield
+        return
+    rt.setDevice(device)
+    try:
+        yield
+    finally:
+        rt.setDevice(prev)
+
+
+def current_stream(device: int) -> Any:
+    """CuPy's current stream of ``device`` for the calling thread."""
+    runtime()
+    return _cupy.cuda.get_current_stream(device)
+
+
+def stream_handle(stream: object) -> tuple[int, int]:
+    """``(cudaStream_t, device)`` of a CuPy or PyTorch stream object."""
+    cp = cupy()
+    if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+        device = stream.device_id
+        return int(stream.ptr), current_device() if device < 0 else int(device)
+    ptr = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
+    device = getattr(stream, "device_index", None)
+    if isinstance(ptr, int) and isinstance(device, int):
+        return ptr, device
+    raise TypeError(
+        f"stream must be a cupy.cuda.Stream, cupy.cuda.ExternalStream or "
+        f"torch.cuda.Stream, not {type(stream).__name__}"
+    )
+
+
+def new_stream(device: int, priority: int) -> Any:
+    """A new non-blocking CuPy stream on ``device``.
+
+    CUDA clamps ``priority`` into the device's range, so a large negative
+    number asks for the highest priority the device has.
+    """
+    with on_device(device):
+        return _cupy.cuda.Stream(non_blocking=True, priority=priority)
+
+
+@contextlib.contextmanager
+def streams_current(streams: Mapping[int, Any], primary: int) -> Iterator[None]:
+    """Make each ``streams[device]`` current for its device, and ``primary``
+    the current device, for the calling thread, for the duration of the block.
+    """
+    rt = runtime()
+    prev = rt.getDevice()
+    entered = 0
+    try:
+        for device, stream in streams.items():
+            if rt.getDevice() != device:
+                rt.setDevice(device)
+            stream.__enter__()
+            entered += 1
+        if rt.getDevice() != primary:
+            rt.setDevice(primary)
+        yield
+    finally:
+        # CuPy pops in LIFO order and remembers each stream's device itself.
+        for stream in reversed(list(streams.values())[:entered]):
+            stream.__exit__(None, None, None)
+        if rt.getDevice() != prev:
+            rt.setDevice(prev)
+
+
+def event_create(device: int) -> int:
+    """A new event on ``device``, created with timing disabled (cheapest)."""
+    rt = runtime()
+    with on_device(device):
+        return int(rt.eventCreateWithFlags(rt.eventDisableTiming))
+
+
+def event_destroy(event: int) -> None:
+    runtime().eventDestroy(event)
+
+
+def event_record(event: int, stream: int, device: int) -> None:
+    rt = _rt
+    if stream in _SPECIAL_STREAMS and rt.getDevice() != device:
+        with on_device(device):
+            rt.eventRecord(event, stream)
+    else:
+        rt.eventRecord(event, stream)
+
+
+def event_query(event: int) -> int:
+    """Raw ``cudaEventQuery`` status: 0 done, 600 pending, else an error.
+
+    Non-blocking, holds the GIL (CuPy does not release it here).
+    """
+    return int(_rt.eventQuery(event))
+
+
+def stream_wait(stream: int, event: int, device: int) -> None:
+    """Make ``stream`` (on ``device``) wait for ``event``; the host does not wait."""
+    rt = _rt
+    if stream in _SPECIAL_STREAMS and rt.getDevice() != device:
+        with on_device(device):
+            rt.streamWaitEvent(stream, event)
+    else:
+        rt.streamWaitEvent(stream, event)
+
+
+def pointer_device(ptr: int) -> int:
+    """The device that owns a device pointer."""
+    return int(runtime().pointerGetAttributes(ptr).device)
+
+
+def ndarray_type() -> type:
+    return cupy().ndarray  # type: ignore[no-any-return]
+
+
+def cuda_error(code: int, device: int | None = None) -> CudaError:
+    """A :class:`CudaError` for a raw status, with CUDA's name and text."""
+    name, description = "", ""
+    rt = _rt
+    if rt is not None:
+        # CuPy formats the message as "<name>: <description>".
+        name, _, description = str(rt.CUDARuntimeError(code)).partition(": ")
+    return CudaError(code, name, description, device=device)

@@ -1,0 +1,107 @@
+"""Recorded events: one CUDA event recorded once on one stream.
+
+An :class:`EventRecord` owns its event handle exclusively; the handle returns
+to the pool when the record is garbage. Its completion status, once seen, is
+kept, so every future sharing the record learns it once.
+
+Records carry a per-stream sequence number. Work on one stream completes in
+order, so a waiter that finds record *n* of a stream pending knows that every
+later record of that stream is pending too, and queries only the oldest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from typing import Final
+
+from . import _cuda, _pools
+from ._errors import CudaError
+
+# Serialises "record, then number" so that sequence numbers follow the order
+# in which records reach each stream, whichever threads record them.
+_record_lock: Final = threading.Lock()
+_sequence: dict[tuple[int, ...], int] = {}
+
+
+class EventRecord:
+    """A CUDA event recorded on a stream, and what is known of its status.
+
+    ``status`` is ``None`` while the work may be pending, ``0`` once it is
+    complete, or the CUDA error code the event reported.
+    """
+
+    __slots__ = ("device", "handle", "seq", "status", "stream", "stream_key")
+
+    def __init__(self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int) -> None:
+        self.handle = handle
+        self.device = device
+        self.stream = stream
+        self.stream_key = stream_key
+        self.seq = seq
+        self.status: int | None = None
+
+    def query(self) -> int | None:
+        """Non-blocking: the status, asking CUDA only while it is unknown."""
+        status = self.status
+        if status is None:
+            raw = _cuda.event_query(self.handle)
+            if raw != _cuda.NOT_READY:
+                self.status = status = raw
+        return status
+
+    def error(self) -> CudaError | None:
+        """The :class:`CudaError` this record reported, if any."""
+        status = self.status
+        if status:
+            return _cuda.cuda_error(status, self.device)
+        return None
+
+    def wait_on(self, stream: int, device: int) -> None:
+        """Make ``stream`` wait for this record, unless it is known complete."""
+        if self.status is None:
+            _cuda.stream_wait(stream, self.handle, device)
+
+    def __repr__(self) -> str:
+        state = {None: "pending", 0: "complete"}.get(self.status, f"error {self.status}")
+        return f"<EventRecord device={self.device} stream={self.stream:#x} seq={self.seq} {state}>"
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return
+        with contextlib.suppress(Exception):  # a destructor must not raise
+            _pools.events.release(self.device, self.handle)
+
+
+def _stream_key(stream: int, device: int) -> tuple[int, ...]:
+    if stream == 2:  # cudaStreamPerThread is one stream per thread
+        return (device, stream, threading.get_ident())
+    return (device, stream)
+
+
+def record(stream: int, device: int) -> EventRecord:
+    """Record a pooled event on ``stream`` of ``device`` (host: < 2 µs)."""
+    handle = _pools.events.acquire(device)
+    key = _stream_key(stream, device)
+    try:
+        with _record_lock:
+            _cuda.event_record(handle, stream, device)
+            seq = _sequence.get(key, 0) + 1
+            _sequence[key] = seq
+    except BaseException:
+        _pools.events.release(device, handle)
+        raise
+    return EventRecord(handle, device, stream, key, seq)
+
+
+def record_current(device: int) -> EventRecord:
+    """Record on the calling thread's current stream of ``device``."""
+    return record(int(_cuda.current_stream(device).ptr), device)
+
+
+def first_error(records: tuple[EventRecord, ...]) -> CudaError | None:
+    for rec in records:
+        if rec.status:
+            return rec.error()
+    return None

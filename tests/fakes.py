@@ -1,0 +1,57 @@
+"""Scripted stand-ins for recorded CUDA events, for host-side tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from cudafut._events import EventRecord
+
+_handles = itertools.count(1)
+_streams = itertools.count(0x1000)
+
+
+class FakeRecord(EventRecord):
+    """An EventRecord whose status the test sets; counts its queries."""
+
+    __slots__ = ("queries", "script")
+
+    def __init__(self, stream: int | None = None, seq: int = 1, device: int = 0) -> None:
+        # By default each record is alone on a fresh stream: a real stream
+        # completes in order, which scripted records need not follow.
+        if stream is None:
+            stream = next(_streams)
+        super().__init__(-next(_handles), device, stream, (device, stream), seq)
+        self.queries = 0
+        self.script: int | None = None  # what CUDA "returns" next: None = not ready
+
+    def query(self) -> int | None:
+        if self.status is None:
+            self.queries += 1
+            if self.script is not None:
+                self.status = self.script
+        return self.status
+
+    def complete(self) -> None:
+        self.script = 0
+
+    def fail(self, code: int = 700) -> None:
+        self.script = code
+
+    def __del__(self) -> None:
+        pass  # owns no CUDA event: never return it to the pool
+
+
+def stream_records(n: int) -> list[FakeRecord]:
+    """``n`` records in order on one fresh stream."""
+    stream = next(_streams)
+    return [FakeRecord(stream, seq) for seq in range(1, n + 1)]
+
+
+def set_future(value: object, records: list[FakeRecord]):  # type: ignore[no-untyped-def]
+    """A CudaFuture set with fake records (no CUDA involved)."""
+    from cudafut import CudaFuture
+    from cudafut._future import _SET
+
+    fut: CudaFuture[object] = CudaFuture()
+    fut._complete(_SET, value, None, tuple(records))
+    return fut

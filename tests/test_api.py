@@ -1,0 +1,90 @@
+"""The public face: exports, error types, and behaviour without a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import concurrent.futures
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import cudafut
+
+
+def test_all_names_exported_once_and_named_cudafut() -> None:
+    public = {name for name in dir(cudafut) if not name.startswith("_")}
+    assert set(cudafut.__all__) - {"__version__"} == public
+    assert len(cudafut.__all__) == len(set(cudafut.__all__))
+    for name in public - {"CancelledError"}:
+        assert getattr(cudafut, name).__module__ == "cudafut", name
+        assert getattr(cudafut, name).__doc__, f"{name} has no docstring"
+
+
+def test_error_hierarchy_matches_the_standard_library() -> None:
+    assert issubclass(cudafut.InvalidStateError, asyncio.InvalidStateError)
+    assert issubclass(cudafut.InvalidStateError, concurrent.futures.InvalidStateError)
+    assert issubclass(cudafut.TimeoutError, builtins.TimeoutError)
+    assert issubclass(cudafut.TimeoutError, asyncio.TimeoutError)
+    assert cudafut.CancelledError is concurrent.futures.CancelledError
+
+
+def test_cuda_error_carries_code_name_and_advice() -> None:
+    err = cudafut.CudaError(700, "cudaErrorIllegalAddress", "an illegal memory access", device=1)
+    assert (err.code, err.name, err.device, err.sticky) == (700, "cudaErrorIllegalAddress", 1, True)
+    text = str(err)
+    assert "700" in text and "cudaErrorIllegalAddress" in text and "device 1" in text
+    assert "restart the process" in text
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.code, again.name, again.device, str(again)) == (700, err.name, 1, text)
+    assert not cudafut.CudaError(1, "cudaErrorInvalidValue").sticky
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+        check=False,
+    )
+
+
+def test_import_needs_no_gpu_and_first_cuda_call_explains() -> None:
+    proc = _run(
+        """
+        import cudafut
+        fut = cudafut.CudaFuture()            # no CUDA needed yet
+        fut.set_exception(KeyError("k"))
+        assert isinstance(fut.exception(), KeyError)
+        try:
+            cudafut.submit(lambda: None)
+        except cudafut.CudaUnavailableError as exc:
+            print("unavailable:", exc)
+        """,
+        CUDA_VISIBLE_DEVICES="",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "unavailable:" in proc.stdout
+    assert "device" in proc.stdout or "driver" in proc.stdout
+
+
+def test_missing_cupy_is_explained() -> None:
+    proc = _run(
+        """
+        import sys
+        sys.modules["cupy"] = None            # as if CuPy were not installed
+        import cudafut
+        try:
+            cudafut.CudaFuture(devices=0)
+        except cudafut.CudaUnavailableError as exc:
+            print(exc)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "CuPy is not installed" in proc.stdout
+    assert "cudafut[cuda12]" in proc.stdout
