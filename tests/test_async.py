@@ -127,14 +127,13 @@ async def test_thousand_concurrent_awaits_query_only_the_oldest_per_stream() -> 
 async def test_as_completed_yields_in_completion_order() -> None:
     recs = [FakeRecord() for _ in range(3)]
     futs = [set_future(i, [recs[i]]) for i in range(3)]
-    order = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(complete_later, recs[2], 0.002)
-        tg.start_soon(complete_later, recs[0], 0.02)
-        tg.start_soon(complete_later, recs[1], 0.04)
-        async for fut in cudafut.as_completed(futs):
-            order.append(await fut)
-    assert order == [2, 0, 1]
+    it = cudafut.as_completed(futs).__aiter__()
+    with anyio.fail_after(10):
+        for i in (2, 0, 1):
+            recs[i].complete()
+            assert await it.__anext__() is futs[i]
+        with pytest.raises(StopAsyncIteration):
+            await it.__anext__()
 
 
 async def test_done_callback_runs_in_the_loop_thread_after_completion() -> None:
