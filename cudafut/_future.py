@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from . import _cuda, _events, _loops, _pools, _waiter
 from ._errors import CancelledError, InvalidStateError, TimeoutError
@@ -34,6 +34,8 @@ _SET = "set"
 _FAILED = "failed"
 
 Listener = Callable[[], None]
+#: Which stream pool ``then()`` and ``submit()`` take their streams from.
+Priority = Literal["normal", "high"]
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -269,18 +271,17 @@ class CudaFuture(Generic[T]):
         driver = _loops.require_driver()
         if self._state == _PENDING:
             await driver.until(lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake)))
-        if self._state == _SET:
+        if self._state == _SET and first_error(self._records) is None:
             pending = [r for r in self._records if r.status is None]
             if pending:
                 await driver.until(lambda wake: driver.watch_all(pending, lambda _error: wake()))
         return self._outcome(driver.cancelled_error)
 
-    def then(
-        self,
-        fn: Callable[[T], CudaFuture[U]] | Callable[[T], U],
-        *,
-        priority: str = "normal",
-    ) -> CudaFuture[U]:
+    @overload
+    def then(self, fn: Callable[[T], CudaFuture[U]], *, priority: Priority = ...) -> CudaFuture[U]: ...
+    @overload
+    def then(self, fn: Callable[[T], U], *, priority: Priority = ...) -> CudaFuture[U]: ...
+    def then(self, fn: Callable[[T], Any], *, priority: Priority = "normal") -> CudaFuture[Any]:
         """Chain GPU work: ``fn(value)`` on pool streams that wait for this future.
 
         Once this future is set, ``fn`` runs (in the thread that set it, or
@@ -302,7 +303,7 @@ class CudaFuture(Generic[T]):
         """
         _check_callable(fn, "then()")
         prio = _pools.check_priority(priority)
-        child: CudaFuture[U] = CudaFuture()
+        child: CudaFuture[Any] = CudaFuture()
         self._on_set(lambda: _run_then(self, fn, prio, child))
         return child
 
@@ -567,19 +568,19 @@ def submit(
     /,
     *args: Any,
     device: int | None = ...,
-    priority: str = ...,
+    priority: Priority = ...,
     **kwargs: Any,
 ) -> CudaFuture[U]: ...
 @overload
 def submit(
-    fn: Callable[..., U], /, *args: Any, device: int | None = ..., priority: str = ..., **kwargs: Any
+    fn: Callable[..., U], /, *args: Any, device: int | None = ..., priority: Priority = ..., **kwargs: Any
 ) -> CudaFuture[U]: ...
 def submit(
     fn: Callable[..., Any],
     /,
     *args: Any,
     device: int | None = None,
-    priority: str = "normal",
+    priority: Priority = "normal",
     **kwargs: Any,
 ) -> CudaFuture[Any]:
     """Run ``fn(*args, **kwargs)`` now, on a pool stream; return its future.

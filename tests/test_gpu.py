@@ -359,6 +359,35 @@ def test_then_on_a_second_device(cp: Any) -> None:
         assert (y.get() == 8).all()
 
 
+def test_a_value_on_two_devices(cp: Any) -> None:
+    if _cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    streams, xs = [], []
+    for device, value in ((0, 7.0), (1, 8.0)):
+        with cp.cuda.Device(device):
+            s = cp.cuda.Stream(non_blocking=True)
+            with s:
+                x = cp.zeros(N, dtype=cp.float32)
+                s.synchronize()
+                spin_fill(x, value, SLOW_MS)
+            streams.append(s)
+            xs.append(x)
+    fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
+    with cp.cuda.Device(1), streams[1], cp.cuda.Device(0), streams[0]:
+        fut.set_result(xs)  # one event on each device's current stream
+    assert fut.devices == (0, 1)
+
+    def fn(v: Any) -> Any:
+        with cp.cuda.Device(1):
+            b = v[1] + 1  # on device 1's pool stream, made current for device 1
+        return [v[0] + 1, b]
+
+    a, b = fut.then(fn).result()
+    assert (a.get() == 8).all()
+    with cp.cuda.Device(1):
+        assert (b.get() == 9).all()
+
+
 # -- await -------------------------------------------------------------------
 
 
