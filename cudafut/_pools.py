@@ -63,9 +63,6 @@ class EventPool:
         elif not sys.is_finalizing():
             _cuda.event_destroy(handle)
 
-    def free_count(self, device: int) -> int:
-        return len(self._free.get(device, ()))
-
 
 class StreamPool:
     """Round-robin pool of non-blocking streams per (device, priority)."""

@@ -6,11 +6,9 @@ import asyncio
 import builtins
 import concurrent.futures
 import pickle
-import subprocess
-import sys
-import textwrap
 
 import cudafut
+from tests.subproc import run_python
 
 
 def test_all_names_exported_once_and_named_cudafut() -> None:
@@ -41,21 +39,8 @@ def test_cuda_error_carries_code_name_and_advice() -> None:
     assert not cudafut.CudaError(1, "cudaErrorInvalidValue").sticky
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-        check=False,
-    )
-
-
 def test_import_needs_no_gpu_and_first_cuda_call_explains() -> None:
-    proc = _run(
+    proc = run_python(
         """
         import cudafut
         fut = cudafut.CudaFuture()            # no CUDA needed yet
@@ -74,7 +59,7 @@ def test_import_needs_no_gpu_and_first_cuda_call_explains() -> None:
 
 
 def test_missing_cupy_is_explained() -> None:
-    proc = _run(
+    proc = run_python(
         """
         import sys
         sys.modules["cupy"] = None            # as if CuPy were not installed

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.subproc import ROOT, run_python
+
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -29,14 +26,6 @@ def test_the_readme_has_examples() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("code", examples())
 def test_example_runs(code: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-        timeout=120,
-        check=False,
-    )
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "an example should print its result"

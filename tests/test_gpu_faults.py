@@ -5,17 +5,11 @@ Each case runs in a subprocess: the error poisons the CUDA context for good.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-pytestmark = pytest.mark.gpu
+from tests.subproc import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.gpu
 
 SCRIPT = """
 import sys
@@ -60,15 +54,7 @@ print("done", fut.done(), type(fut.exception()).__name__)
 
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
 def test_illegal_address_fails_awaits_results_and_children(backend: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), backend],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-        timeout=90,
-        check=False,
-    )
+    proc = run_python(SCRIPT, backend, timeout=90)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines == [
