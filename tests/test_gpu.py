@@ -388,6 +388,23 @@ def test_a_value_on_two_devices(cp: Any) -> None:
         assert (b.get() == 9).all()
 
 
+def test_default_stream_of_another_device(cp: Any) -> None:
+    """The legacy default stream handle (0) means "of the current device":
+    recording for device 1 while device 0 is current must land on device 1."""
+    if _cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with cp.cuda.Device(1):
+        x = cp.zeros(N, dtype=cp.float32)
+        cp.cuda.Device().synchronize()
+        spin_fill(x, 7, SLOW_MS)  # on device 1's default stream
+        reader = cp.cuda.Stream(non_blocking=True)
+    assert cp.cuda.Device().id == 0
+    fut = cudafut.record(x)  # device 1's current stream is its default stream
+    assert fut.result() is x
+    with cp.cuda.Device(1):
+        assert (host(x, reader) == 7).all()
+
+
 # -- await -------------------------------------------------------------------
 
 
