@@ -14,7 +14,7 @@ def _gpu_missing() -> str | None:
     try:
         _cuda.device_count()
     except CudaUnavailableError as exc:
-        return f"no usable CUDA device: {exc}"
+        return f"no usable CUDA device: {str(exc).split(' (CUDA said')[0]}"
     return None
 
 

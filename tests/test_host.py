@@ -299,3 +299,36 @@ def test_dropped_pending_future_keeps_its_value_until_done() -> None:
     assert not held.is_set()  # the watcher holds it while the GPU may read it
     rec.complete()
     assert held.wait(5)
+
+
+# -- finding devices -------------------------------------------------------------
+
+
+class _Device:
+    def __init__(self, **attrs: int) -> None:
+        self.__dict__.update(attrs)
+
+
+class _GpuArray:
+    """Looks like a GPU array: a CAI dict and a device with an index."""
+
+    def __init__(self, device: _Device) -> None:
+        self.device = device
+        self.__cuda_array_interface__ = {"data": (0x1000, False), "shape": (1,), "version": 3}
+
+
+def test_find_devices_walks_containers_in_order() -> None:
+    from cudafut._values import find_devices
+
+    a, b = _GpuArray(_Device(index=1)), _GpuArray(_Device(id=0))  # torch-like, CuPy-like
+    nested: list[object] = [1, "s", None, 2.5, {"k": (a, [b, a])}]
+    nested.append(nested)  # a container that holds itself
+    assert find_devices(nested) == (1, 0)
+    assert find_devices([1, "x", b"y", {"z": None}, (3j,)]) == ()
+
+
+def test_find_devices_ignores_cpu_objects() -> None:
+    np = pytest.importorskip("numpy")
+    from cudafut._values import find_devices
+
+    assert find_devices({"host": np.zeros(3), "list": [np.ones(2)]}) == ()
