@@ -92,18 +92,17 @@ async def as_completed(futs: Iterable[CudaFuture[Any]]) -> AsyncIterator[CudaFut
         if wake[0] is not None:
             wake[0]()
 
+    def register(w: Any) -> Any:
+        wake[0] = w
+
+        def cancel() -> None:
+            wake[0] = None
+
+        return cancel
+
     for fut in items:
         fut.add_done_callback(arrived)
     for _ in items:
         if not ready:
-
-            def register(w: Any) -> Any:
-                wake[0] = w
-
-                def cancel() -> None:
-                    wake[0] = None
-
-                return cancel
-
             await driver.until(register)
         yield ready.popleft()

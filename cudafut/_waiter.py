@@ -251,15 +251,16 @@ class ThreadWaiter(Driver):
         self.call_soon_threadsafe(lambda: self._hold(records, obj))
 
     def _hold(self, records: Sequence[EventRecord], obj: object) -> None:
-        self.watch_all(records, lambda _error: _release(obj))
+        # The callback's default argument owns ``obj``: it goes when the
+        # callback is dropped, once the records complete.
+        def done(_error: CudaError | None, _held: object = obj) -> None:
+            pass
+
+        self.watch_all(records, done)
 
     def _reset_after_fork(self) -> None:
         # The child has no watcher thread; it starts afresh on first use.
         self.__init__()  # type: ignore[misc]
-
-
-def _release(obj: object) -> None:
-    del obj
 
 
 _thread_waiter = ThreadWaiter()
