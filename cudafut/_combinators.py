@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from ._errors import CancelledError
-from ._future import _CANCELLED, _FAILED, _SET, CudaFuture, check_timeout
+from ._future import _CANCELLED, _FAILED, _SET, CudaFuture, check_timeout, remaining
 from ._loops import require_driver
 
 __all__ = ["as_completed", "gather", "wait_all"]
@@ -69,11 +68,7 @@ def wait_all(futs: Iterable[CudaFuture[Any]], timeout: float | None = None) -> l
     """
     items = _futures(futs, "wait_all()")
     deadline = check_timeout(timeout)
-    values = []
-    for fut in items:
-        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-        values.append(fut.wait(left))
-    return values
+    return [fut.wait(remaining(deadline)) for fut in items]
 
 
 async def as_completed(futs: Iterable[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:

@@ -49,7 +49,7 @@ def check_timeout(timeout: float | None) -> float | None:
     return time.perf_counter() + timeout
 
 
-def _remaining(deadline: float | None) -> float | None:
+def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
 
@@ -206,24 +206,15 @@ class CudaFuture(Generic[T]):
             CancelledError: the future was cancelled.
             Exception: whatever the producer set with :meth:`set_exception`.
         """
-        deadline = check_timeout(timeout)
-        self._block_until_set(deadline, timeout)
-        if self._state == _SET and not _waiter.block_until_complete(self._records, deadline):
-            raise TimeoutError(
-                f"the GPU work behind this future did not finish within {timeout} s; "
-                "it is still running: call result() again to keep waiting"
-            )
+        self._block_until_done(timeout)
         return self._outcome(CancelledError)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Like :meth:`result`, but return the error (or ``None``) instead of
         raising it. Blocks the thread the same way."""
-        deadline = check_timeout(timeout)
-        self._block_until_set(deadline, timeout)
+        self._block_until_done(timeout)
         state = self._state
         if state == _SET:
-            if not _waiter.block_until_complete(self._records, deadline):
-                raise TimeoutError(f"the GPU work behind this future did not finish within {timeout} s")
             return first_error(self._records)
         if state == _CANCELLED:
             raise CancelledError("the CudaFuture was cancelled before it was set")
@@ -419,10 +410,20 @@ class CudaFuture(Generic[T]):
             if self._set_event is None:
                 self._set_event = threading.Event()
             event = self._set_event
-        if not event.wait(_remaining(deadline)):
+        if not event.wait(remaining(deadline)):
             raise TimeoutError(
                 f"this CudaFuture was not set within {timeout} s: its producer "
                 "has not called set_result() or set_exception() yet"
+            )
+
+    def _block_until_done(self, timeout: float | None) -> None:
+        """Block until set, then until the events complete (or one fails)."""
+        deadline = check_timeout(timeout)
+        self._block_until_set(deadline, timeout)
+        if self._state == _SET and not _waiter.block_until_complete(self._records, deadline):
+            raise TimeoutError(
+                f"the GPU work behind this future did not finish within {timeout} s; "
+                "it is still running: call again to keep waiting"
             )
 
     def _outcome(self, cancelled_error: type[BaseException]) -> T:
