@@ -21,6 +21,9 @@ from ._errors import TimeoutError as TimeoutError
 from ._future import CudaFuture as CudaFuture
 from ._future import record as record
 from ._future import submit as submit
+from ._policy import WaitPolicy as WaitPolicy
+from ._policy import get_wait_policy as get_wait_policy
+from ._policy import set_wait_policy as set_wait_policy
 
 __version__ = "0.1.0.dev0"
 
@@ -31,10 +34,13 @@ __all__ = [
     "CudaUnavailableError",
     "InvalidStateError",
     "TimeoutError",
+    "WaitPolicy",
     "__version__",
     "as_completed",
     "gather",
+    "get_wait_policy",
     "record",
+    "set_wait_policy",
     "submit",
     "wait_all",
 ]
@@ -44,8 +50,11 @@ for _name in (
     "CudaUnavailableError",
     "InvalidStateError",
     "TimeoutError",
+    "WaitPolicy",
     "as_completed",
     "gather",
+    "get_wait_policy",
+    "set_wait_policy",
     "wait_all",
 ):
     globals()[_name].__module__ = "cudafut"

@@ -92,6 +92,8 @@ def device_count() -> int:
 
 def check_device(device: object) -> int:
     """Validate a device index and return it as an int."""
+    if type(device) is int and 0 <= device < _count:
+        return device  # the common case, once CUDA is initialised
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"a device is an int index, not {device!r}")
     n = device_count()
@@ -124,7 +126,8 @@ def on_device(device: int) -> Iterator[None]:
 
 def current_stream(device: int) -> Any:
     """CuPy's current stream of ``device`` for the calling thread."""
-    runtime()
+    if _rt is None:
+        runtime()
     return _cupy.cuda.get_current_stream(device)
 
 
@@ -154,26 +157,27 @@ def new_stream(device: int, priority: int) -> Any:
         return _cupy.cuda.Stream(non_blocking=True, priority=priority)
 
 
-@contextlib.contextmanager
-def streams_current(streams: Mapping[int, Any], primary: int) -> Iterator[None]:
-    """Make each ``streams[device]`` current for its device, and ``primary``
-    the current device, for the calling thread, for the duration of the block.
-    """
-    rt = runtime()
+def call_on_streams(
+    streams: Mapping[int, Any], primary: int, fn: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """Call ``fn(*args, **kwargs)`` with each ``streams[device]`` current for
+    its device and ``primary`` the current device, in the calling thread;
+    restore the previous state however ``fn`` ends."""
+    rt = _rt
     prev = rt.getDevice()
-    entered = 0
+    entered: list[Any] = []
     try:
         for device, stream in streams.items():
             if rt.getDevice() != device:
                 rt.setDevice(device)
             stream.__enter__()
-            entered += 1
+            entered.append(stream)
         if rt.getDevice() != primary:
             rt.setDevice(primary)
-        yield
+        return fn(*args, **kwargs)
     finally:
         # CuPy pops in LIFO order and remembers each stream's device itself.
-        for stream in reversed(list(streams.values())[:entered]):
+        for stream in reversed(entered):
             stream.__exit__(None, None, None)
         if rt.getDevice() != prev:
             rt.setDevice(prev)

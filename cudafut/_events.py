@@ -11,9 +11,8 @@ later record of that stream is pending too, and queries only the oldest.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
+import time
 from typing import Final
 
 from . import _cuda, _pools
@@ -32,15 +31,21 @@ class EventRecord:
     complete, or the CUDA error code the event reported.
     """
 
-    __slots__ = ("device", "handle", "seq", "status", "stream", "stream_key")
+    __slots__ = ("device", "handle", "seen", "seq", "status", "stream", "stream_key", "t")
 
-    def __init__(self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int) -> None:
+    def __init__(
+        self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
+    ) -> None:
         self.handle = handle
         self.device = device
         self.stream = stream
         self.stream_key = stream_key
         self.seq = seq
         self.status: int | None = None
+        #: ``perf_counter()`` when recorded, and when a waiter last saw it
+        #: pending (0.0: never): what the duration predictor learns from.
+        self.t = t
+        self.seen = 0.0
 
     def query(self) -> int | None:
         """Non-blocking: the status, asking CUDA only while it is unknown."""
@@ -68,10 +73,11 @@ class EventRecord:
         return f"<EventRecord device={self.device} stream={self.stream:#x} seq={self.seq} {state}>"
 
     def __del__(self) -> None:
-        if sys.is_finalizing():
-            return
-        with contextlib.suppress(Exception):  # a destructor must not raise
+        # Not contextlib.suppress: it costs a µs, and this runs for every record.
+        try:  # noqa: SIM105
             _pools.events.release(self.device, self.handle)
+        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at shutdown)
+            pass
 
 
 def _stream_key(stream: int, device: int) -> tuple[int, ...]:
@@ -83,7 +89,7 @@ def _stream_key(stream: int, device: int) -> tuple[int, ...]:
 def record(stream: int, device: int) -> EventRecord:
     """Record a pooled event on ``stream`` of ``device`` (host: < 2 µs)."""
     handle = _pools.events.acquire(device)
-    key = _stream_key(stream, device)
+    key = (device, stream) if stream != 2 else _stream_key(stream, device)
     try:
         with _record_lock:
             _cuda.event_record(handle, stream, device)
@@ -92,12 +98,17 @@ def record(stream: int, device: int) -> EventRecord:
     except BaseException:
         _pools.events.release(device, handle)
         raise
-    return EventRecord(handle, device, stream, key, seq)
+    return EventRecord(handle, device, stream, key, seq, time.perf_counter())
 
 
 def record_current(device: int) -> EventRecord:
     """Record on the calling thread's current stream of ``device``."""
     return record(int(_cuda.current_stream(device).ptr), device)
+
+
+def is_newest(rec: EventRecord) -> bool:
+    """Whether nothing was recorded on ``rec``'s stream after it (by cudafut)."""
+    return _sequence.get(rec.stream_key) == rec.seq
 
 
 def first_error(records: tuple[EventRecord, ...]) -> CudaError | None:

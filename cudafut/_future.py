@@ -10,7 +10,6 @@ call waits for and what it blocks.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import threading
@@ -85,6 +84,7 @@ class CudaFuture(Generic[T]):
         "_retrieved",
         "_set_event",
         "_state",
+        "_stream_given",
         "_value",
     )
 
@@ -100,6 +100,8 @@ class CudaFuture(Generic[T]):
         self._listeners: list[Listener] | None = None
         self._set_event: threading.Event | None = None
         self._retrieved = False
+        # Whether a then() child already continues on this future's stream.
+        self._stream_given = False
 
     # -- producer side ---------------------------------------------------
 
@@ -116,15 +118,19 @@ class CudaFuture(Generic[T]):
             ValueError: ``value`` holds no GPU array and no ``devices`` were
                 given, so there would be nothing to order against.
         """
-        self._check_pending()
+        if self._state is not _PENDING:
+            self._check_pending()
         devices = self._devices or find_devices(value)
-        if not devices:
+        if len(devices) == 1:
+            records: tuple[EventRecord, ...] = (_events.record_current(devices[0]),)
+        elif devices:
+            records = tuple(_events.record_current(d) for d in devices)
+        else:
             raise ValueError(
                 f"set_result() got a value on no GPU ({type(value).__name__}); "
                 "pass devices=... to CudaFuture() to say which device's "
                 "current stream produces it"
             )
-        records = tuple(_events.record_current(d) for d in devices)
         self._complete(_SET, value, None, records)
 
     def set_exception(self, exception: BaseException | type[BaseException]) -> None:
@@ -249,23 +255,28 @@ class CudaFuture(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         """``await fut``: resolve when the GPU work is done; never blocks the loop.
 
-        One waiter per event loop polls the events of every awaited future:
-        on each loop iteration for the first 100 µs, then once a millisecond.
-        Works on asyncio, uvloop and trio. Cancelling the awaiting task
+        One waiter per event loop polls the events of every awaited future,
+        as the wait policy says (:func:`set_wait_policy`): spinning on loop
+        iterations while completion is near, sleeping otherwise; the loop
+        keeps running other tasks throughout. Works on asyncio, uvloop and
+        trio. Cancelling the awaiting task
         removes its wait; the future itself is unaffected.
         """
         if self._state == _SET and self._events_done():
             return self._outcome(CancelledError)
-        return (yield from self._wait_async().__await__())
-
-    async def _wait_async(self) -> T:
+        # A plain generator, not a coroutine: each pending await keeps only a
+        # few objects alive, which matters to the cyclic GC at 10k awaits.
         driver = _loops.require_driver()
         if self._state == _PENDING:
-            await driver.until(lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake)))
+            yield from driver.until(
+                lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake))
+            ).__await__()
         if self._state == _SET and first_error(self._records) is None:
             pending = [r for r in self._records if r.status is None]
+            if len(pending) == 1 and (yield from driver.spin_alone(pending[0]).__await__()):
+                pending = []
             if pending:
-                await driver.until(lambda wake: driver.watch_all(pending, lambda _error: wake()))
+                yield from driver.wait_records(pending)
         return self._outcome(driver.cancelled_error)
 
     @overload
@@ -279,8 +290,11 @@ class CudaFuture(Generic[T]):
         at once in the calling thread if it is set already) with, for each of
         this future's devices, a pool stream made current that first waits on
         this future's event (the first device is made the current device).
-        The returned child future is set with ``fn``'s return value, its
-        events recorded on those streams after ``fn`` returns. Costs a few µs
+        The first child of a future produced on a pool stream continues on
+        that stream when nothing was recorded there since (no wait needed: a
+        ``submit().then().then()`` chain stays on one stream). The returned
+        child future is set with ``fn``'s return value, its events recorded
+        on those streams after ``fn`` returns. Costs a few µs
         on the host; blocks neither the thread nor the GPU.
 
         If this future failed, ``fn`` is not called and the child fails with
@@ -355,8 +369,10 @@ class CudaFuture(Generic[T]):
         keep: object = None,
     ) -> None:
         """Complete unless already completed (a consumer may cancel a child)."""
-        with contextlib.suppress(InvalidStateError):
+        try:  # noqa: SIM105 - contextlib.suppress costs a µs on this hot path
             self._complete(state, value, exception, records, keep)
+        except InvalidStateError:
+            pass
 
     def _follow(
         self, other: CudaFuture[Any], records: tuple[EventRecord, ...] = (), keep: object = None
@@ -500,13 +516,36 @@ def _run_then(
         parent._retrieved = True
         child._try_complete(_FAILED, None, error)
         return
-    streams = {d: _pools.streams.get(d, priority) for d in parent.devices}
     try:
-        for rec in parent._records:
-            rec.wait_on(int(streams[rec.device].ptr), rec.device)
+        streams = _then_streams(parent, priority)
         _settle(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
         child._try_complete(_FAILED, None, exc)
+
+
+def _then_streams(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:
+    """A pool stream per device of ``parent``, each waiting for its events.
+
+    The first child continues on the parent's own stream where that is a
+    pool stream of the same priority with nothing enqueued after the parent
+    (by cudafut): the order is then free, and a chain of then() calls stays
+    on one stream, as hand-written pipelines do. Later children of the same
+    parent take the next pool streams, so they run concurrently.
+    """
+    streams: dict[int, Any] = {}
+    reuse = not parent._stream_given
+    parent._stream_given = True
+    for rec in parent._records:
+        stream = streams.get(rec.device)
+        if stream is None:
+            if reuse and _events.is_newest(rec):
+                stream = _pools.streams.lookup(rec.stream, priority)
+                if stream is not None:
+                    streams[rec.device] = stream
+                    continue  # same stream: already ordered after rec
+            stream = streams[rec.device] = _pools.streams.get(rec.device, priority)
+        rec.wait_on(int(stream.ptr), rec.device)
+    return streams
 
 
 def _settle(
@@ -521,8 +560,7 @@ def _settle(
     too), then complete ``fut`` from what it returned."""
     try:
         if streams:
-            with _cuda.streams_current(streams, next(iter(streams))):
-                out = fn(*args, **kwargs)
+            out = _cuda.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
         else:  # a parent on no device: nothing to order against
             out = fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the future carries it

@@ -1,14 +1,16 @@
 """Event-loop drivers: one waiter per running loop, for asyncio and trio.
 
 Each running loop gets one :class:`~cudafut._waiter.Driver`, created on the
-first ``await`` in it. The driver polls only while somebody waits: on every
-loop iteration for ``SPIN_S`` after a new wait (short GPU work is noticed
-within microseconds), then once per ``SLEEP_S``. With nothing to wait for it
-schedules nothing at all.
+first ``await`` in it. The driver polls only while somebody waits, when the
+wait policy says (``_policy.py``): on every loop iteration while completion
+is likely near, else after a sleep. With nothing to wait for it schedules
+nothing at all.
 
-asyncio (and uvloop) drive the poll with ``call_soon`` / ``call_later``
-callbacks, no task; trio with one system task per run. trio is imported only
-when a trio loop is found running.
+Sleeps use a timerfd watched by the loop (``_timer.py``), because the loops'
+own timers round up to whole milliseconds; without timerfd, the loop's
+timers. asyncio (and uvloop) drive the poll with loop callbacks, no task;
+trio with one system task per run. trio is imported only when a trio loop is
+found running.
 """
 
 from __future__ import annotations
@@ -16,20 +18,78 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, Final
 
-from ._waiter import SLEEP_S, SPIN_S, Driver
+from ._events import EventRecord
+from ._policy import predictor
+from ._timer import make_timer
+from ._waiter import Driver
 
 Register = Callable[[Callable[[], None]], Callable[[], None]]
 
 
-class AsyncioDriver(Driver):
-    """Polls from asyncio loop callbacks."""
+_IDLE, _SPIN, _SLEEP = 0, 1, 2
+
+
+def _resolve(waiter: asyncio.Future[None], _done: object) -> None:
+    # The task may have been cancelled (its future too) before the wake-up.
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _LoopDriver(Driver):
+    """What the asyncio and trio drivers share: the alone-spin fast path."""
+
+    # Whether a task is polling its own record in spin_alone (one at most).
+    _alone = False
+
+    async def _checkpoint(self) -> None:
+        raise NotImplementedError
+
+    async def spin_alone(self, record: EventRecord) -> bool:
+        """Poll ``record`` from the awaiting task itself while it is the
+        loop's only wait and the policy says spin; True if it completed.
+
+        One loop iteration per poll, as a ``sleep(0)`` loop; it saves the
+        hop through the driver (a loop iteration and a future) that a
+        wake-up otherwise costs, for the common case of one await at a time.
+        """
+        if self.watchlist.pending or self._alone:
+            return False
+        pacer = self.pacer
+        now = time.perf_counter()
+        pacer.kick(now)
+        if pacer.next_poll((record,), now) > now:
+            return False
+        ends = pacer.spin_ends
+        self._alone = True
+        try:
+            while now < ends:
+                await self._checkpoint()
+                if self.watchlist.pending:
+                    break  # others wait too: one poller for all is cheaper
+                if record.query() is not None:
+                    predictor.observe(record, time.perf_counter())
+                    return True
+                now = record.seen = time.perf_counter()
+        finally:
+            self._alone = False
+        return False
+
+
+#: A planned sleep shorter than this is spun instead: waking costs more.
+MIN_SLEEP_S: Final = 20e-6
+
+
+class AsyncioDriver(_LoopDriver):
+    """Polls from asyncio loop callbacks: ``call_soon`` while spinning, a
+    timerfd reader (or ``call_later``) while sleeping."""
 
     cancelled_error: Final = asyncio.CancelledError
 
@@ -37,36 +97,63 @@ class AsyncioDriver(Driver):
         super().__init__()
         self._loop = weakref.ref(loop)  # the registry is keyed weakly by the loop
         self._thread = threading.get_ident()
-        self._handle: asyncio.Handle | None = None
-        self._sleeping = False
-        self._spin_until = 0.0
+        self._mode = _IDLE
+        self._later: asyncio.TimerHandle | None = None
+        self._timer = make_timer()
+        self._reading = False
 
     def kick(self) -> None:
-        self._spin_until = time.perf_counter() + SPIN_S
-        handle = self._handle
-        if handle is not None:
-            if not self._sleeping:
-                return  # a spin poll is already queued
-            handle.cancel()  # cut the sleep short: poll the new wait now
-        loop = self._loop()
-        if loop is not None:
-            self._sleeping = False
-            self._handle = loop.call_soon(self._tick)
-
-    def _tick(self) -> None:
-        self._handle = None
-        self.run_fired(self.watchlist.poll())
-        if not self.watchlist.pending or self._handle is not None:
-            return
+        if self._mode == _SPIN:
+            return  # a poll is already queued
         loop = self._loop()
         if loop is None:
             return
-        if time.perf_counter() < self._spin_until:
-            self._sleeping = False
-            self._handle = loop.call_soon(self._tick)
-        else:
-            self._sleeping = True
-            self._handle = loop.call_later(SLEEP_S, self._tick)
+        if self._mode == _SLEEP:
+            self._cancel_sleep()
+        self._mode = _SPIN
+        loop.call_soon(self._tick)
+
+    async def _checkpoint(self) -> None:
+        await asyncio.sleep(0)
+
+    def _cancel_sleep(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+        elif self._timer is not None:
+            self._timer.disarm()
+
+    def _on_timer(self) -> None:
+        timer = self._timer
+        if timer is not None:
+            timer.drain()
+        if self._mode == _SLEEP:
+            self._tick(True)
+
+    def _tick(self, woken: bool = False) -> None:
+        self._mode = _IDLE
+        self._later = None
+        when = self.poll(woken)
+        if when is None or self._mode != _IDLE:
+            return  # nothing to watch, or a callback's new wait queued a poll
+        loop = self._loop()
+        if loop is None:
+            return
+        delay = when - time.perf_counter()
+        if delay < MIN_SLEEP_S:
+            self._mode = _SPIN
+            loop.call_soon(self._tick)
+            return
+        self._mode = _SLEEP
+        self.pacer.sleeping_until(when)
+        timer = self._timer
+        if timer is None:
+            self._later = loop.call_later(delay, self._tick, True)
+            return
+        if not self._reading:
+            loop.add_reader(timer.fd, self._on_timer)
+            self._reading = True
+        timer.arm(delay)
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         loop = self._loop()
@@ -86,6 +173,28 @@ class AsyncioDriver(Driver):
         if future is not None:
             context["future"] = future
         loop.call_exception_handler(context)
+
+    def wait_records(self, records: list[EventRecord]) -> Generator[Any, None, None]:
+        """``yield from`` it in an awaiting task: returns once ``records``
+        completed or one failed. Keeps one asyncio future and one watch per
+        record alive while it waits."""
+        loop = self._loop()
+        assert loop is not None
+        waiter = loop.create_future()
+        if len(records) == 1:
+            watch = self.watchlist.add(records[0], functools.partial(_resolve, waiter))
+            self.pacer.kick(time.perf_counter())
+            self.kick()
+            try:
+                yield from waiter
+            finally:
+                self.watchlist.remove(watch)
+            return
+        cancel = self.watch_all(records, functools.partial(_resolve, waiter))
+        try:
+            yield from waiter
+        finally:
+            cancel()
 
     async def until(self, register: Register) -> None:
         """Wait until ``register``'s wake function is called in this loop.
@@ -108,7 +217,7 @@ class AsyncioDriver(Driver):
             cancel()
 
 
-class TrioDriver(Driver):
+class TrioDriver(_LoopDriver):
     """Polls from one trio system task per run."""
 
     # trio cancels with scopes; a cancelled *future* is a plain error there.
@@ -121,27 +230,54 @@ class TrioDriver(Driver):
         # from its value would keep every finished run alive.
         self._token = weakref.ref(trio.lowlevel.current_trio_token())
         self._wakeup = trio.Event()
-        self._spin_until = 0.0
+        self._timer = make_timer()
+        self._sleeping = False
         trio.lowlevel.spawn_system_task(self._run, name="cudafut-waiter")
 
+    async def _checkpoint(self) -> None:
+        await self._trio.lowlevel.checkpoint()
+
     def kick(self) -> None:
-        self._spin_until = time.perf_counter() + SPIN_S
         self._wakeup.set()
+        if self._sleeping and self._timer is not None:
+            self._timer.arm(0)  # fires at once: ends the timer sleep
 
     async def _run(self) -> None:
         trio = self._trio
-        while True:
-            if not self.watchlist.pending:
-                await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            self.run_fired(self.watchlist.poll())
-            if not self.watchlist.pending:
-                continue
-            if time.perf_counter() < self._spin_until:
-                await trio.lowlevel.checkpoint()
-            else:
-                with trio.move_on_after(SLEEP_S):
+        timer = self._timer
+        woken = False
+        try:
+            while True:
+                if not self.watchlist.pending:
                     await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                when = self.poll(woken)
+                woken = False
+                if when is None:
+                    continue
+                delay = when - time.perf_counter()
+                if delay < MIN_SLEEP_S:
+                    await trio.lowlevel.checkpoint()
+                    continue
+                self.pacer.sleeping_until(when)
+                if timer is None:
+                    with trio.move_on_after(delay):
+                        await self._wakeup.wait()
+                        continue
+                    woken = True
+                    continue
+                timer.arm(delay)
+                self._sleeping = True
+                try:
+                    await trio.lowlevel.wait_readable(timer.fd)
+                finally:
+                    self._sleeping = False
+                timer.drain()
+                woken = not self._wakeup.is_set()
+        finally:
+            if timer is not None:
+                self._timer = None
+                timer.close()
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         token = self._token()
@@ -149,6 +285,15 @@ class TrioDriver(Driver):
             return
         with contextlib.suppress(self._trio.RunFinishedError):  # the run ended
             token.run_sync_soon(fn)
+
+    def wait_records(self, records: list[EventRecord]) -> Generator[Any, None, None]:
+        """As :meth:`AsyncioDriver.wait_records`, with a trio event."""
+        event = self._trio.Event()
+        cancel = self.watch_all(records, lambda _error: event.set())
+        try:
+            yield from event.wait().__await__()
+        finally:
+            cancel()
 
     async def until(self, register: Register) -> None:
         event = self._trio.Event()

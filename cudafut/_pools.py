@@ -55,8 +55,9 @@ class EventPool:
             return _cuda.event_create(device)
 
     def release(self, device: int, handle: int) -> None:
-        free = self._free.get(device)
-        if free is None:
+        try:
+            free = self._free[device]
+        except KeyError:
             free = self._free.setdefault(device, [])
         if len(free) < _MAX_FREE_EVENTS:
             free.append(handle)
@@ -72,6 +73,15 @@ class StreamPool:
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int], list[Any]] = {}
         self._next: dict[tuple[int, int], itertools.count[int]] = {}
+        # Pool streams by handle, with their priority.
+        self._owned: dict[int, tuple[Any, int]] = {}
+
+    def lookup(self, handle: int, priority: int) -> Any:
+        """The pool stream with this handle and priority, or None."""
+        found = self._owned.get(handle)
+        if found is not None and found[1] == priority:
+            return found[0]
+        return None
 
     def get(self, device: int, priority: int) -> Any:
         """The next stream of the pool; creates it on first use."""
@@ -87,7 +97,9 @@ class StreamPool:
             return streams[i]
         with self._lock:
             while len(streams) <= i:
-                streams.append(_cuda.new_stream(device, priority))
+                stream = _cuda.new_stream(device, priority)
+                self._owned[int(stream.ptr)] = (stream, priority)
+                streams.append(stream)
             return streams[i]
 
 

@@ -59,6 +59,8 @@ def _device_of(value: object, interface: dict[str, object]) -> int:
 
 def normalize_devices(devices: int | Iterable[int]) -> tuple[int, ...]:
     """Validate a ``devices`` argument: an index or an iterable of them."""
+    if type(devices) is int:
+        return (_cuda.check_device(devices),)
     items = (devices,) if isinstance(devices, int) else tuple(devices)
     if not items:
         raise ValueError(

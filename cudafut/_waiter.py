@@ -22,53 +22,60 @@ as an error instead of a hang (hazards 2 and 3).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from ._errors import CudaError
 from ._events import EventRecord
+from ._policy import Pacer, predictor, sleep_until
 
 logger: Final = logging.getLogger("cudafut")
 
-#: After a new wait, an event loop re-polls on every loop iteration for this
-#: long before it falls back to sleeping: short GPU work is noticed within
-#: microseconds.
-SPIN_S: Final = 100e-6
-#: Poll period once spinning stops. asyncio and uvloop round every sleep up to
-#: a whole millisecond (DESIGN.md), so a shorter period would not be honoured.
-SLEEP_S: Final = 1e-3
-#: A blocking wait queries in a tight loop for this long, then sleeps with
-#: the GIL released, from 20 µs doubling up to ``SLEEP_S``.
-BLOCK_SPIN_S: Final = 20e-6
-BLOCK_FIRST_SLEEP_S: Final = 20e-6
+#: Wake-ups run per poll at most. Work on a stream completes in order, so
+#: thousands of waits can complete at once; firing them in slices keeps each
+#: event loop step short (each wake-up resumes a task: about 20 µs) and the
+#: loop responsive.
+FIRE_PER_POLL: Final = 64
 
 RecordCallback = Callable[[EventRecord], None]
 DoneCallback = Callable[[CudaError | None], None]
 
 
 class Watch:
-    """One waiter's interest in one record."""
+    """One waiter's interest in one record; the heap entry itself (ordered
+    by the record's sequence number on its stream, then by arrival): no
+    tuple per entry, as every object alive per wait costs the cyclic GC."""
 
-    __slots__ = ("callback", "record")
+    __slots__ = ("callback", "order", "record", "seq")
 
-    def __init__(self, record: EventRecord, callback: RecordCallback) -> None:
+    def __init__(self, record: EventRecord, callback: RecordCallback, order: int) -> None:
         self.record = record
         self.callback: RecordCallback | None = callback
+        self.seq = record.seq
+        self.order = order
+
+    def __lt__(self, other: Watch) -> bool:
+        return (self.seq, self.order) < (other.seq, other.order)
 
 
 class Watchlist:
     """Pending records in one heap per stream; not thread-safe by design."""
 
-    def __init__(self) -> None:
-        self._heaps: dict[tuple[int, ...], list[tuple[int, int, Watch]]] = {}
+    def __init__(self, learn: bool = True) -> None:
+        self._heaps: dict[tuple[int, ...], list[Watch]] = {}
         self._live = 0
         self._order = itertools.count()
+        # Whether completions teach the duration predictor: not from the
+        # watcher thread, whose polls are coarse and about keep-alives.
+        self._learn = learn
 
     @property
     def pending(self) -> int:
@@ -81,11 +88,11 @@ class Watchlist:
         return len(self._heaps)
 
     def add(self, record: EventRecord, callback: RecordCallback) -> Watch:
-        watch = Watch(record, callback)
+        watch = Watch(record, callback, next(self._order))
         heap = self._heaps.get(record.stream_key)
         if heap is None:
             heap = self._heaps[record.stream_key] = []
-        heapq.heappush(heap, (record.seq, next(self._order), watch))
+        heapq.heappush(heap, watch)
         self._live += 1
         return watch
 
@@ -97,29 +104,54 @@ class Watchlist:
             if self._live == 0:
                 self._heaps.clear()  # drop dead entries: an idle list holds nothing
 
-    def poll(self) -> list[tuple[RecordCallback, EventRecord]]:
-        """Query the oldest live record of each stream; return what fired.
+    def poll(self, now: float, limit: int = 1 << 62) -> list[tuple[RecordCallback, EventRecord]]:
+        """Query the oldest live record of each stream; return what fired,
+        at most ``limit`` callbacks (the rest fire at the next poll).
 
+        ``now`` is the ``perf_counter()`` time of the poll: completions teach
+        the duration predictor, pending records remember when they were seen.
         The caller runs the returned callbacks (they may add or remove
         watches, which must not happen while the heaps are walked).
         """
         fired: list[tuple[RecordCallback, EventRecord]] = []
         heaps = self._heaps
         for key in list(heaps):
+            if len(fired) >= limit:
+                break
             heap = heaps[key]
+            first = True
             while heap:
-                watch = heap[0][2]
+                watch = heap[0]
                 callback = watch.callback
                 if callback is not None:
-                    if watch.record.query() is None:
+                    if len(fired) >= limit:
                         break
+                    record = watch.record
+                    if record.query() is None:
+                        record.seen = now
+                        break
+                    if first and self._learn:  # later ones completed unseen: they teach nothing
+                        predictor.observe(record, now)
+                        first = False
                     watch.callback = None
                     self._live -= 1
-                    fired.append((callback, watch.record))
+                    fired.append((callback, record))
                 heapq.heappop(heap)
             if not heap:
                 del heaps[key]
         return fired
+
+    def oldest(self) -> list[EventRecord]:
+        """The oldest live record of each stream: what the next poll queries."""
+        out = []
+        for key, heap in list(self._heaps.items()):
+            while heap and heap[0].callback is None:
+                heapq.heappop(heap)
+            if heap:
+                out.append(heap[0].record)
+            else:
+                del self._heaps[key]
+        return out
 
 
 class _Group:
@@ -153,10 +185,15 @@ class _Group:
 
 
 class Driver:
-    """Runs a watchlist in one thread; subclasses say how and when to poll."""
+    """Runs a watchlist in one thread; subclasses say how to spin and sleep.
+
+    :meth:`poll` queries, runs what fired, and returns when to poll next,
+    as the :class:`~cudafut._policy.Pacer` decides.
+    """
 
     def __init__(self) -> None:
         self.watchlist = Watchlist()
+        self.pacer = Pacer()
 
     def watch_all(self, records: Sequence[EventRecord], on_done: DoneCallback) -> Callable[[], None]:
         """Call ``on_done`` in this driver's thread when ``records`` complete.
@@ -164,9 +201,32 @@ class Driver:
         Must be called from the driver's thread. Returns a function that
         cancels the wait (idempotent).
         """
-        group = _Group(self.watchlist, records, on_done)
+        self.pacer.kick(time.perf_counter())
         self.kick()
-        return group.cancel
+        if len(records) == 1:  # the common case, with fewer objects alive per wait
+            watch = self.watchlist.add(records[0], lambda rec: on_done(rec.error()))
+            return functools.partial(self.watchlist.remove, watch)
+        return _Group(self.watchlist, records, on_done).cancel
+
+    def poll(self, woken: bool) -> float | None:
+        """Poll once, run what fired; return when to poll next (a
+        ``perf_counter`` time), or None when nothing is left to watch.
+        ``woken``: this poll ends a sleep that ran its full length."""
+        now = time.perf_counter()
+        if woken:
+            self.pacer.woke(now)
+        else:
+            self.pacer.interrupted()
+        fired = self.watchlist.poll(now, FIRE_PER_POLL)
+        if fired:
+            self.run_fired(fired)
+        if not self.watchlist.pending:
+            return None
+        if len(fired) == FIRE_PER_POLL:
+            return now  # more may have completed: fire them at the next loop iteration
+        if not fired and now < self.pacer.spin_ends:
+            return now  # the plan still says spin: keep the spinning poll lean
+        return self.pacer.next_poll(self.watchlist.oldest(), time.perf_counter())
 
     def run_fired(self, fired: Iterable[tuple[RecordCallback, EventRecord]]) -> None:
         for callback, record in fired:
@@ -176,7 +236,7 @@ class Driver:
                 self.report("cudafut: exception in an internal wake-up callback", exc)
 
     def kick(self) -> None:
-        """Something was added: make sure polling runs soon."""
+        """A wait was added: make sure polling runs soon."""
         raise NotImplementedError
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
@@ -195,18 +255,30 @@ class Driver:
             self.report("cudafut: exception in a done callback", exc, future)
 
 
+#: The watcher thread never spins: a spinning thread would hold the GIL and
+#: stall the application's threads for up to the switch interval (5 ms).
+#: Nothing it does needs microseconds.
+THREAD_MIN_SLEEP_S: Final = 50e-6
+
+
 class ThreadWaiter(Driver):
     """A daemon thread that polls for callers without an event loop.
 
     It runs ``add_done_callback`` callbacks added outside any loop and keeps
     alive the values of futures dropped while their GPU work is pending. It
-    sleeps on a condition variable when it has nothing to watch (no CPU).
+    sleeps on a condition variable when it has nothing to watch (no CPU),
+    and between polls otherwise (never spins, see ``THREAD_MIN_SLEEP_S``).
     """
 
     def __init__(self) -> None:
         super().__init__()
+        self.watchlist = Watchlist(learn=False)
         self._cond = threading.Condition(threading.Lock())
         self._calls: list[Callable[[], None]] = []
+        # Values to keep alive: appended without a lock (atomic under the
+        # GIL), picked up at the next poll; the thread is woken only if idle.
+        self._holds: deque[tuple[Sequence[EventRecord], object]] = deque()
+        self._idle = True
         self._thread: threading.Thread | None = None
 
     def kick(self) -> None:
@@ -215,26 +287,36 @@ class ThreadWaiter(Driver):
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         with self._cond:
             self._calls.append(fn)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cudafut-watcher", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            self._start_or_notify()
+
+    def _start_or_notify(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cudafut-watcher", daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     def _run(self) -> None:
-        delay = BLOCK_FIRST_SLEEP_S
+        next_poll: float | None = None
         while True:
+            woken = False
             with self._cond:
                 if not self._calls:
-                    if self.watchlist.pending:
-                        self._cond.wait(delay)
-                        delay = min(delay * 2, SLEEP_S)
-                    else:
-                        self._cond.wait()
+                    if next_poll is None:
+                        # Idle first, then look: hold() reads the flag after
+                        # it appends, so one of the two sees the other.
+                        self._idle = True
+                        if not self._holds:
+                            self._cond.wait()
+                        self._idle = False
+                    elif not self._holds:
+                        delay = max(next_poll - time.perf_counter(), THREAD_MIN_SLEEP_S)
+                        self.pacer.sleeping_until(time.perf_counter() + delay)
+                        woken = not self._cond.wait(delay)
                 calls, self._calls = self._calls, []
             if calls:
-                delay = BLOCK_FIRST_SLEEP_S
                 self._run_calls(calls)
-            self.run_fired(self.watchlist.poll())
+            self._take_holds()
+            next_poll = self.poll(woken)
 
     def _run_calls(self, calls: list[Callable[[], None]]) -> None:
         # A function of its own, so that no local of the endless loop keeps
@@ -247,8 +329,21 @@ class ThreadWaiter(Driver):
         calls.clear()
 
     def hold(self, records: Sequence[EventRecord], obj: object) -> None:
-        """Keep ``obj`` alive until ``records`` complete (or fail)."""
-        self.call_soon_threadsafe(lambda: self._hold(records, obj))
+        """Keep ``obj`` alive until ``records`` complete (or fail).
+
+        Cheap and callable from any thread (a ``__del__`` included): an
+        append, and a notify only when the watcher thread is idle.
+        """
+        self._holds.append((records, obj))
+        if self._idle:
+            with self._cond:
+                self._start_or_notify()
+
+    def _take_holds(self) -> None:
+        holds = self._holds
+        while holds:
+            records, obj = holds.popleft()
+            self._hold(records, obj)
 
     def _hold(self, records: Sequence[EventRecord], obj: object) -> None:
         # The callback's default argument owns ``obj``: it goes when the
@@ -257,6 +352,11 @@ class ThreadWaiter(Driver):
             pass
 
         self.watch_all(records, done)
+
+    @property
+    def holding(self) -> int:
+        """Values kept alive now (queued or watched); for tests and leak checks."""
+        return len(self._holds) + self.watchlist.pending
 
     def _reset_after_fork(self) -> None:
         # The child has no watcher thread; it starts afresh on first use.
@@ -272,26 +372,47 @@ def thread_waiter() -> ThreadWaiter:
     return _thread_waiter
 
 
+_YIELD_EVERY_S: Final = 50e-6
+_blocking_lateness: Final[deque[float]] = deque(maxlen=32)
+
+
 def block_until_complete(records: Sequence[EventRecord], deadline: float | None) -> bool:
     """Block the calling thread until ``records`` complete or one fails.
 
     Returns ``False`` if ``deadline`` (a ``time.perf_counter()`` value) passed
-    first. Spins for ``BLOCK_SPIN_S``, then sleeps with the GIL released, so
-    other Python threads run and Ctrl-C interrupts within a millisecond.
+    first. Polls as the wait policy says, sleeping with the GIL released, so
+    other Python threads run and Ctrl-C interrupts the sleep at once.
     """
+    pacer: Pacer | None = None
     for record in records:
         status = record.query()
         if status is None:
-            spin_until = time.perf_counter() + BLOCK_SPIN_S
-            delay = BLOCK_FIRST_SLEEP_S
+            if pacer is None:
+                pacer = Pacer(_blocking_lateness)
+                pacer.kick(time.perf_counter())
             while (status := record.query()) is None:
-                now = time.perf_counter()
+                now = record.seen = time.perf_counter()
                 if deadline is not None and now >= deadline:
                     return False
-                if now < spin_until:
+                when = pacer.next_poll((record,), now)
+                if when > now:
+                    sleep_until(when if deadline is None else min(when, deadline), pacer)
                     continue
-                time.sleep(delay if deadline is None else min(delay, deadline - now))
-                delay = min(delay * 2, SLEEP_S)
+                # Spinning: query until the plan says otherwise. A sleep(0)
+                # now and then lets other threads have the GIL (a query
+                # holds it, and the switch interval is 5 ms).
+                spin_ends = pacer.spin_ends
+                if deadline is not None:
+                    spin_ends = min(spin_ends, deadline)
+                yield_at = now + _YIELD_EVERY_S
+                while (status := record.query()) is None and now < spin_ends:
+                    now = record.seen = time.perf_counter()
+                    if now > yield_at:
+                        time.sleep(0)
+                        yield_at = now + _YIELD_EVERY_S
+                if status is not None:
+                    break
+            predictor.observe(record, time.perf_counter())
         if status:
             return True  # an error: the caller raises it
     return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 from cudafut._events import EventRecord
 
@@ -20,7 +21,7 @@ class FakeRecord(EventRecord):
         # completes in order, which scripted records need not follow.
         if stream is None:
             stream = next(_streams)
-        super().__init__(-next(_handles), device, stream, (device, stream), seq)
+        super().__init__(-next(_handles), device, stream, (device, stream), seq, time.perf_counter())
         self.queries = 0
         self.script: int | None = None  # what CUDA "returns" next: None = not ready
 

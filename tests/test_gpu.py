@@ -487,3 +487,44 @@ def test_await_in_a_plain_asyncio_run(cp: Any, producer: Any) -> None:
         return await fut.then(lambda v: v + 1)
 
     assert (asyncio.run(main()).get() == 8).all()
+
+
+# -- the wait policy on repeating work -----------------------------------------
+
+POLICIES = ["balanced", "low_cpu", "low_latency", cudafut.WaitPolicy(predict=False, spin_s=0)]
+
+
+@pytest.fixture(params=POLICIES, ids=["balanced", "low_cpu", "low_latency", "no-spin-no-prediction"])
+def policy(request: pytest.FixtureRequest) -> Any:
+    old = cudafut.set_wait_policy(request.param)
+    yield request.param
+    cudafut.set_wait_policy(old)
+
+
+def _repeating(cp: Any, producer: Any, i: int, ms: float) -> tuple[Any, cudafut.CudaFuture[Any]]:
+    # The same duration every time, on the same stream: what the predictor
+    # learns; the last rounds run shorter, so a learnt estimate is wrong.
+    return slow(cp, producer, float(i + 1), ms if i < 8 else ms / 4)
+
+
+@pytest.mark.anyio
+async def test_await_repeating_work_under_each_policy(
+    cp: Any, producer: Any, consumer: Any, policy: Any
+) -> None:
+    for i in range(12):
+        _x, fut = _repeating(cp, producer, i, 5.0)
+        v = await fut
+        with consumer:
+            y = v + 0  # unordered on purpose: the await must have waited
+        assert (host(y, consumer) == i + 1).all()
+
+
+def test_result_of_repeating_work_under_each_policy(
+    cp: Any, producer: Any, consumer: Any, policy: Any
+) -> None:
+    for i in range(12):
+        _x, fut = _repeating(cp, producer, i, 5.0)
+        v = fut.result()
+        with consumer:
+            y = v + 0
+        assert (host(y, consumer) == i + 1).all()

@@ -1,0 +1,142 @@
+"""GPU helpers shared by the benchmarks: exact-duration kernels, streams, stats."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cupy as cp
+
+_SOURCE = r"""
+extern "C" __global__ void gsleep(long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)ns);
+}
+
+extern "C" __global__ void axpb(const float* x, float* y, long long n, float a, float b, int rounds) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long step = (long long)gridDim.x * blockDim.x;
+    for (; i < n; i += step) {
+        float v = x[i];
+        for (int r = 0; r < rounds; r++) v = v * a + b;
+        y[i] = v;
+    }
+}
+"""
+_module = cp.RawModule(code=_SOURCE)
+_gsleep = _module.get_function("gsleep")
+_axpb = _module.get_function("axpb")
+
+stream = cp.cuda.Stream(non_blocking=True)
+token = cp.zeros(1, dtype=cp.float32)  # the value the benchmark futures carry
+
+
+def work(ns: int, on: Any = None) -> None:
+    """Enqueue a kernel that runs for exactly ``ns`` ns (0: an empty kernel)."""
+    with on or stream:
+        _gsleep((1,), (1,), (cp.int64(ns),))
+
+
+def axpb(x: Any, y: Any, a: float, b: float, rounds: int) -> None:
+    """``y = (x * a + b)`` iterated ``rounds`` times, on the current stream."""
+    _axpb((264,), (256,), (x, y, cp.int64(x.size), cp.float32(a), cp.float32(b), cp.int32(rounds)))
+
+
+def sync_all() -> None:
+    cp.cuda.Device().synchronize()
+
+
+def quantiles(samples: list[float]) -> dict[str, float]:
+    """p50 / p99 / mean in µs."""
+    s = sorted(samples)
+    return {
+        "p50_us": s[len(s) // 2] * 1e6,
+        "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+        "mean_us": statistics.fmean(s) * 1e6,
+        "n": len(s),
+    }
+
+
+def timed(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+class CpuMeter:
+    """Process CPU seconds over wall seconds for a block."""
+
+    def __enter__(self) -> CpuMeter:
+        self.c0, self.t0 = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.c0
+        self.ratio = self.cpu / self.wall
+
+
+class HostFunc:
+    """A native host function that closes a file descriptor: the GIL-free
+    wake-up of DESIGN.md (``libc close()`` launched with ``cuLaunchHostFunc``)."""
+
+    def __init__(self) -> None:
+        self.libcuda = ctypes.CDLL("libcuda.so.1")
+        self.libcuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        libc = ctypes.CDLL(None)
+        self.close_ptr = ctypes.cast(libc.close, ctypes.c_void_p).value
+        self.watch = cp.cuda.Stream(non_blocking=True)
+
+    def close_after(self, event: Any, fd: int) -> None:
+        self.watch.wait_event(event)
+        rc = self.libcuda.cuLaunchHostFunc(
+            ctypes.c_void_p(self.watch.ptr), ctypes.c_void_p(self.close_ptr), ctypes.c_void_p(fd)
+        )
+        if rc:
+            os.close(fd)
+            raise RuntimeError(f"cuLaunchHostFunc failed: {rc}")
+
+
+def environment() -> dict[str, Any]:
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    driver = cp.cuda.runtime.driverGetVersion()
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        driver_str = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - optional
+        driver_str = None
+    return {
+        "gpu": props["name"].decode(),
+        "cuda_driver_api": driver,
+        "nvidia_driver": driver_str or _nvidia_smi_driver(),
+        "cupy": cp.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _nvidia_smi_driver() -> str | None:
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return out.stdout.strip().splitlines()[0] or None
+    except Exception:  # noqa: BLE001 - optional
+        return None

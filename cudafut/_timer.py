@@ -1,0 +1,112 @@
+"""A one-shot timer with microsecond resolution that an event loop can watch.
+
+asyncio, uvloop and trio round every sleep up to a whole millisecond (their
+selectors take milliseconds). A Linux ``timerfd`` does not: it becomes
+readable at the time asked, and the loop's selector wakes at once. The event
+loop drivers use one to sleep until shortly before predicted GPU completion.
+
+Python 3.13 has ``os.timerfd_create``; older versions reach libc through
+ctypes. Where neither works (not Linux), :func:`make_timer` returns None and
+the drivers sleep with the loop's own (millisecond) timers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import sys
+from typing import Any, Final
+
+_CLOCK_MONOTONIC: Final = 1
+_TFD_NONBLOCK: Final = 0o4000
+_TFD_CLOEXEC: Final = 0o2000000
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+_libc: Any = None
+
+
+def _load_libc() -> Any:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.timerfd_settime.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(_Itimerspec),
+            ctypes.c_void_p,
+        ]
+        _libc = libc
+    return _libc
+
+
+class Timer:
+    """A non-blocking timerfd: :meth:`arm` it, watch :attr:`fd` for reading."""
+
+    __slots__ = ("_spec", "fd")
+
+    def __init__(self) -> None:
+        if hasattr(os, "timerfd_create"):
+            self.fd = os.timerfd_create(_CLOCK_MONOTONIC, flags=_TFD_NONBLOCK | _TFD_CLOEXEC)
+        else:
+            fd = _load_libc().timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+            if fd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            self.fd = fd
+        self._spec = _Itimerspec()
+
+    def arm(self, delay: float) -> None:
+        """Become readable ``delay`` seconds from now (at least 1 ns); replaces
+        an earlier arming. Costs about a µs, a system call."""
+        ns = max(1, int(delay * 1e9))
+        if hasattr(os, "timerfd_settime_ns"):
+            os.timerfd_settime_ns(self.fd, initial=ns)
+            return
+        value = self._spec.it_value
+        value.tv_sec, value.tv_nsec = divmod(ns, 1_000_000_000)
+        if _libc.timerfd_settime(self.fd, 0, ctypes.byref(self._spec), None) < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def disarm(self) -> None:
+        if hasattr(os, "timerfd_settime_ns"):
+            os.timerfd_settime_ns(self.fd, initial=0)
+            return
+        value = self._spec.it_value
+        value.tv_sec = value.tv_nsec = 0
+        _libc.timerfd_settime(self.fd, 0, ctypes.byref(self._spec), None)
+
+    def drain(self) -> None:
+        """Consume the expiry, so that the fd stops being readable."""
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            os.read(self.fd, 8)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def make_timer() -> Timer | None:
+    """A new :class:`Timer`, or None where timerfd is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return Timer()
+    except (OSError, AttributeError):
+        return None
