@@ -13,6 +13,7 @@ under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -41,6 +42,46 @@ _DRIVER_HINTS = {
     3: "the CUDA driver failed to initialise; check `nvidia-smi` and dmesg",
     999: "the CUDA driver reported an unknown error; check `nvidia-smi`",
 }
+
+
+_FORK_MESSAGE = (
+    "CUDA cannot be used in a process forked after CUDA was initialised in its "
+    "parent (CUDA does not survive fork()); start worker processes with "
+    "multiprocessing's 'spawn' or 'forkserver' method, or initialise CUDA only "
+    "in the children"
+)
+
+
+class _Forked:
+    """Stands in for CuPy in a forked child: every use raises, clearly."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise CudaUnavailableError(_FORK_MESSAGE)
+
+
+#: True in a child forked after CUDA was initialised: see check_usable().
+forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _cupy, _rt, forked
+    if _rt is not None:  # CUDA was initialised in the parent
+        _cupy = _rt = _Forked()
+        forked = True
+
+
+def check_usable() -> None:
+    """Raise the fork error in a forked child (a flag test: costs nothing).
+
+    Called at every entry point, because some calls would otherwise reach
+    CuPy through an array (``__cuda_array_interface__``) or return a value
+    the parent computed as if nothing had happened."""
+    if forked:
+        raise CudaUnavailableError(_FORK_MESSAGE)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def runtime() -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from . import _cuda, _events, _loops, _pools, _waiter
-from ._errors import CancelledError, InvalidStateError, TimeoutError
+from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._values import find_devices, normalize_devices
 
@@ -120,6 +120,7 @@ class CudaFuture(Generic[T]):
         """
         if self._state is not _PENDING:
             self._check_pending()
+        _cuda.check_usable()
         devices = self._devices or find_devices(value)
         if len(devices) == 1:
             records: tuple[EventRecord, ...] = (_events.record_current(devices[0]),)
@@ -237,13 +238,17 @@ class CudaFuture(Generic[T]):
         the producer's. Blocks neither the GPU nor, once set, the thread.
 
         Keep the returned value referenced until the work you enqueue on it
-        has been ordered (recorded in a future, or synchronised).
+        is done, or hand it to that work's future with
+        ``cudafut.record(result, keep=value)``: CuPy's memory pool may reuse
+        a dropped array's memory on the producer's stream while your stream
+        still reads it. :meth:`then` and :func:`submit` do this for you.
 
         Raises:
             TimeoutError: not set within ``timeout`` seconds.
             CudaError: the GPU work is already known to have failed.
             CancelledError: the future was cancelled.
         """
+        _cuda.check_usable()
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state == _SET:
@@ -262,6 +267,7 @@ class CudaFuture(Generic[T]):
         trio. Cancelling the awaiting task
         removes its wait; the future itself is unaffected.
         """
+        _cuda.check_usable()
         if self._state == _SET and self._events_done():
             return self._outcome(CancelledError)
         # A plain generator, not a coroutine: each pending await keeps only a
@@ -308,6 +314,7 @@ class CudaFuture(Generic[T]):
         """
         _check_callable(fn, "then()")
         prio = _pools.check_priority(priority)
+        _cuda.check_usable()
         child: CudaFuture[Any] = CudaFuture()
         self._on_set(lambda: _run_then(self, fn, prio, child))
         return child
@@ -434,6 +441,7 @@ class CudaFuture(Generic[T]):
 
     def _block_until_done(self, timeout: float | None) -> None:
         """Block until set, then until the events complete (or one fails)."""
+        _cuda.check_usable()
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state == _SET and not _waiter.block_until_complete(self._records, deadline):
@@ -480,7 +488,10 @@ class CudaFuture(Generic[T]):
             )
         elif state == _SET:
             # A query (under 2 µs) spares the watcher thread work already done.
-            pending = [r for r in self._records if r.query() is None]
+            try:
+                pending = [r for r in self._records if r.query() is None]
+            except CudaUnavailableError:  # in a forked child: nothing to protect
+                return
             if pending:
                 # Other streams may still read these buffers; freeing them now
                 # would let the memory pool hand them out again (hazard 5).
@@ -575,16 +586,25 @@ def _settle(
     fut._try_complete(_SET, out, None, records, keep)
 
 
-def record(value: T, *, stream: Any = None) -> CudaFuture[T]:
+def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T]:
     """A future, already set, for GPU work already enqueued.
 
     Records one event on ``stream`` (a CuPy or PyTorch stream) or, by
     default, on the current stream of each device of ``value``. Costs about
     1 µs per event on the host; blocks neither the thread nor the GPU.
 
+    ``keep``: objects the recorded work reads, kept alive until the events
+    complete (so that the memory pool cannot hand their memory to other work
+    meanwhile), even if every other reference is dropped. Pass the inputs
+    of the work, e.g. the value ``fut.wait()`` returned::
+
+        v = fut.wait()
+        out = cudafut.record(v + 1, keep=v)  # v may be dropped now
+
     Raises:
         ValueError: no ``stream`` and ``value`` holds no GPU array.
     """
+    _cuda.check_usable()
     if stream is None:
         devices = find_devices(value)
         if not devices:
@@ -597,7 +617,7 @@ def record(value: T, *, stream: Any = None) -> CudaFuture[T]:
         ptr, device = _cuda.stream_handle(stream)
         records = (_events.record(ptr, device),)
     fut: CudaFuture[T] = CudaFuture()
-    fut._complete(_SET, value, None, records)
+    fut._complete(_SET, value, None, records, keep)
     return fut
 
 
@@ -635,6 +655,7 @@ def submit(
     """
     _check_callable(fn, "submit()")
     prio = _pools.check_priority(priority)
+    _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
     _events.record_current(dev).wait_on(int(stream.ptr), dev)

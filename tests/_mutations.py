@@ -1,20 +1,33 @@
 """Mutations for scripts/mutation-check: each disables one synchronisation
-point of cudafut, so that the ordering tests can prove they notice."""
+point of cudafut, so that the GPU tests can prove they notice it.
+
+"Disabling" a stream wait makes it a no-op; disabling an event record moves
+it to an idle stream, where it completes at once and orders nothing. The
+list, and what caught each mutation in the last run, is in
+docs/reliability.md.
+"""
 
 from __future__ import annotations
 
-from cudafut import _cuda, _events, _future
+from typing import Any
+
+import cudafut
+from cudafut import _cuda, _events, _future, _pools, _waiter
+from cudafut._future import _SET, CudaFuture
+
+_idle: dict[int, Any] = {}
+
+
+def _idle_record(device: int) -> _events.EventRecord:
+    """An event recorded on a stream with no work: ordered after nothing."""
+    stream = _idle.get(device)
+    if stream is None:
+        stream = _idle[device] = _cuda.new_stream(device, 0)
+    return _events.record(int(stream.ptr), device)
 
 
 def _no_stream_wait(stream: int, event: int, device: int) -> None:
     pass
-
-
-_settle = _future._settle
-
-
-def _settle_without_keep(fut, fn, args, kwargs, streams, keep):  # type: ignore[no-untyped-def]
-    _settle(fut, fn, args, kwargs, streams, None)
 
 
 def _always_complete(self: _events.EventRecord) -> int:
@@ -22,13 +35,88 @@ def _always_complete(self: _events.EventRecord) -> int:
     return 0
 
 
+def _wait_without_stream_wait(self: CudaFuture[Any], timeout: float | None = None) -> Any:
+    self._block_until_set(_future.check_timeout(timeout), timeout)
+    return self._outcome(cudafut.CancelledError)
+
+
+def _then_streams_without_wait(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:
+    return {rec.device: _pools.streams.get(rec.device, priority) for rec in parent._records}
+
+
+def _submit_without_wait(
+    fn: Any, /, *args: Any, device: Any = None, priority: Any = "normal", **kw: Any
+) -> Any:
+    dev = _cuda.current_device() if device is None else device
+    stream = _pools.streams.get(dev, _pools.check_priority(priority))
+    fut: CudaFuture[Any] = CudaFuture()
+    _future._settle(fut, fn, args, kw, {dev: stream}, (args, kw))
+    return fut
+
+
+def _set_result_recorded_early(self: CudaFuture[Any], value: Any) -> None:
+    devices = self._devices or _future.find_devices(value)
+    self._complete(_SET, value, None, tuple(_idle_record(d) for d in devices))
+
+
+def _record_recorded_early(value: Any, *, stream: Any = None, keep: object = None) -> Any:
+    devices = [_cuda.stream_handle(stream)[1]] if stream is not None else _future.find_devices(value)
+    fut: CudaFuture[Any] = CudaFuture()
+    fut._complete(_SET, value, None, tuple(_idle_record(d) for d in devices), keep)
+    return fut
+
+
+def _record_without_keep(value: Any, *, stream: Any = None, keep: object = None) -> Any:
+    return _record(value, stream=stream)
+
+
+_record = _future.record
+_settle = _future._settle
+
+
+def _settle_recorded_early(fut, fn, args, kwargs, streams, keep):  # type: ignore[no-untyped-def]
+    real = _events.record
+    _events.record = lambda stream, device: _idle_record(device)  # type: ignore[assignment]
+    try:
+        _settle(fut, fn, args, kwargs, streams, keep)
+    finally:
+        _events.record = real
+
+
+def _settle_without_keep(fut, fn, args, kwargs, streams, keep):  # type: ignore[no-untyped-def]
+    _settle(fut, fn, args, kwargs, streams, None)
+
+
+def _patch_record(replacement: Any) -> None:
+    _future.record = replacement
+    cudafut.record = replacement
+
+
 MUTATIONS = {
-    # every cudaStreamWaitEvent (wait(), then(), submit()) becomes a no-op
+    # every cudaStreamWaitEvent becomes a no-op
     "stream_wait": lambda: setattr(_cuda, "stream_wait", _no_stream_wait),
+    # wait(): the caller's current stream no longer waits on the events
+    "wait_stream_wait": lambda: setattr(CudaFuture, "wait", _wait_without_stream_wait),
+    # then(): the child's pool stream no longer waits on the parent
+    "then_stream_wait": lambda: setattr(_future, "_then_streams", _then_streams_without_wait),
+    # submit(): the pool stream no longer waits on the caller's current stream
+    "submit_stream_wait": lambda: (
+        setattr(_future, "submit", _submit_without_wait) or setattr(cudafut, "submit", _submit_without_wait)
+    ),
+    # set_result(): the event no longer follows the producer's work
+    "set_result_record": lambda: setattr(CudaFuture, "set_result", _set_result_recorded_early),
+    # record(): likewise
+    "record_record": lambda: _patch_record(_record_recorded_early),
+    # then() / submit(): the child's events no longer follow fn's work
+    "settle_record": lambda: setattr(_future, "_settle", _settle_recorded_early),
     # every event query reports "complete" at once (await, result(), done())
     "query": lambda: setattr(_events.EventRecord, "query", _always_complete),
-    # then() children stop keeping their parent's value alive
+    # then() children and submit() futures stop keeping their inputs alive
     "keep": lambda: setattr(_future, "_settle", _settle_without_keep),
+    # record(keep=...) keeps nothing
+    "record_keep": lambda: _patch_record(_record_without_keep),
+    # a dropped pending future's value is no longer held until its events complete
+    "hold": lambda: setattr(_waiter.ThreadWaiter, "hold", lambda self, records, obj: None),
 }
 
 
