@@ -20,6 +20,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 from . import _cuda, _events, _loops, _pools, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
+from ._log import logger
 from ._values import find_devices, normalize_devices
 
 __all__ = ["CudaFuture", "record", "submit"]
@@ -481,7 +482,7 @@ class CudaFuture(Generic[T]):
             return
         state = self._state
         if state == _FAILED and not self._retrieved:
-            _waiter.logger.error(
+            logger.error(
                 "cudafut: CudaFuture exception was never retrieved: %r",
                 self._exception,
                 exc_info=self._exception,
@@ -511,7 +512,7 @@ def _call_listener(listener: Listener, future: CudaFuture[Any]) -> None:
     try:
         listener()
     except Exception as exc:  # noqa: BLE001 - reported, not swallowed
-        _waiter.logger.error("cudafut: exception while completing %r", future, exc_info=exc)
+        logger.error("cudafut: exception while completing %r", future, exc_info=exc)
 
 
 def _run_then(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import logging
 import os
 import threading
 import time
@@ -35,9 +34,8 @@ from typing import Any, Final
 
 from ._errors import CudaError
 from ._events import EventRecord
+from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
-
-logger: Final = logging.getLogger("cudafut")
 
 #: Wake-ups run per poll at most. Work on a stream completes in order, so
 #: thousands of waits can complete at once; firing them in slices keeps each
