@@ -15,6 +15,7 @@ found running.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -43,14 +44,63 @@ def _resolve(waiter: asyncio.Future[None], _done: object) -> None:
         waiter.set_result(None)
 
 
-class _LoopDriver(Driver):
-    """What the asyncio and trio drivers share: the alone-spin fast path."""
+#: A planned sleep shorter than this is spun instead: waking costs more.
+MIN_SLEEP_S: Final = 20e-6
 
+
+class LoopDriver(Driver):
+    """The waiter of one running event loop (asyncio/uvloop or trio).
+
+    What the loops share lives here: the sleep planning of :meth:`step`, and
+    the fast path of :meth:`spin_alone`. Subclasses say how to yield to the
+    loop, how to sleep, and how a task waits.
+    """
+
+    #: What an await in this loop raises for a cancelled future.
+    cancelled_error: type[BaseException]
     # Whether a task is polling its own record in spin_alone (one at most).
     _alone = False
 
+    @abc.abstractmethod
     async def _checkpoint(self) -> None:
-        raise NotImplementedError
+        """Yield to the loop once (one loop iteration)."""
+
+    @abc.abstractmethod
+    def wait_records(self, records: list[EventRecord]) -> Generator[Any, None, None]:
+        """``yield from`` it in an awaiting task: returns once ``records``
+        completed or one failed."""
+
+    @abc.abstractmethod
+    async def until(self, register: Register) -> None:
+        """Wait until ``register``'s wake function is called in this loop.
+
+        ``register(wake)`` arranges the call and returns a cancel function,
+        which runs however the wait ends (cancellation included).
+        """
+
+    def wait(self, records: list[EventRecord]) -> Generator[Any, None, None]:
+        """``yield from`` it in an awaiting task: returns once ``records``
+        completed or one failed. A lone wait (nothing else pending in this
+        loop) polls from the task itself while the policy says spin
+        (:meth:`spin_alone`); every other goes through the driver."""
+        alone = len(records) == 1 and not self.watchlist.pending and not self._alone
+        if alone and (yield from self.spin_alone(records[0]).__await__()):
+            return
+        yield from self.wait_records(records)
+
+    def step(self, timer_fired: bool) -> float | None:
+        """Poll once and plan what follows: None when nothing is left to
+        watch, 0.0 to poll again at the next loop iteration (spinning), or
+        how many seconds to sleep (at most the policy's ``max_sleep_s``;
+        the pacer is told, to measure how late the wake-up comes)."""
+        when = self.poll(timer_fired)
+        if when is None:
+            return None
+        delay = when - time.perf_counter()
+        if delay < MIN_SLEEP_S:
+            return 0.0
+        self.pacer.sleeping_until(when)
+        return delay
 
     async def spin_alone(self, record: EventRecord) -> bool:
         """Poll ``record`` from the awaiting task itself while it is the
@@ -64,7 +114,7 @@ class _LoopDriver(Driver):
             return False
         pacer = self.pacer
         now = time.perf_counter()
-        pacer.kick(now)
+        pacer.new_wait(now)
         if pacer.next_poll((record,), now) > now:
             return False
         ends = pacer.spin_ends
@@ -83,15 +133,11 @@ class _LoopDriver(Driver):
         return False
 
 
-#: A planned sleep shorter than this is spun instead: waking costs more.
-MIN_SLEEP_S: Final = 20e-6
-
-
-class AsyncioDriver(_LoopDriver):
+class AsyncioDriver(LoopDriver):
     """Polls from asyncio loop callbacks: ``call_soon`` while spinning, a
     timerfd reader (or ``call_later``) while sleeping."""
 
-    cancelled_error: Final = asyncio.CancelledError
+    cancelled_error = asyncio.CancelledError
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
@@ -102,7 +148,7 @@ class AsyncioDriver(_LoopDriver):
         self._timer = make_timer()
         self._reading = False
 
-    def kick(self) -> None:
+    def ensure_polling(self) -> None:
         if self._mode == _SPIN:
             return  # a poll is already queued
         loop = self._loop()
@@ -130,22 +176,20 @@ class AsyncioDriver(_LoopDriver):
         if self._mode == _SLEEP:
             self._tick(True)
 
-    def _tick(self, woken: bool = False) -> None:
+    def _tick(self, timer_fired: bool = False) -> None:
         self._mode = _IDLE
         self._later = None
-        when = self.poll(woken)
-        if when is None or self._mode != _IDLE:
+        delay = self.step(timer_fired)
+        if delay is None or self._mode != _IDLE:
             return  # nothing to watch, or a callback's new wait queued a poll
         loop = self._loop()
         if loop is None:
             return
-        delay = when - time.perf_counter()
-        if delay < MIN_SLEEP_S:
+        if not delay:
             self._mode = _SPIN
             loop.call_soon(self._tick)
             return
         self._mode = _SLEEP
-        self.pacer.sleeping_until(when)
         timer = self._timer
         if timer is None:
             self._later = loop.call_later(delay, self._tick, True)
@@ -182,9 +226,7 @@ class AsyncioDriver(_LoopDriver):
         assert loop is not None
         waiter = loop.create_future()
         if len(records) == 1:
-            watch = self.watchlist.add(records[0], functools.partial(_resolve, waiter))
-            self.pacer.kick(time.perf_counter())
-            self.kick()
+            watch = self.watch_one(records[0], functools.partial(_resolve, waiter))
             try:
                 yield from waiter
             finally:
@@ -197,11 +239,6 @@ class AsyncioDriver(_LoopDriver):
             cancel()
 
     async def until(self, register: Register) -> None:
-        """Wait until ``register``'s wake function is called in this loop.
-
-        ``register(wake)`` arranges the call and returns a cancel function,
-        which runs however the wait ends (cancellation included).
-        """
         loop = self._loop()
         assert loop is not None
         waiter = loop.create_future()
@@ -217,11 +254,11 @@ class AsyncioDriver(_LoopDriver):
             cancel()
 
 
-class TrioDriver(_LoopDriver):
+class TrioDriver(LoopDriver):
     """Polls from one trio system task per run."""
 
     # trio cancels with scopes; a cancelled *future* is a plain error there.
-    cancelled_error: Final = concurrent.futures.CancelledError
+    cancelled_error = concurrent.futures.CancelledError
 
     def __init__(self, trio: Any) -> None:
         super().__init__()
@@ -237,7 +274,7 @@ class TrioDriver(_LoopDriver):
     async def _checkpoint(self) -> None:
         await self._trio.lowlevel.checkpoint()
 
-    def kick(self) -> None:
+    def ensure_polling(self) -> None:
         self._wakeup.set()
         if self._sleeping and self._timer is not None:
             self._timer.arm(0)  # fires at once: ends the timer sleep
@@ -245,26 +282,24 @@ class TrioDriver(_LoopDriver):
     async def _run(self) -> None:
         trio = self._trio
         timer = self._timer
-        woken = False
+        timer_fired = False
         try:
             while True:
                 if not self.watchlist.pending:
                     await self._wakeup.wait()
                 self._wakeup = trio.Event()
-                when = self.poll(woken)
-                woken = False
-                if when is None:
+                delay = self.step(timer_fired)
+                timer_fired = False
+                if delay is None:
                     continue
-                delay = when - time.perf_counter()
-                if delay < MIN_SLEEP_S:
+                if not delay:
                     await trio.lowlevel.checkpoint()
                     continue
-                self.pacer.sleeping_until(when)
                 if timer is None:
                     with trio.move_on_after(delay):
                         await self._wakeup.wait()
                         continue
-                    woken = True
+                    timer_fired = True
                     continue
                 timer.arm(delay)
                 self._sleeping = True
@@ -273,7 +308,7 @@ class TrioDriver(_LoopDriver):
                 finally:
                     self._sleeping = False
                 timer.drain()
-                woken = not self._wakeup.is_set()
+                timer_fired = not self._wakeup.is_set()
         finally:
             if timer is not None:
                 self._timer = None
@@ -303,8 +338,6 @@ class TrioDriver(_LoopDriver):
         finally:
             cancel()
 
-
-LoopDriver = AsyncioDriver | TrioDriver
 
 _asyncio_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioDriver] = (
     weakref.WeakKeyDictionary()

@@ -1,21 +1,26 @@
-"""When to poll: the wait policy, per-stream duration prediction, pacing.
+"""When to poll: the wait policy, learnt durations, and pacing.
 
-Two measured facts shape every waiter here (DESIGN.md, docs/performance.md):
-a thread that slept for milliseconds takes 200-500 µs to wake up, whoever
-wakes it, and only spinning notices completion within microseconds. So a
-waiter spins only while completion is likely near:
+Two measured facts shape every waiter here (docs/performance.md): a thread
+that slept for milliseconds takes 100-500 µs to wake up, whoever wakes it,
+and only spinning notices completion within microseconds. So a waiter spins
+only while completion is likely near:
 
 * right after a new wait, for ``spin_s`` (short work is seen at once);
-* for work whose duration it has learnt (work on a stream tends to repeat),
-  from shortly before the expected end: it sleeps until then, and the
-  "shortly" is the wake-up lateness it measured, capped so that spinning
-  costs at most ``cpu_budget`` of the wait;
-* otherwise it sleeps in steps growing from ``first_sleep_s`` to
-  ``max_sleep_s`` (every step is a poll, so errors are seen too).
+* around the durations it has learnt for the stream (work on a stream tends
+  to repeat, or to come in a few sizes): from shortly before each learnt
+  duration ends to shortly after;
+* otherwise it sleeps, in steps growing from ``first_sleep_s`` to
+  ``max_sleep_s``; every step is a poll, so errors are seen too.
 
-The :class:`Predictor` learns durations from every completion a waiter sees,
-one estimate per stream. A :class:`Pacer` is one sleeper's state (an event
-loop's driver, the watcher thread, a thread blocked in ``result()``).
+**Bounded regret.** No sleep is ever planned longer than ``max_sleep_s``,
+whatever the predictor believes: a completion is noticed at most
+``max_sleep_s`` after it happens, plus the time the operating system takes
+to wake the sleeper. A wrong prediction can waste CPU (a spin at the wrong
+time), never more latency than that.
+
+The :class:`Predictor` learns from every completion a waiter sees, one
+history per stream. A :class:`Pacer` is one sleeper's state (an event loop's
+driver, the watcher thread, the threads blocked in ``result()``).
 """
 
 from __future__ import annotations
@@ -25,26 +30,56 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 if TYPE_CHECKING:
     from ._events import EventRecord
 
-#: A completion seen within this long after the last poll that saw the work
-#: pending counts as an exact observation of its duration.
+#: Observations kept per stream: the window in which modes are found.
+_HISTORY: Final = 16
+#: A duration needs this many recent observations close to each other to be
+#: trusted, or the two newest ones (work that just changed and repeats): one
+#: long job must not move the waiter (it did, once: one 50 ms job made forty
+#: 2 ms jobs wake 34 ms late).
+_MODE_MIN: Final = 3
+#: ... and one of them among the newest observations: work that moved on is
+#: forgotten quickly.
+_RECENT: Final = 8
+#: Observations within this relative distance of each other belong to one
+#: mode; beyond this absolute spread a mode is too erratic to spin for.
+_MODE_REL: Final = 0.15
+_MODE_ABS_S: Final = 20e-6
+#: A mode is spun for only if its spread (newest members) is at most this
+#: share of its duration (or ``spin_s``): a wider one would cost more CPU than
+#: it saves latency.
+_MAX_SPREAD: Final = 0.2
+#: Members of a mode that set its window: the newest ones, so that a slow
+#: drift is followed.
+_MODE_NEWEST: Final = 4
+#: Observations that fall in a mode widen it; the modes are found afresh
+#: after this many, or at once after one that falls in none.
+_REFRESH: Final = 4
+#: An observation narrower than this (or than 5 % of the duration) is exact.
 _EXACT_S: Final = 50e-6
-#: Weight of a new observation in the running estimates.
-_ALPHA: Final = 0.25
-#: How far an uninformative (late) observation pulls the estimate down.
-_SHRINK: Final = 0.96
+_EXACT_REL: Final = 0.05
 #: Lateness assumed before a sleeper has measured its own.
 _DEFAULT_LATENESS_S: Final = 300e-6
 #: Extra spin before a predicted end: a thread that just woke from a long
 #: sleep runs slowly for tens of µs (cold caches, a waking vCPU); the spin
 #: should be warm when the work completes.
 _WARM_S: Final = 200e-6
-#: Streams whose estimates are kept; beyond this the table starts afresh.
+#: Streams whose histories are kept; beyond this the table starts afresh.
 _MAX_STREAMS: Final = 4096
+
+
+def _number(owner: str, name: str, value: object) -> float:
+    """The one rule for numeric arguments: a real number (``TypeError``
+    otherwise, bools included), never NaN (``ValueError``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}{name} must be a number, not {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{owner}{name} must be a number, not NaN")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -56,6 +91,11 @@ class WaitPolicy:
     with :func:`set_wait_policy`; the presets are ``"balanced"`` (the
     default), ``"low_latency"`` and ``"low_cpu"``.
 
+    Whatever the policy and whatever was learnt, no sleep between two polls
+    is longer than ``max_sleep_s``: a completion is noticed at most
+    ``max_sleep_s`` after it happens, plus the operating system's wake-up
+    delay (docs/performance.md, "Bounded regret").
+
     Attributes:
         spin_s: after a new wait, poll continuously (yielding to the event
             loop between polls) for this many seconds. ``math.inf`` spins
@@ -63,11 +103,18 @@ class WaitPolicy:
         first_sleep_s: the first sleep once spinning stopped, for work of
             unknown duration; each further sleep doubles, up to
             ``max_sleep_s``.
-        max_sleep_s: the longest sleep between two polls.
-        predict: learn how long work on each stream takes, and for work
-            that repeats sleep until shortly before its expected end.
+        max_sleep_s: the longest sleep between two polls: the bound on how
+            late any completion is noticed.
+        predict: learn the durations of work on each stream, and spin around
+            the expected ends of durations that repeat.
         cpu_budget: for predicted work, the largest share of the wait that
             may be spent spinning before the expected end (0 to 1).
+
+    Raises:
+        TypeError: a field that is not a number (``predict``: not a bool).
+        ValueError: a negative or NaN number, ``first_sleep_s`` not in
+            ``(0, max_sleep_s]``, an infinite ``max_sleep_s``, or a
+            ``cpu_budget`` over 1.
     """
 
     spin_s: float = 100e-6
@@ -78,11 +125,11 @@ class WaitPolicy:
 
     def __post_init__(self) -> None:
         for name in ("spin_s", "first_sleep_s", "max_sleep_s", "cpu_budget"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                raise TypeError(f"WaitPolicy.{name} must be a number, not {value!r}")
+            value = _number("WaitPolicy.", name, getattr(self, name))
             if value < 0:
                 raise ValueError(f"WaitPolicy.{name} must not be negative, not {value!r}")
+        if not isinstance(self.predict, bool):
+            raise TypeError(f"WaitPolicy.predict must be True or False, not {self.predict!r}")
         if not 0 < self.first_sleep_s <= self.max_sleep_s < math.inf:
             raise ValueError(
                 "WaitPolicy needs 0 < first_sleep_s <= max_sleep_s < inf, got "
@@ -107,10 +154,14 @@ def set_wait_policy(policy: WaitPolicy | PolicyName) -> WaitPolicy:
     """Set how every waiter in the process polls; return the previous policy.
 
     ``policy`` is a :class:`WaitPolicy` or a preset's name: ``"balanced"``
-    (default: CPU at most about 5 % while waiting on long work, and
-    repeating work noticed within tens of µs), ``"low_latency"`` (spin for the
-    whole wait: one busy core per waiting thread or loop) or ``"low_cpu"``
-    (short spins, longer sleeps). Takes effect at each waiter's next poll.
+    (default: spins around learnt durations, sleeps of at most 1 ms
+    otherwise), ``"low_latency"`` (spin for the whole wait: one busy core
+    per waiting thread or loop) or ``"low_cpu"`` (short spins, sleeps of up
+    to 2 ms). Takes effect at each waiter's next poll. Costs nothing.
+
+    Raises:
+        ValueError: an unknown preset name.
+        TypeError: neither a :class:`WaitPolicy` nor a string.
     """
     global _policy
     if isinstance(policy, str):
@@ -129,73 +180,170 @@ def set_wait_policy(policy: WaitPolicy | PolicyName) -> WaitPolicy:
 
 
 def get_wait_policy() -> WaitPolicy:
-    """The policy in force (see :func:`set_wait_policy`)."""
+    """The policy in force (see :func:`set_wait_policy`). Costs nothing."""
     return _policy
 
 
-class _StreamStats:
-    __slots__ = ("dev", "done_at", "est")
+class Mode(NamedTuple):
+    """A duration that recent work on a stream keeps taking.
 
-    def __init__(self, est: float, done_at: float) -> None:
-        self.est = est
-        self.dev = 0.0
+    ``low`` and ``high`` bound the newest members; ``center`` is their
+    median. Durations are in seconds, from the start of the work.
+    """
+
+    low: float
+    high: float
+    center: float
+
+    def holds(self, duration: float) -> bool:
+        """Whether ``duration`` falls in this mode, give or take its tolerance."""
+        return (
+            self.low * (1 - _MODE_REL) - _MODE_ABS_S <= duration <= self.high * (1 + _MODE_REL) + _MODE_ABS_S
+        )
+
+
+class _History:
+    __slots__ = ("done_at", "modes", "points", "stale", "surprised")
+
+    def __init__(self, done_at: float) -> None:
+        #: Durations observed, newest last: ``(point, exact)``.
+        self.points: deque[tuple[float, bool]] = deque(maxlen=_HISTORY)
         self.done_at = done_at
+        #: Found from ``points`` when first asked for after an observation
+        #: (None until then): off the path from completion to wake-up.
+        self.modes: tuple[Mode, ...] | None = ()
+        #: Observations since the modes were last found afresh.
+        self.stale = 0
+        #: Whether the newest observation fell outside every mode: the work
+        #: may have changed, so the next wait also polls as for unknown work.
+        self.surprised = True
+
+
+def _find_modes(points: deque[tuple[float, bool]]) -> tuple[Mode, ...]:
+    """Clusters of at least ``_MODE_MIN`` observations, one of them recent,
+    or of the two newest ones, narrow enough to spin for; sorted by duration.
+    About 5 µs for a full history."""
+    n = len(points)
+    if n < 2:
+        return ()
+    # (duration, age rank, exact), sorted by duration. Single linkage: a slow
+    # drift stays one cluster; the spread check keeps chains of unrelated
+    # durations out.
+    ranked = sorted([(p, i, exact) for i, (p, exact) in enumerate(points)])
+    spin_s = _policy.spin_s
+    modes = []
+    first = 0
+    for end in range(1, n + 1):
+        if end < n and ranked[end][0] <= ranked[end - 1][0] * (1 + _MODE_REL) + _MODE_ABS_S:
+            continue
+        members, first = ranked[first:end], end
+        size = len(members)
+        if size < 2:
+            continue
+        ages = [m[1] for m in members]
+        if size < _MODE_MIN:
+            if min(ages) != n - 2:  # not the two newest
+                continue
+        elif max(ages) < n - _RECENT:
+            continue
+        # The newest members set the window (exact ones when there are two).
+        members.sort(key=_age, reverse=True)
+        exact = [m for m in members if m[2]]
+        values = sorted([m[0] for m in (exact if len(exact) >= 2 else members)[:_MODE_NEWEST]])
+        low, high = values[0], values[-1]
+        center = values[len(values) // 2]
+        if high - low <= max(_MAX_SPREAD * center, spin_s):
+            modes.append(Mode(low, high, center))
+    return tuple(modes)
+
+
+def _age(member: tuple[float, int, bool]) -> int:
+    return member[1]
+
+
+def _modes_of(hist: _History) -> tuple[Mode, ...]:
+    modes = hist.modes
+    if modes is None:
+        modes = hist.modes = _find_modes(hist.points)
+        hist.stale = 0
+    return modes
 
 
 class Predictor:
-    """How long the work behind a record on each stream is expected to take.
+    """The durations that work recorded on each stream is expected to take.
 
     A record's work starts when it was recorded or when the previous
-    completion seen on its stream happened, whichever is later. Observations
-    are intervals ``(last seen pending, first seen complete]``; the estimate
-    moves towards the nearest point of each interval, so late observations
-    (after a long sleep) never inflate it. Shared by all threads: a race
-    only blurs an estimate.
+    completion seen on its stream happened, whichever is later. Each
+    completion seen is an observation: the work took between ``low`` (last
+    seen pending) and ``high`` (first seen complete). The newest
+    ``_HISTORY`` observations of a stream are kept, and a *mode* is a
+    cluster of at least ``_MODE_MIN`` of them close to each other, one among
+    the newest ``_RECENT``, or of the two newest observations when they
+    agree (work that just changed). Work of a stable duration has one mode, bimodal
+    work two, random work usually none: only modes are spun for, so a
+    one-off duration never moves the waiter, and work that turned shorter is
+    noticed by the ordinary polls.
+
+    Shared by all threads: a race only blurs a history.
     """
 
     def __init__(self) -> None:
-        self._stats: dict[tuple[int, ...], _StreamStats] = {}
+        self._streams: dict[tuple[int, ...], _History] = {}
 
     def clear(self) -> None:
-        self._stats.clear()
+        self._streams.clear()
 
-    def _start(self, rec: EventRecord, stats: _StreamStats | None) -> float:
-        if stats is None or stats.done_at < rec.t:
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def start(self, rec: EventRecord) -> float:
+        """When ``rec``'s work is taken to start (a ``perf_counter`` time)."""
+        hist = self._streams.get(rec.stream_key)
+        if hist is None or hist.done_at < rec.t:
             return rec.t
-        return stats.done_at
+        return hist.done_at
 
-    def expected(self, rec: EventRecord) -> tuple[float, float, float] | None:
-        """``(expected end, estimated duration, deviation)``, or None."""
-        stats = self._stats.get(rec.stream_key)
-        if stats is None:
-            return None
-        return self._start(rec, stats) + stats.est, stats.est, stats.dev
+    def modes(self, rec: EventRecord) -> tuple[tuple[Mode, ...], bool]:
+        """The modes of ``rec``'s stream, shortest first (maybe none), and
+        whether the stream's newest observation fell outside all of them."""
+        hist = self._streams.get(rec.stream_key)
+        if hist is None:
+            return (), True
+        return _modes_of(hist), hist.surprised
 
     def observe(self, rec: EventRecord, now: float) -> None:
         """``rec`` was seen complete at ``now`` (and pending at ``rec.seen``)."""
-        table = self._stats
-        stats = table.get(rec.stream_key)
-        start = self._start(rec, stats)
-        high = now - start
+        table = self._streams
+        hist = table.get(rec.stream_key)
+        start = rec.t if hist is None or hist.done_at < rec.t else hist.done_at
+        high = max(0.0, now - start)
         low = max(0.0, rec.seen - start) if rec.seen else 0.0
-        if stats is None:
+        low = min(low, high)
+        if hist is None:
             if len(table) >= _MAX_STREAMS:
                 table.clear()
-            # First sight: the lower bound, so that next time the waiter
-            # wakes early rather than late.
-            table[rec.stream_key] = _StreamStats(high if high - low <= _EXACT_S else low, now)
-            return
-        est = stats.est
-        seen = min(max(est, low), high)  # the interval's point nearest the estimate
-        if seen == est and high - low > _EXACT_S:
-            # A wide interval that holds the estimate (a wake-up after the
-            # end) cannot tell an estimate that is too long: shrink it a
-            # little, so that a biased one comes back to where spinning
-            # observes the end exactly again.
-            seen = est * _SHRINK
-        stats.dev += _ALPHA * (abs(seen - est) - stats.dev)
-        stats.est = est + _ALPHA * (seen - est)
-        stats.done_at = now
+            hist = table[rec.stream_key] = _History(now)
+        exact = high - low <= max(_EXACT_S, _EXACT_REL * high)
+        # An interval's midpoint: unbiased whether the poll came early or late.
+        point = high if exact else (low + high) / 2
+        modes = _modes_of(hist)  # as the wait was planned with: found already
+        hist.points.append((point, exact))
+        hist.done_at = now
+        for k, mode in enumerate(modes):
+            if mode.holds(point):
+                hist.surprised = False
+                if hist.stale < _REFRESH:
+                    # Cheap: widen the mode to the point; modes are found
+                    # afresh (about 5-20 µs) only every few observations.
+                    hist.stale += 1
+                    if not mode.low <= point <= mode.high:
+                        widened = Mode(min(mode.low, point), max(mode.high, point), mode.center)
+                        hist.modes = (*modes[:k], widened, *modes[k + 1 :])
+                    return
+                break
+        else:
+            hist.surprised = True
+        hist.modes = None  # found again when next asked for, off this path
 
 
 predictor: Final = Predictor()
@@ -208,10 +356,10 @@ class Pacer:
     ``result()`` share one lateness history, where a race only blurs it).
     """
 
-    __slots__ = ("_asked", "_backoff", "_late_mean", "_late_q", "_lateness", "spin_ends", "spin_until")
+    __slots__ = ("_asked", "_backoff", "_late_median", "_late_q", "_lateness", "spin_ends", "spin_until")
 
     def __init__(self, lateness: deque[float] | None = None) -> None:
-        #: End of the spin that follows a new wait (see :meth:`kick`).
+        #: End of the spin that follows a new wait (see :meth:`new_wait`).
         self.spin_until = 0.0
         #: While the last plan was "spin", until when it holds: polls before
         #: then need no new plan unless something fired.
@@ -220,17 +368,18 @@ class Pacer:
         self._asked = 0.0
         # Blocking waits share one history: each call is too short to learn.
         self._lateness = deque(maxlen=32) if lateness is None else lateness
-        self._late_mean = self._late_q = _DEFAULT_LATENESS_S
+        self._late_median = self._late_q = _DEFAULT_LATENESS_S
         if self._lateness:
             self._summarise()
 
-    def kick(self, now: float) -> None:
+    def new_wait(self, now: float) -> None:
         """A new wait began: spin for a while, then start the sleeps afresh."""
         policy = _policy
         self.spin_until = now + policy.spin_s
         self._backoff = policy.first_sleep_s
 
     def sleeping_until(self, when: float) -> None:
+        """The sleeper is about to sleep until ``when``."""
         self._asked = when
 
     def woke(self, now: float) -> None:
@@ -246,46 +395,61 @@ class Pacer:
 
     def _summarise(self) -> None:
         late = sorted(self._lateness)
-        self._late_mean = late[len(late) // 2]  # the median: robust to a rare long stall
+        self._late_median = late[len(late) // 2]  # robust to a rare long stall
         self._late_q = late[(len(late) * 4) // 5]  # the 80th percentile
 
-    def margin(self, est: float, policy: WaitPolicy) -> float:
+    def margin(self, duration: float, policy: WaitPolicy) -> float:
         """How long before a predicted end to ask to be woken: long enough
         for most wake-ups to land before it, unless that would spin for more
         than ``cpu_budget`` of the wait on average."""
-        return min(self._late_q + _WARM_S, self._late_mean + policy.cpu_budget * est)
+        return min(self._late_q + _WARM_S, self._late_median + policy.cpu_budget * duration)
 
     def next_poll(self, records: Iterable[EventRecord], now: float) -> float:
         """When to poll next for ``records`` (the oldest pending record of
         each stream); a time not after ``now`` means "poll again at once",
-        and :attr:`spin_ends` then says for how long that holds."""
+        and :attr:`spin_ends` then says for how long that holds.
+
+        Never later than ``now + max_sleep_s``: the bound on regret.
+        """
         policy = _policy
+        spin_s = policy.spin_s
+        bound = now + policy.max_sleep_s
         best = math.inf
-        unknown = False
+        backoff = False
+        spin_ends = 0.0
         for rec in records:
-            expected = predictor.expected(rec) if policy.predict else None
-            if expected is not None:
-                end, est, dev = expected
-                # Jitter widens the spin, but never beyond a tenth of the
-                # work: erratic durations must not turn into long spins.
-                jitter = min(2 * dev, 0.1 * est)
-                overrun = end + policy.spin_s + 2 * jitter
-                if now <= overrun:  # else it runs long this time: stop trusting it
-                    when = end - jitter - self.margin(est, policy)
-                    if when <= now:
-                        self.spin_ends = min(overrun, now + policy.max_sleep_s)
-                        return now
-                    best = min(best, when)
-                    continue
+            modes, surprised = predictor.modes(rec) if policy.predict else ((), True)
+            ahead = False  # a mode's window is open now or still to come
+            if modes:
+                start = predictor.start(rec)
+                for mode in modes:
+                    opens = start + mode.low - self.margin(mode.center, policy)
+                    closes = start + mode.high + spin_s + (mode.high - mode.low)
+                    if now < opens:
+                        best = min(best, opens)
+                        ahead = True
+                        break
+                    if now < closes:
+                        spin_ends = max(spin_ends, closes)
+                        ahead = True
+                        break
+            if ahead and not surprised:
+                continue
+            # Unknown work, work past every mode (it runs longer than learnt
+            # this time), or a stream whose work just changed: spin after a
+            # new wait, then sleep in growing steps.
             if now < self.spin_until:
-                self.spin_ends = min(self.spin_until, now + policy.max_sleep_s)
-                return now
-            unknown = True
+                spin_ends = max(spin_ends, self.spin_until)
+            else:
+                backoff = True
+        if spin_ends:
+            self.spin_ends = min(spin_ends, bound)
+            return now
         self.spin_ends = 0.0
-        if unknown and now + self._backoff < best:
+        if backoff and now + self._backoff < best:
             best = now + self._backoff
             self._backoff = min(self._backoff * 2, policy.max_sleep_s)
-        return best
+        return min(best, bound)
 
 
 def sleep_until(deadline: float, pacer: Pacer) -> None:

@@ -1,0 +1,80 @@
+"""The waiter's regret bound on a GPU: work whose duration changes.
+
+One stream runs one 50 ms job, then forty of 2 ms, each launched when the
+previous one was noticed. A waiter that trusted what it learnt from the long
+job slept until its predicted end (34 ms late per 2 ms job, once); the bound
+says no completion is noticed later than ``max_sleep_s`` plus the operating
+system's wake-up delay. These tests assert that bound, with a generous
+allowance for the wake-up delay of a virtual machine (``_OS_WAKE_S``), far
+below what the unbounded waiter cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import cudafut
+from cudafut import _cuda
+from tests import kernels
+
+pytestmark = pytest.mark.gpu
+
+_OS_WAKE_S = 2e-3
+_STEP_MS = [50.0] + [2.0] * 40
+
+
+@pytest.fixture(autouse=True)
+def _balanced() -> Iterator[None]:
+    old = cudafut.set_wait_policy("balanced")
+    yield
+    cudafut.set_wait_policy(old)
+
+
+def _check(extras: list[float]) -> None:
+    bound = cudafut.get_wait_policy().max_sleep_s + _OS_WAKE_S
+    tail = sorted(extras[1:])  # the 2 ms jobs after the long one
+    median, p90 = tail[len(tail) // 2], tail[(len(tail) * 9) // 10]
+    assert median <= bound, (
+        f"2 ms jobs noticed {median * 1e3:.2f} ms late at the median (bound {bound * 1e3} ms)"
+    )
+    assert p90 <= bound, f"2 ms jobs noticed {p90 * 1e3:.2f} ms late at p90 (bound {bound * 1e3} ms)"
+
+
+def _launch(stream: Any, out: Any, ms: float) -> cudafut.CudaFuture[Any]:
+    with stream:
+        kernels.spin_fill(out, 1.0, ms)
+    return cudafut.record(out, stream=stream)
+
+
+@pytest.mark.anyio
+@pytest.mark.no_asyncio_debug(reason="asserts a latency bound: debug mode adds work to every loop callback")
+async def test_await_after_a_step_down_is_noticed_within_the_bound(anyio_backend: Any) -> None:
+    cp = _cuda.cupy()
+    stream = cp.cuda.Stream(non_blocking=True)  # fresh: nothing learnt on it
+    out = cp.zeros(1, dtype=cp.float32)
+    kernels.spin_fill(out, 0.0, 0.0)  # compile and load before timing
+    cp.cuda.Device().synchronize()
+    extras = []
+    for ms in _STEP_MS:
+        t = time.perf_counter()
+        await _launch(stream, out, ms)
+        extras.append(time.perf_counter() - t - ms / 1e3)
+    _check(extras)
+
+
+def test_result_after_a_step_down_is_noticed_within_the_bound() -> None:
+    cp = _cuda.cupy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = cp.zeros(1, dtype=cp.float32)
+    kernels.spin_fill(out, 0.0, 0.0)
+    cp.cuda.Device().synchronize()
+    extras = []
+    for ms in _STEP_MS:
+        t = time.perf_counter()
+        _launch(stream, out, ms).result()
+        extras.append(time.perf_counter() - t - ms / 1e3)
+    _check(extras)

@@ -1,0 +1,158 @@
+"""The waiter (host side): the watchlist, the drivers' polls, the watcher
+thread and the timer, with scripted events."""
+
+from __future__ import annotations
+
+import gc
+import select
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import cudafut
+from cudafut import _policy, _timer, _waiter
+from tests.fakes import FakeRecord, stream_records
+
+
+@pytest.fixture(autouse=True)
+def _default_policy() -> Iterator[None]:
+    old = cudafut.set_wait_policy("balanced")
+    yield
+    cudafut.set_wait_policy(old)
+    _policy.predictor.clear()
+
+
+class _InlineDriver(_waiter.Driver):
+    """A driver whose thread is the test's own."""
+
+    def ensure_polling(self) -> None:
+        pass
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        fn()
+
+
+# -- the watchlist fires in slices ------------------------------------------------
+
+
+def test_thousands_of_completions_fire_in_slices() -> None:
+    driver = _InlineDriver()
+    recs = stream_records(600)
+    fired: list[int] = []
+    for rec in recs:
+        driver.watch_one(rec, lambda r: fired.append(r.seq))
+    for rec in recs:
+        rec.complete()
+    when = driver.poll(False)
+    assert when is not None and when <= time.perf_counter()  # more to fire: poll again at once
+    assert len(fired) == _waiter.FIRE_PER_POLL
+    assert driver.watchlist.pending == 600 - _waiter.FIRE_PER_POLL
+    polls = 1
+    while when is not None:
+        when = driver.poll(False)
+        polls += 1
+    assert fired == list(range(1, 601))  # in stream order
+    assert polls == -(-600 // _waiter.FIRE_PER_POLL)  # full slices, then the rest
+
+
+def test_a_poll_queries_only_the_oldest_pending_record_of_each_stream() -> None:
+    driver = _InlineDriver()
+    recs = stream_records(50)
+    for rec in recs:
+        driver.watch_one(rec, lambda r: None)
+    driver.poll(False)
+    assert recs[0].queries == 1
+    assert all(rec.queries == 0 for rec in recs[1:])
+
+
+# -- the watcher thread keeps values alive and never spins -------------------------
+
+
+class _Value:
+    pass
+
+
+def test_held_values_live_until_their_records_complete() -> None:
+    rec = FakeRecord()
+    value = _Value()
+    ref = weakref.ref(value)
+    waiter = _waiter.thread_waiter()
+    waiter.hold([rec], value)
+    del value
+    time.sleep(0.05)
+    gc.collect()
+    assert ref() is not None  # pending: kept
+    rec.complete()
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
+        gc.collect()
+    assert ref() is None
+
+
+class _RecordingCondition(threading.Condition):
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+def test_the_watcher_thread_sleeps_between_polls_even_when_told_to_spin() -> None:
+    # A spinning thread would hold the GIL and shut the application's
+    # threads out for the 5 ms switch interval at a time.
+    cudafut.set_wait_policy("low_latency")
+    waiter = _waiter.ThreadWaiter()
+    cond = waiter._cond = _RecordingCondition()
+    rec = FakeRecord()
+    waiter.hold([rec], _Value())
+    deadline = time.monotonic() + 5
+    while len(cond.timeouts) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec.complete()
+    polls = [t for t in cond.timeouts if t is not None]
+    assert len(polls) >= 20
+    assert min(polls) >= _waiter.THREAD_MIN_SLEEP_S > 0
+
+
+def test_the_watcher_thread_sleeps_at_most_max_sleep_s() -> None:
+    # Done-callbacks outside a loop get the same bound as await.
+    cudafut.set_wait_policy(cudafut.WaitPolicy(max_sleep_s=2e-3, first_sleep_s=1e-3))
+    waiter = _waiter.ThreadWaiter()
+    cond = waiter._cond = _RecordingCondition()
+    rec = FakeRecord()
+    waiter.hold([rec], _Value())
+    deadline = time.monotonic() + 5
+    while len(cond.timeouts) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec.complete()
+    polls = [t for t in cond.timeouts if t is not None]
+    assert len(polls) >= 10
+    assert max(polls) <= 2e-3
+
+
+# -- the timer ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux only")
+def test_the_timer_fires_at_the_time_asked_and_can_be_disarmed() -> None:
+    timer = _timer.make_timer()
+    assert timer is not None
+    try:
+        timer.arm(2e-3)
+        assert select.select([timer.fd], [], [], 0)[0] == []
+        assert select.select([timer.fd], [], [], 1.0)[0] == [timer.fd]
+        timer.drain()
+        assert select.select([timer.fd], [], [], 0)[0] == []
+        timer.arm(5e-3)
+        timer.disarm()
+        assert select.select([timer.fd], [], [], 0.02)[0] == []
+    finally:
+        timer.close()
+    timer.close()  # idempotent
