@@ -7,18 +7,30 @@ import threading
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from ._errors import CancelledError
-from ._future import _CANCELLED, _FAILED, _SET, CudaFuture, check_timeout, remaining
-from ._loops import require_driver
+from ._errors import TimeoutError
+from ._future import CudaFuture, check_timeout, remaining
+from ._loops import current_driver, require_driver
 
 __all__ = ["as_completed", "gather", "wait_all"]
 
 
 def _futures(futs: Iterable[object], what: str) -> list[CudaFuture[Any]]:
+    """The futures of an iterable argument, with errors that say the convention."""
+    if isinstance(futs, CudaFuture):
+        raise TypeError(
+            f"{what}() takes an iterable of CudaFutures: {what}([fut1, fut2]) "
+            f"or {what}(futs), not {what}(fut)"
+        )
+    try:
+        iterator = iter(futs)
+    except TypeError:
+        raise TypeError(
+            f"{what}() takes an iterable of CudaFutures, such as a list, not {type(futs).__name__}"
+        ) from None
     items: list[CudaFuture[Any]] = []
-    for item in futs:
+    for item in iterator:
         if not isinstance(item, CudaFuture):
-            raise TypeError(f"{what} takes CudaFutures, not {type(item).__name__}")
+            raise TypeError(f"{what}() takes CudaFutures, not {type(item).__name__}")
         items.append(item)
     return items
 
@@ -26,58 +38,140 @@ def _futures(futs: Iterable[object], what: str) -> list[CudaFuture[Any]]:
 def gather(*futs: CudaFuture[Any]) -> CudaFuture[list[Any]]:
     """One future for many: its value is the list of their values.
 
-    It is set once every input is set, with the events of all of them, so
-    ``await``, :meth:`~CudaFuture.result`, :meth:`~CudaFuture.wait` and
-    :meth:`~CudaFuture.then` on it wait for all the GPU work. If an input
-    fails or is cancelled, the gathered future fails with the first such
-    exception (a cancelled input gives :class:`CancelledError`). Blocks
-    nothing; the host cost is a few µs per input.
+    Takes the futures as separate arguments, as :func:`asyncio.gather` does:
+    ``gather(f1, f2)`` or ``gather(*futs)``. It is set once every input is
+    set, with the events of all of them, so ``await``,
+    :meth:`~CudaFuture.result`, :meth:`~CudaFuture.wait` and
+    :meth:`~CudaFuture.then` on it wait for all the GPU work.
+
+    The first input to fail or be cancelled decides: if it failed, the
+    gathered future fails with the same exception object; if it was
+    cancelled, the gathered future is cancelled (docs/semantics.md, "Errors
+    through chains"). Cancelling the gathered future leaves the inputs as
+    they are.
+
+    Blocks nothing: the host cost is a few µs per input, paid when each
+    input completes, in the thread that completes it.
+
+    Args:
+        *futs: the futures to gather.
+
+    Returns:
+        A future of the list of the inputs' values, in argument order
+        (already set, to ``[]``, when there are no inputs).
+
+    Raises:
+        TypeError: an argument is not a CudaFuture (a list of futures
+            included: unpack it with ``gather(*futs)``).
     """
-    items = _futures(futs, "gather()")
+    for item in futs:
+        if not isinstance(item, CudaFuture):
+            if isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+                raise TypeError(
+                    "gather() takes CudaFutures as separate arguments, as "
+                    f"asyncio.gather() does: gather(*futs), not gather([...]) (got a {type(item).__name__})"
+                )
+            raise TypeError(f"gather() takes CudaFutures, not {type(item).__name__}")
+    items = list(futs)
     out: CudaFuture[list[Any]] = CudaFuture()
     if not items:
-        out._complete(_SET, [], None, ())
+        out._take_outcome((), gather=True)
         return out
     lock = threading.Lock()
-    remaining = [len(items)]
+    left = [len(items)]
 
-    def one_set(fut: CudaFuture[Any]) -> None:
-        if fut._state == _FAILED:
-            fut._retrieved = True
-            out._try_complete(_FAILED, None, fut._exception)
-        elif fut._state == _CANCELLED:
-            out._try_complete(_FAILED, None, CancelledError("a gathered CudaFuture was cancelled"))
+    def one_completed(fut: CudaFuture[Any]) -> None:
+        if not fut._succeeded():
+            out._take_outcome((fut,))  # the first failure or cancellation decides
+            return
         with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last and all(f._state == _SET for f in items):
-            records = tuple({id(r): r for f in items for r in f._records}.values())
-            out._try_complete(_SET, [f._value for f in items], None, records)
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out._take_outcome(items, gather=True)
 
     for fut in items:
-        fut._on_set(lambda fut=fut: one_set(fut))  # type: ignore[misc]
+        fut._on_set(lambda fut=fut: one_completed(fut))  # type: ignore[misc]
     return out
 
 
 def wait_all(futs: Iterable[CudaFuture[Any]], timeout: float | None = None) -> list[Any]:
     """:meth:`CudaFuture.wait` for many: order the caller's streams after all.
 
-    Blocks the thread only until every future is set (at most ``timeout``
-    seconds in all), then makes the current streams wait on all their events
-    and returns the values in order. Raises the first failure it meets.
+    Takes one iterable of futures, as :func:`asyncio.wait` does:
+    ``wait_all([f1, f2])`` or ``wait_all(futs)``. Blocks the calling thread
+    only until every future is set (at most ``timeout`` seconds in all),
+    then makes the calling thread's current streams wait on all their events
+    (``cudaStreamWaitEvent``, about 0.4 µs each) and returns. Never blocks
+    the GPU; do not call it on an event loop before the futures are set.
+
+    Args:
+        futs: the futures.
+        timeout: seconds to wait at most, for all of them together; ``None``
+            or ``math.inf``: no limit.
+
+    Returns:
+        Their values, in order.
+
+    Raises:
+        TypeError: ``futs`` is not an iterable of CudaFutures (a single
+            future included: pass ``[fut]``).
+        TimeoutError: not all set within ``timeout`` seconds.
+        Exception: the first failure met, in order (as :meth:`CudaFuture.wait`).
     """
-    items = _futures(futs, "wait_all()")
+    items = _futures(futs, "wait_all")
     deadline = check_timeout(timeout)
-    return [fut.wait(remaining(deadline)) for fut in items]
+    values: list[Any] = []
+    for i, fut in enumerate(items):
+        try:
+            values.append(fut.wait(remaining(deadline)))
+        except TimeoutError:
+            raise TimeoutError(
+                f"wait_all(): the future at index {i} (of {len(items)}) was not set within "
+                f"{timeout} s: its producer has not called set_result() or set_exception() yet"
+            ) from None
+    return values
 
 
-async def as_completed(futs: Iterable[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:
+def as_completed(futs: Iterable[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:
     """Yield the futures as they become done (GPU work complete, or failed).
 
     ``async for fut in cudafut.as_completed(futs): value = await fut``.
-    Waiting costs nothing on the loop; one loop-wide waiter watches them all.
+    Takes one iterable of futures, as :func:`asyncio.as_completed` does.
+    Call it with an asyncio, uvloop or trio loop running in this thread,
+    and iterate it there.
+
+    Never blocks the loop. One loop-wide waiter watches them all, as for
+    ``await``: while the wait policy says spin (for ``spin_s``, 100 µs by
+    default, after a new wait, and around the predicted end of work whose
+    duration the waiter has learnt), the loop runs one poll (one
+    ``cudaEventQuery``, about 2 µs) per loop iteration, taking that CPU but
+    never blocking other tasks; otherwise it polls once per sleep, sleeps
+    being at most ``max_sleep_s`` (1 ms by default). See
+    docs/performance.md for the CPU measured.
+
+    Args:
+        futs: the futures.
+
+    Returns:
+        An async iterator of the same futures, in the order they complete.
+
+    Raises:
+        TypeError: ``futs`` is not an iterable of CudaFutures (a single
+            future included: pass ``[fut]``).
+        RuntimeError: no asyncio, uvloop or trio loop runs in this thread.
     """
-    items = _futures(futs, "as_completed()")
+    items = _futures(futs, "as_completed")
+    if current_driver() is None:
+        raise RuntimeError(
+            "as_completed() needs a running asyncio (or uvloop) or trio event loop "
+            "in this thread: call and iterate it inside a coroutine; outside a "
+            "loop use fut.result() on each future"
+        )
+    return _as_completed(items)
+
+
+async def _as_completed(items: list[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:
     driver = require_driver()
     ready: collections.deque[CudaFuture[Any]] = collections.deque()
     wake: list[Any] = [None]

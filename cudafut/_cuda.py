@@ -132,16 +132,41 @@ def device_count() -> int:
 
 
 def check_device(device: object) -> int:
-    """Validate a device index and return it as an int."""
+    """Validate a device index and return it as an int.
+
+    The argument is checked before CUDA is touched, so a wrong type or a
+    negative index is a ``TypeError`` or ``ValueError`` even where CUDA
+    cannot be used; only an index that may exist needs the device count.
+
+    Raises:
+        TypeError: ``device`` is not an int.
+        ValueError: ``device`` is negative, or not below the device count.
+        CudaUnavailableError: CUDA cannot be used here.
+    """
     if type(device) is int and 0 <= device < _count:
         return device  # the common case, once CUDA is initialised
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"a device is an int index, not {device!r}")
+    device = check_device_argument(device)
     n = device_count()
     if not 0 <= device < n:
         raise ValueError(
             f"device {device} is out of range: this process sees {n} CUDA "
             f"device(s), numbered 0 to {n - 1} (see CUDA_VISIBLE_DEVICES)"
+        )
+    return device
+
+
+def check_device_argument(device: object) -> int:
+    """What can be checked of a device index without CUDA: an int, not negative.
+
+    Raises:
+        TypeError: ``device`` is not an int.
+        ValueError: ``device`` is negative.
+    """
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"a device is an int index (a CUDA device ordinal: 0, 1, ...), not {device!r}")
+    if device < 0:
+        raise ValueError(
+            f"device {device} is out of range: CUDA devices are numbered from 0 (see CUDA_VISIBLE_DEVICES)"
         )
     return device
 

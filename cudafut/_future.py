@@ -10,12 +10,14 @@ call waits for and what it blocks.
 
 from __future__ import annotations
 
+import enum
 import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
-from typing import Any, Generic, Literal, TypeVar, overload
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Final, Generic, Literal, TypeVar, overload
 
 from . import _cuda, _events, _loops, _pools, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
@@ -28,10 +30,26 @@ __all__ = ["CudaFuture", "record", "submit"]
 T = TypeVar("T")
 U = TypeVar("U")
 
-_PENDING = "pending"
-_CANCELLED = "cancelled"
-_SET = "set"
-_FAILED = "failed"
+
+class _State(enum.Enum):
+    """Where a future is; it leaves ``PENDING`` once, for one of the others."""
+
+    PENDING = "pending"
+    SET = "set"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# Module constants for the hot paths (a global is cheaper than an enum
+# attribute), compared with ``is``.
+_PENDING: Final = _State.PENDING
+_SET: Final = _State.SET
+_FAILED: Final = _State.FAILED
+_CANCELLED: Final = _State.CANCELLED
+
+# Timeouts at or beyond this many seconds (about 292 years on Linux) mean "no
+# limit": threading refuses them (OverflowError).
+_NO_LIMIT: Final = threading.TIMEOUT_MAX
 
 Listener = Callable[[], None]
 #: Which stream pool ``then()`` and ``submit()`` take their streams from.
@@ -39,13 +57,23 @@ Priority = Literal["normal", "high"]
 
 
 def check_timeout(timeout: float | None) -> float | None:
-    """Validate a timeout and turn it into a ``perf_counter`` deadline."""
+    """Validate a timeout and turn it into a ``perf_counter`` deadline.
+
+    ``None``, ``math.inf`` and any timeout of ``threading.TIMEOUT_MAX``
+    seconds or more give ``None``: no limit.
+
+    Raises:
+        TypeError: ``timeout`` is not a number.
+        ValueError: ``timeout`` is negative or NaN.
+    """
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a non-negative number of seconds or None, not {timeout!r}")
+    if timeout >= _NO_LIMIT:
+        return None
     return time.perf_counter() + timeout
 
 
@@ -62,16 +90,25 @@ class CudaFuture(Generic[T]):
     """The value of GPU work that has been enqueued and may not have run yet.
 
     Args:
-        devices: the devices whose streams :meth:`set_result` records on, as
-            one index or an iterable of them. ``None`` (the default) means the
-            devices of the value itself, found from its arrays.
+        devices: the devices whose streams :meth:`set_result` records on: one
+            CUDA device ordinal (an ``int``: ``0``, ``1``, ...) or an iterable
+            of them. ``None`` (the default) means the devices of the value
+            itself, found from its arrays.
+
+    Raises:
+        TypeError: ``devices`` is neither an int nor an iterable of ints.
+        ValueError: ``devices`` is empty, or names a device this process
+            does not see (negative, or not below the device count).
+        CudaUnavailableError: ``devices`` was given (and is not negative)
+            but CUDA cannot be used here.
 
     A future is created unset; the producer completes it once, with
     :meth:`set_result` or :meth:`set_exception`. Consumers then choose what
     they are willing to block: nothing (``await``, :meth:`then`,
     :meth:`wait`) or the calling thread (:meth:`result`).
 
-    All methods may be called from any thread.
+    All methods may be called from any thread. Creating a future with
+    ``devices=None`` costs about half a µs on the host and blocks nothing.
     """
 
     __slots__ = (
@@ -86,15 +123,19 @@ class CudaFuture(Generic[T]):
         "_set_event",
         "_state",
         "_stream_given",
+        "_traceback",
         "_value",
     )
 
     def __init__(self, devices: int | Iterable[int] | None = None) -> None:
         self._lock = threading.Lock()
-        self._state = _PENDING
+        self._state: _State = _PENDING
         self._devices = None if devices is None else normalize_devices(devices)
         self._value: Any = None
         self._exception: BaseException | None = None
+        # The exception's traceback when it was stored: re-raising grows
+        # ``__traceback__``, so raises and the unretrieved-error log use this.
+        self._traceback: TracebackType | None = None
         self._records: tuple[EventRecord, ...] = ()
         # Objects other streams may still read; kept until our events complete.
         self._keep: object = None
@@ -111,8 +152,15 @@ class CudaFuture(Generic[T]):
 
         Records one event per device of ``value`` (or of the ``devices`` given
         to the constructor) on that device's current stream of the calling
-        thread. Costs about 1 µs per device on the host; blocks neither the
-        thread nor the GPU.
+        thread: about 1 µs per device on the host. Never blocks the GPU.
+
+        Then, before it returns and in the calling thread, it runs what waits
+        on this future: every pending :meth:`then` callback ``fn`` (with its
+        stream set-up), and, transitively, the ``then()`` callbacks of
+        children that this completes. ``set_result()`` therefore blocks the
+        calling thread for as long as those callbacks take. Awaiting tasks and
+        :meth:`add_done_callback` callbacks are only handed to their loop or
+        thread (a ``call_soon_threadsafe`` each); they run there.
 
         Raises:
             InvalidStateError: the future was already set or cancelled.
@@ -138,6 +186,12 @@ class CudaFuture(Generic[T]):
     def set_exception(self, exception: BaseException | type[BaseException]) -> None:
         """Complete the future with an error; consumers get this exception.
 
+        Consumers get this very object, raised with the traceback it has now.
+        In the calling thread, before returning, it fails the pending
+        :meth:`then` children (without calling their ``fn``) and hands
+        awaiting tasks and done callbacks to their loops: a few µs each.
+        Blocks neither the thread otherwise nor the GPU.
+
         Raises:
             InvalidStateError: the future was already set or cancelled.
             TypeError: ``exception`` is not an exception.
@@ -148,17 +202,21 @@ class CudaFuture(Generic[T]):
             raise TypeError(f"set_exception() needs an exception, not {exception!r}")
         if isinstance(exception, StopIteration):
             raise TypeError("StopIteration cannot be raised through a future")
-        self._complete(_FAILED, None, exception, ())
+        self._complete(_FAILED, None, exception, (), None, exception.__traceback__)
 
     def cancel(self) -> bool:
         """Cancel the future if it is not set yet; return whether it is cancelled.
 
         A set future cannot be cancelled: its GPU work is already enqueued.
+        Cancelling cancels the pending :meth:`then` children and
+        :func:`gather` results that depend on this future, in the calling
+        thread (see docs/semantics.md, "Errors through chains"); blocks
+        neither the thread otherwise nor the GPU.
         """
         with self._lock:
-            if self._state == _CANCELLED:
+            if self._state is _CANCELLED:
                 return True
-            if self._state != _PENDING:
+            if self._state is not _PENDING:
                 return False
             self._state = _CANCELLED
             listeners, self._listeners = self._listeners, None
@@ -171,13 +229,13 @@ class CudaFuture(Generic[T]):
     @property
     def devices(self) -> tuple[int, ...]:
         """Devices the future's events live on (before set: the ones given)."""
-        if self._state == _SET:
+        if self._state is _SET:
             return tuple(dict.fromkeys(r.device for r in self._records))
         return self._devices or ()
 
     def cancelled(self) -> bool:
         """Whether :meth:`cancel` cancelled the future."""
-        return self._state == _CANCELLED
+        return self._state is _CANCELLED
 
     def done(self) -> bool:
         """Whether the future is set and its GPU work complete, or it failed.
@@ -185,9 +243,9 @@ class CudaFuture(Generic[T]):
         Non-blocking: queries pending events (about 1.7 µs each).
         """
         state = self._state
-        if state == _SET:
+        if state is _SET:
             return self._events_done()
-        return state != _PENDING
+        return state is not _PENDING
 
     def _events_done(self) -> bool:
         for rec in self._records:
@@ -208,23 +266,46 @@ class CudaFuture(Generic[T]):
         sleeping with the GIL released (other threads and the GPU run on).
         Never call it from an event loop: ``await`` the future instead.
 
+        Args:
+            timeout: seconds to wait at most; ``None`` or ``math.inf``: no
+                limit.
+
         Raises:
             TimeoutError: not done within ``timeout`` seconds.
             CudaError: the GPU work failed.
             CancelledError: the future was cancelled.
+            ValueError: ``timeout`` is negative or NaN.
+            TypeError: ``timeout`` is not a number.
             Exception: whatever the producer set with :meth:`set_exception`.
         """
         self._block_until_done(timeout)
         return self._outcome(CancelledError)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Like :meth:`result`, but return the error (or ``None``) instead of
-        raising it. Blocks the thread the same way."""
+        """Like :meth:`result`, but return the error instead of raising it.
+
+        Blocks the calling thread the same way as :meth:`result`, until the
+        future is done; never call it from an event loop.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` or ``math.inf``: no
+                limit.
+
+        Returns:
+            The exception the producer set, the :class:`CudaError` the GPU
+            work reported, or ``None`` if the work succeeded.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            CancelledError: the future was cancelled.
+            ValueError: ``timeout`` is negative or NaN.
+            TypeError: ``timeout`` is not a number.
+        """
         self._block_until_done(timeout)
         state = self._state
-        if state == _SET:
+        if state is _SET:
             return first_error(self._records)
-        if state == _CANCELLED:
+        if state is _CANCELLED:
             raise CancelledError("the CudaFuture was cancelled before it was set")
         self._retrieved = True
         return self._exception
@@ -244,15 +325,21 @@ class CudaFuture(Generic[T]):
         a dropped array's memory on the producer's stream while your stream
         still reads it. :meth:`then` and :func:`submit` do this for you.
 
+        Args:
+            timeout: seconds to wait at most for the future to be set;
+                ``None`` or ``math.inf``: no limit.
+
         Raises:
             TimeoutError: not set within ``timeout`` seconds.
             CudaError: the GPU work is already known to have failed.
             CancelledError: the future was cancelled.
+            ValueError: ``timeout`` is negative or NaN.
+            TypeError: ``timeout`` is not a number.
         """
         _cuda.check_usable()
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
-        if self._state == _SET:
+        if self._state is _SET:
             for rec in self._records:
                 if rec.status is None:
                     rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
@@ -262,28 +349,38 @@ class CudaFuture(Generic[T]):
         """``await fut``: resolve when the GPU work is done; never blocks the loop.
 
         One waiter per event loop polls the events of every awaited future,
-        as the wait policy says (:func:`set_wait_policy`): spinning on loop
-        iterations while completion is near, sleeping otherwise; the loop
-        keeps running other tasks throughout. Works on asyncio, uvloop and
-        trio. Cancelling the awaiting task
-        removes its wait; the future itself is unaffected.
+        as the wait policy says (:func:`set_wait_policy`). While the policy
+        says spin (for ``spin_s``, 100 µs by default, after a new wait, and
+        around the predicted end of work whose duration the waiter has
+        learnt), the loop runs one poll (one ``cudaEventQuery``, about 2 µs)
+        per loop iteration, taking that CPU but never blocking other tasks;
+        otherwise it polls once per sleep, sleeps being at most
+        ``max_sleep_s`` (1 ms by default). See docs/performance.md for the CPU
+        measured. Works on asyncio, uvloop and trio. Cancelling the awaiting
+        task removes its wait; the future itself is unaffected.
+
+        Raises:
+            RuntimeError: the future is not done yet and no asyncio, uvloop
+                or trio loop runs in this thread.
+            CudaError: the GPU work failed.
+            asyncio.CancelledError: the future was cancelled (on trio:
+                :class:`CancelledError`).
+            Exception: whatever the producer set with :meth:`set_exception`.
         """
         _cuda.check_usable()
-        if self._state == _SET and self._events_done():
+        if self._state is _SET and self._events_done():
             return self._outcome(CancelledError)
         # A plain generator, not a coroutine: each pending await keeps only a
         # few objects alive, which matters to the cyclic GC at 10k awaits.
         driver = _loops.require_driver()
-        if self._state == _PENDING:
+        if self._state is _PENDING:
             yield from driver.until(
                 lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake))
             ).__await__()
-        if self._state == _SET and first_error(self._records) is None:
+        if self._state is _SET and first_error(self._records) is None:
             pending = [r for r in self._records if r.status is None]
-            if len(pending) == 1 and (yield from driver.spin_alone(pending[0]).__await__()):
-                pending = []
             if pending:
-                yield from driver.wait_records(pending)
+                yield from driver.wait(pending)
         return self._outcome(driver.cancelled_error)
 
     @overload
@@ -301,17 +398,31 @@ class CudaFuture(Generic[T]):
         that stream when nothing was recorded there since (no wait needed: a
         ``submit().then().then()`` chain stays on one stream). The returned
         child future is set with ``fn``'s return value, its events recorded
-        on those streams after ``fn`` returns. Costs a few µs
-        on the host; blocks neither the thread nor the GPU.
+        on those streams after ``fn`` returns.
+
+        Cost: if this future is already set, ``fn`` runs at once, in the
+        calling thread, before ``then()`` returns: the call costs ``fn``'s
+        run time plus a few µs, and blocks the calling thread that long.
+        Otherwise ``then()`` costs a few µs, and ``fn`` runs later inside
+        :meth:`set_result`, blocking the setter's thread. Never blocks the GPU:
+        the pool streams wait on the events, the host does not.
 
         If this future failed, ``fn`` is not called and the child fails with
-        the same exception object; if ``fn`` raises, the child fails with that
-        exception; if ``fn`` returns a CudaFuture, the child follows it. The
-        child keeps this future's value alive until its own events complete.
+        the same exception object; if it was cancelled, the child is
+        cancelled; if ``fn`` raises, the child fails with that exception; if
+        ``fn`` returns a CudaFuture, the child follows it. The child keeps
+        this future's value alive until its own events complete.
 
         Args:
             fn: called with the value; returns the child's value or a future.
             priority: ``"normal"`` or ``"high"``: which pool streams to use.
+
+        Returns:
+            The child future.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            ValueError: ``priority`` is neither ``"normal"`` nor ``"high"``.
         """
         _check_callable(fn, "then()")
         prio = _pools.check_priority(priority)
@@ -326,13 +437,19 @@ class CudaFuture(Generic[T]):
         ``fn`` runs on the event loop that is running in the calling thread,
         or, without one, on cudafut's watcher thread. An exception raised by
         ``fn`` goes to the loop's exception handler or to the ``cudafut``
-        logger; it is never lost. Costs nothing on the loop while waiting.
+        logger; it is never lost. Never blocks the loop; while waiting, the
+        loop's waiter polls as for ``await`` (one ``cudaEventQuery``, about
+        2 µs, per loop iteration while the wait policy says spin, otherwise
+        one per sleep of at most ``max_sleep_s``).
+
+        Raises:
+            TypeError: ``fn`` is not callable.
         """
         _check_callable(fn, "add_done_callback()")
         driver: _waiter.Driver = _loops.current_driver() or _waiter.thread_waiter()
 
         def when_done() -> None:  # runs in the driver's thread
-            pending = [r for r in self._records if r.status is None] if self._state == _SET else []
+            pending = [r for r in self._records if r.status is None] if self._state is _SET else []
             if pending:
                 driver.watch_all(pending, lambda _error: driver.run_callback(fn, self))
             else:
@@ -343,24 +460,28 @@ class CudaFuture(Generic[T]):
     # -- internals -----------------------------------------------------------
 
     def _check_pending(self) -> None:
-        if self._state != _PENDING:
+        if self._state is not _PENDING:
             raise InvalidStateError(
-                f"this CudaFuture is already {self._state}; a future is "
+                f"this CudaFuture is already {self._state.value}; a future is "
                 "completed once: create a new one for new work"
             )
 
     def _complete(
         self,
-        state: str,
+        state: _State,
         value: object,
         exception: BaseException | None,
         records: tuple[EventRecord, ...],
         keep: object = None,
+        traceback: TracebackType | None = None,
     ) -> None:
+        """Leave the pending state for ``state``; ``traceback`` goes with
+        ``exception`` (its traceback when it was first stored)."""
         with self._lock:
             self._check_pending()
             self._value = value
             self._exception = exception
+            self._traceback = traceback
             self._records = records
             self._keep = keep
             self._state = state  # last: readers that see it see the rest
@@ -370,33 +491,83 @@ class CudaFuture(Generic[T]):
 
     def _try_complete(
         self,
-        state: str,
+        state: _State,
         value: object,
         exception: BaseException | None,
         records: tuple[EventRecord, ...] = (),
         keep: object = None,
+        traceback: TracebackType | None = None,
     ) -> None:
         """Complete unless already completed (a consumer may cancel a child)."""
         try:  # noqa: SIM105 - contextlib.suppress costs a µs on this hot path
-            self._complete(state, value, exception, records, keep)
+            self._complete(state, value, exception, records, keep, traceback)
         except InvalidStateError:
             pass
+
+    def _try_fail(self, exception: BaseException) -> None:
+        """Fail with an exception just caught (its traceback is its own)."""
+        self._try_complete(_FAILED, None, exception, (), None, exception.__traceback__)
+
+    def _succeeded(self) -> bool:
+        """Set, and none of its events has reported an error so far."""
+        return self._state is _SET and first_error(self._records) is None
+
+    def _take_outcome(
+        self,
+        parents: Sequence[CudaFuture[Any]],
+        records: tuple[EventRecord, ...] = (),
+        keep: object = None,
+        *,
+        gather: bool = False,
+    ) -> None:
+        """Complete this future with what its completed ``parents`` came to.
+
+        The one way a future takes another's outcome (a ``then()`` child, a
+        follower of a returned future, a ``gather()``). The first parent,
+        in order, that did not succeed decides:
+
+        - cancelled: this future is cancelled (docs/semantics.md, "Errors
+          through chains");
+        - failed (:meth:`set_exception`, or an event error already seen):
+          this future fails with the same exception object and its original
+          traceback. The parent's error counts as retrieved: this future
+          carries it now, and logs it if nobody retrieves it from here.
+
+        If every parent succeeded, this future is set with the value of the
+        only parent (with ``gather``: the list of the parents' values, in
+        order) and the parents' records, each once, followed by ``records``;
+        it keeps ``keep`` and the parents (so what they keep) alive until its
+        events complete. A future already completed (a consumer cancelled it)
+        stays as it is.
+        """
+        for parent in parents:
+            state = parent._state
+            assert state is not _PENDING, "a parent must be completed first"
+            if state is _CANCELLED:
+                self.cancel()
+                return
+            if state is _FAILED:
+                parent._retrieved = True
+                self._try_complete(_FAILED, None, parent._exception, (), None, parent._traceback)
+                return
+            error = first_error(parent._records)
+            if error is not None:
+                self._try_complete(_FAILED, None, error)
+                return
+        if not gather:
+            (parent,) = parents
+            self._try_complete(_SET, parent._value, None, parent._records + records, (keep, parent))
+            return
+        # The same record may be shared (a future gathered twice, followers).
+        shared = tuple({id(r): r for p in parents for r in p._records}.values())
+        value = [p._value for p in parents]
+        self._try_complete(_SET, value, None, shared + records, (keep, tuple(parents)))
 
     def _follow(
         self, other: CudaFuture[Any], records: tuple[EventRecord, ...] = (), keep: object = None
     ) -> None:
         """Complete this future like ``other`` once it is set, plus ``records``."""
-
-        def copy() -> None:
-            if other._state == _CANCELLED:
-                self.cancel()
-            elif other._state == _FAILED:
-                other._retrieved = True
-                self._try_complete(_FAILED, None, other._exception)
-            else:
-                self._try_complete(_SET, other._value, None, other._records + records, (keep, other))
-
-        other._on_set(copy)
+        other._on_set(lambda: self._take_outcome((other,), records, keep))
 
     def _notify(self, event: threading.Event | None, listeners: list[Listener] | None) -> None:
         if event is not None:
@@ -408,7 +579,7 @@ class CudaFuture(Generic[T]):
         """Run ``listener`` once set (or failed/cancelled): now, or in the
         thread that completes the future."""
         with self._lock:
-            if self._state == _PENDING:
+            if self._state is _PENDING:
                 if self._listeners is None:
                     self._listeners = []
                 self._listeners.append(listener)
@@ -426,10 +597,10 @@ class CudaFuture(Generic[T]):
         return remove
 
     def _block_until_set(self, deadline: float | None, timeout: float | None) -> None:
-        if self._state != _PENDING:
+        if self._state is not _PENDING:
             return
         with self._lock:
-            if self._state != _PENDING:
+            if self._state is not _PENDING:
                 return
             if self._set_event is None:
                 self._set_event = threading.Event()
@@ -445,7 +616,7 @@ class CudaFuture(Generic[T]):
         _cuda.check_usable()
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
-        if self._state == _SET and not _waiter.block_until_complete(self._records, deadline):
+        if self._state is _SET and not _waiter.block_until_complete(self._records, deadline):
             raise TimeoutError(
                 f"the GPU work behind this future did not finish within {timeout} s; "
                 "it is still running: call again to keep waiting"
@@ -455,12 +626,14 @@ class CudaFuture(Generic[T]):
         """The value, or the error to raise; the future must be set, failed,
         or cancelled, and its events complete (or failed)."""
         state = self._state
-        if state == _CANCELLED:
+        if state is _CANCELLED:
             raise cancelled_error("the CudaFuture was cancelled before it was set")
-        if state == _FAILED:
+        if state is _FAILED:
             self._retrieved = True
             assert self._exception is not None
-            raise self._exception
+            # As asyncio does: each raise starts from the stored traceback,
+            # instead of growing it with every earlier result() or await.
+            raise self._exception.with_traceback(self._traceback)
         error = first_error(self._records)
         if error is not None:
             raise error
@@ -469,25 +642,31 @@ class CudaFuture(Generic[T]):
 
     def __repr__(self) -> str:
         state = self._state
-        if state == _SET:
+        if state is _SET:
             known = [r.status for r in self._records]
-            state = "failed on the GPU" if any(known) else "running" if None in known else "done"
-            state += f" devices={self.devices} value={_short(self._value)}"
-        elif state == _FAILED:
-            state = f"failed {self._exception!r}"
-        return f"<CudaFuture {state}>"
+            text = "failed on the GPU" if any(known) else "running" if None in known else "done"
+            text += f" devices={self.devices} value={_short(self._value)}"
+        elif state is _FAILED:
+            text = f"failed {self._exception!r}"
+        else:
+            text = state.value
+        return f"<CudaFuture {text}>"
 
     def __del__(self) -> None:
         if sys.is_finalizing():
             return
         state = self._state
-        if state == _FAILED and not self._retrieved:
+        if state is _FAILED and not self._retrieved:
+            exc = self._exception
+            assert exc is not None
             logger.error(
                 "cudafut: CudaFuture exception was never retrieved: %r",
-                self._exception,
-                exc_info=self._exception,
+                exc,
+                # Its traceback when stored: __traceback__ has grown since if
+                # the same object was raised elsewhere (by a gathered input).
+                exc_info=(type(exc), exc, self._traceback),
             )
-        elif state == _SET:
+        elif state is _SET:
             # A query (under 2 µs) spares the watcher thread work already done.
             try:
                 pending = [r for r in self._records if r.query() is None]
@@ -495,7 +674,8 @@ class CudaFuture(Generic[T]):
                 return
             if pending:
                 # Other streams may still read these buffers; freeing them now
-                # would let the memory pool hand them out again (hazard 5).
+                # would let the memory pool hand them out again
+                # (docs/design.md, hazard 5).
                 _waiter.thread_waiter().hold(pending, (self._value, self._keep))
 
 
@@ -518,21 +698,15 @@ def _call_listener(listener: Listener, future: CudaFuture[Any]) -> None:
 def _run_then(
     parent: CudaFuture[Any], fn: Callable[[Any], Any], priority: int, child: CudaFuture[Any]
 ) -> None:
-    """Run a then() callback; called once ``parent`` is set, in any thread."""
-    state = parent._state
-    if state == _CANCELLED:
-        child.cancel()
-        return
-    error = parent._exception if state == _FAILED else first_error(parent._records)
-    if error is not None:
-        parent._retrieved = True
-        child._try_complete(_FAILED, None, error)
+    """Run a then() callback; called once ``parent`` is completed, in any thread."""
+    if not parent._succeeded():
+        child._take_outcome((parent,))  # cancelled or failed: fn is not called
         return
     try:
         streams = _then_streams(parent, priority)
         _settle(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
-        child._try_complete(_FAILED, None, exc)
+        child._try_fail(exc)
 
 
 def _then_streams(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:
@@ -576,7 +750,7 @@ def _settle(
         else:  # a parent on no device: nothing to order against
             out = fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the future carries it
-        fut._try_complete(_FAILED, None, exc)
+        fut._try_fail(exc)
         return
     records = tuple(_events.record(int(s.ptr), d) for d, s in streams.items())
     if isinstance(out, CudaFuture):
@@ -663,9 +837,3 @@ def submit(
     fut: CudaFuture[Any] = CudaFuture()
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut
-
-
-# Named so in tracebacks and reprs: users import it from cudafut.
-for _obj in (CudaFuture, record, submit):
-    _obj.__module__ = "cudafut"
-del _obj

@@ -3,17 +3,22 @@
 Events are handed out exclusively: a handle goes back to the pool only when
 the :class:`~cudafut._events.EventRecord` that owns it is garbage, so no live
 object can ever observe a re-recorded event (the aliasing bug of shared event
-rings, DESIGN.md hazard 7).
+rings, docs/design.md, hazard 7).
 
 Streams are shared round-robin, as PyTorch does: 32 per device and priority,
 created on first use.
+
+:func:`statistics` is a snapshot of both pools, for tests, benchmarks and
+leak hunts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any, Final
 
 from . import _cuda
@@ -36,6 +41,29 @@ def check_priority(priority: object) -> int:
         raise ValueError(f"priority must be 'normal' or 'high', not {priority!r}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolStatistics:
+    """A snapshot of the event and stream pools, as :func:`statistics` returns.
+
+    Not atomic: other threads may acquire and release events meanwhile (the
+    free lists take no lock), so a device's counts may be off by the events
+    changing hands at that instant.
+
+    Attributes:
+        events_created: events created since the process started, all devices.
+        events_free: per device, handles in the pool, ready for reuse.
+        events_in_use: per device, handles owned by live event records
+            (created, neither free nor destroyed).
+        streams: per ``(device, priority)``, pool streams created (at most
+            32 each); ``priority`` is ``"normal"`` or ``"high"``.
+    """
+
+    events_created: int
+    events_free: Mapping[int, int]
+    events_in_use: Mapping[int, int]
+    streams: Mapping[tuple[int, str], int]
+
+
 class EventPool:
     """Free event handles per device.
 
@@ -46,13 +74,21 @@ class EventPool:
     def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}
         self.created = 0
+        # Per device, created and destroyed (beyond _MAX_FREE_EVENTS): off the
+        # hot path, counted under a lock only when CUDA is called anyway.
+        self._count_lock = threading.Lock()
+        self._created: dict[int, int] = {}
+        self._destroyed: dict[int, int] = {}
 
     def acquire(self, device: int) -> int:
         try:
             return self._free[device].pop()
         except (KeyError, IndexError):
-            self.created += 1
-            return _cuda.event_create(device)
+            handle = _cuda.event_create(device)
+            with self._count_lock:
+                self.created += 1
+                self._created[device] = self._created.get(device, 0) + 1
+            return handle
 
     def release(self, device: int, handle: int) -> None:
         try:
@@ -63,6 +99,18 @@ class EventPool:
             free.append(handle)
         elif not sys.is_finalizing():
             _cuda.event_destroy(handle)
+            with self._count_lock:
+                self._destroyed[device] = self._destroyed.get(device, 0) + 1
+
+    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Per device: (free handles, handles in use)."""
+        free = {device: len(handles) for device, handles in list(self._free.items())}
+        with self._count_lock:
+            in_use = {
+                device: n - self._destroyed.get(device, 0) - free.get(device, 0)
+                for device, n in self._created.items()
+            }
+        return free, in_use
 
 
 class StreamPool:
@@ -102,6 +150,29 @@ class StreamPool:
                 streams.append(stream)
             return streams[i]
 
+    def counts(self) -> dict[tuple[int, str], int]:
+        """Per ``(device, priority name)``: the pool streams created."""
+        names = {number: name for name, number in PRIORITIES.items()}
+        with self._lock:
+            return {
+                (device, names.get(prio, str(prio))): len(s) for (device, prio), s in self._streams.items()
+            }
+
 
 events: Final = EventPool()
 streams: Final = StreamPool()
+
+
+def statistics() -> PoolStatistics:
+    """A snapshot of the event and stream pools (see :class:`PoolStatistics`).
+
+    Costs a few µs per device on the host; no CUDA call; blocks nothing but
+    stream creation, for the instant it takes to count.
+    """
+    free, in_use = events.counts()
+    return PoolStatistics(
+        events_created=events.created,
+        events_free=free,
+        events_in_use=in_use,
+        streams=streams.counts(),
+    )

@@ -58,13 +58,33 @@ def _device_of(value: object, interface: dict[str, object]) -> int:
 
 
 def normalize_devices(devices: int | Iterable[int]) -> tuple[int, ...]:
-    """Validate a ``devices`` argument: an index or an iterable of them."""
+    """Validate a ``devices`` argument: an index or an iterable of them.
+
+    Returns:
+        The devices, each once, in order.
+
+    Raises:
+        TypeError: ``devices`` is neither an int nor an iterable of ints.
+        ValueError: no device, or one out of range.
+        CudaUnavailableError: CUDA cannot be used here (a negative index is
+            a ``ValueError`` first).
+    """
     if type(devices) is int:
         return (_cuda.check_device(devices),)
-    items = (devices,) if isinstance(devices, int) else tuple(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool):  # an int subclass
+        items: tuple[object, ...] = (devices,)
+    elif isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise TypeError(
+            "devices must be an int device ordinal (0, 1, ...) or an iterable of "
+            f"them, such as [0, 1], or None for the value's own devices; not {devices!r}"
+        )
+    else:
+        items = tuple(devices)
     if not items:
         raise ValueError(
             "devices must name at least one device; a future on no device "
             "would order nothing (pass devices=None to use the value's own)"
         )
+    for d in items:  # every argument error before the first CUDA call
+        _cuda.check_device_argument(d)
     return tuple(dict.fromkeys(_cuda.check_device(d) for d in items))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import cudafut
-from cudafut import _cuda, _events, _future, _pools, _waiter
+from cudafut import _cuda, _events, _future, _pools, _values, _waiter
 from cudafut._future import _SET, CudaFuture
 
 _idle: dict[int, Any] = {}
@@ -55,12 +55,12 @@ def _submit_without_wait(
 
 
 def _set_result_recorded_early(self: CudaFuture[Any], value: Any) -> None:
-    devices = self._devices or _future.find_devices(value)
+    devices = self._devices or _values.find_devices(value)
     self._complete(_SET, value, None, tuple(_idle_record(d) for d in devices))
 
 
 def _record_recorded_early(value: Any, *, stream: Any = None, keep: object = None) -> Any:
-    devices = [_cuda.stream_handle(stream)[1]] if stream is not None else _future.find_devices(value)
+    devices = [_cuda.stream_handle(stream)[1]] if stream is not None else _values.find_devices(value)
     fut: CudaFuture[Any] = CudaFuture()
     fut._complete(_SET, value, None, tuple(_idle_record(d) for d in devices), keep)
     return fut
@@ -74,22 +74,27 @@ _record = _future.record
 _settle = _future._settle
 
 
-def _settle_recorded_early(fut, fn, args, kwargs, streams, keep):  # type: ignore[no-untyped-def]
+def _settle_recorded_early(fut, fn, args, kwargs, streams, keep):
     real = _events.record
-    _events.record = lambda stream, device: _idle_record(device)  # type: ignore[assignment]
+    _events.record = lambda stream, device: _idle_record(device)
     try:
         _settle(fut, fn, args, kwargs, streams, keep)
     finally:
         _events.record = real
 
 
-def _settle_without_keep(fut, fn, args, kwargs, streams, keep):  # type: ignore[no-untyped-def]
+def _settle_without_keep(fut, fn, args, kwargs, streams, keep):
     _settle(fut, fn, args, kwargs, streams, None)
 
 
 def _patch_record(replacement: Any) -> None:
     _future.record = replacement
     cudafut.record = replacement
+
+
+def _patch_submit(replacement: Any) -> None:
+    _future.submit = replacement
+    cudafut.submit = replacement
 
 
 MUTATIONS = {
@@ -100,9 +105,7 @@ MUTATIONS = {
     # then(): the child's pool stream no longer waits on the parent
     "then_stream_wait": lambda: setattr(_future, "_then_streams", _then_streams_without_wait),
     # submit(): the pool stream no longer waits on the caller's current stream
-    "submit_stream_wait": lambda: (
-        setattr(_future, "submit", _submit_without_wait) or setattr(cudafut, "submit", _submit_without_wait)
-    ),
+    "submit_stream_wait": lambda: _patch_submit(_submit_without_wait),
     # set_result(): the event no longer follows the producer's work
     "set_result_record": lambda: setattr(CudaFuture, "set_result", _set_result_recorded_early),
     # record(): likewise

@@ -1,8 +1,12 @@
-"""Shared fixtures: GPU detection, the async backends, and the GPU kernels."""
+"""Shared fixtures: GPU detection, the async backends, the GPU kernels, and
+a check that every async test runs on the loop it says it runs on."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,7 +25,25 @@ def _gpu_missing() -> str | None:
 GPU_MISSING = _gpu_missing()
 
 
+def _check_one_async_runner(items: list[pytest.Item]) -> None:
+    """An item marked both ``anyio`` and ``asyncio`` runs on pytest-asyncio's
+    plain loop whatever its ``anyio_backend`` says: its uvloop and trio
+    variants would pass without running there. Refuse the mix."""
+    mixed = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("anyio") is not None and item.get_closest_marker("asyncio") is not None
+    ]
+    if mixed:
+        raise pytest.UsageError(
+            "these tests carry both the anyio and the asyncio marker, so pytest-asyncio runs "
+            "every anyio_backend variant on its own asyncio loop: keep one marker (anyio, and "
+            "read the loop through the running loop or anyio_backend):\n  " + "\n  ".join(mixed)
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _check_one_async_runner(items)
     if GPU_MISSING is None:
         return
     if os.environ.get("CUDAFUT_REQUIRE_GPU"):
@@ -48,13 +70,85 @@ if os.environ.get("CUDAFUT_MUTATE"):
     _mutations.apply(os.environ["CUDAFUT_MUTATE"])
 
 
+# -- the async backends ---------------------------------------------------------
+# As anyio's own test suite runs: asyncio in debug mode (which also refuses
+# a loop call from another thread), uvloop through a loop factory, on
+# Python 3.12+ an asyncio loop whose tasks start eagerly, and trio. A test
+# marked ``no_asyncio_debug(reason=...)`` runs its asyncio variants without
+# debug mode, which records a stack for every task and callback.
+
+try:
+    import uvloop
+
+    _new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+except ImportError:  # uvloop is a test dependency everywhere but on Windows
+    _new_uvloop = None
+
 ANYIO_BACKENDS: list[Any] = [
-    pytest.param(("asyncio", {}), id="asyncio"),
-    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    pytest.param(("trio", {}), id="trio"),
+    pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+    pytest.param(
+        ("asyncio", {"debug": True, "loop_factory": _new_uvloop}),
+        id="uvloop",
+        marks=pytest.mark.skipif(_new_uvloop is None, reason="uvloop is not installed"),
+    ),
 ]
+if sys.version_info >= (3, 12):
+
+    def _eager_task_loop() -> asyncio.AbstractEventLoop:
+        loop = asyncio.new_event_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)
+        return loop
+
+    ANYIO_BACKENDS.append(
+        pytest.param(("asyncio", {"debug": True, "loop_factory": _eager_task_loop}), id="eager")
+    )
+ANYIO_BACKENDS.append(pytest.param(("trio", {}), id="trio"))
 
 
 @pytest.fixture(params=ANYIO_BACKENDS)
-def anyio_backend(request: pytest.FixtureRequest) -> Any:
-    return request.param
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    name, options = request.param
+    if "debug" in options and request.node.get_closest_marker("no_asyncio_debug") is not None:
+        options = {**options, "debug": False}
+    return name, options
+
+
+# -- the GPU ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def warm_kernels() -> None:
+    """Compile and load every kernel the in-process GPU tests use, on every
+    device they use, before any of them runs: a first-use compile takes
+    longer than the slow producers spin, and would order an unordered
+    consumer by accident (the control tests would then fail, and a missing
+    wait could pass)."""
+    from tests.kernels import spin_copy, spin_fill
+
+    cp = _cuda.cupy()
+    for device in range(min(2, _cuda.device_count())):
+        with cp.cuda.Device(device):
+            a = cp.zeros(4, dtype=cp.float32)
+            warm = [a + 1, a + 1.0, a + 0, a - 1, a * 2, a * 2.0, a * 3, a * 2 + 1, a + a]
+            warm += [cp.full(4, 7, dtype=cp.float32), cp.full(4, -1.0, dtype=cp.float32), cp.empty_like(a)]
+            spin_fill(a, 1, 0)
+            spin_copy(a, a, 0)
+            del warm
+            cp.cuda.Device(device).synchronize()
+
+
+@pytest.fixture(autouse=True)
+def _warm_gpu_tests(request: pytest.FixtureRequest) -> None:
+    """Every test marked ``gpu`` gets the warm kernels; no other test touches
+    CUDA for them (without a GPU, the gpu tests are skipped before this)."""
+    if GPU_MISSING is None and request.node.get_closest_marker("gpu") is not None:
+        request.getfixturevalue("warm_kernels")
+
+
+@pytest.fixture
+def cp(warm_kernels: None) -> Any:
+    """CuPy, with the kernels warm and the current device idle: nothing a
+    previous test left running can order (or slow) this one."""
+    cupy = _cuda.cupy()
+    cupy.cuda.Device().synchronize()
+    return cupy

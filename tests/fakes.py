@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import TYPE_CHECKING, Any
 
 from cudafut._events import EventRecord
+
+if TYPE_CHECKING:
+    from cudafut import CudaFuture
 
 _handles = itertools.count(1)
 _streams = itertools.count(0x1000)
@@ -48,11 +52,11 @@ def stream_records(n: int) -> list[FakeRecord]:
     return [FakeRecord(stream, seq) for seq in range(1, n + 1)]
 
 
-def set_future(value: object, records: list[FakeRecord]):  # type: ignore[no-untyped-def]
+def set_future(value: object, records: list[FakeRecord]) -> CudaFuture[Any]:
     """A CudaFuture set with fake records (no CUDA involved)."""
     from cudafut import CudaFuture
-    from cudafut._future import _SET
+    from cudafut._future import _State
 
-    fut: CudaFuture[object] = CudaFuture()
-    fut._complete(_SET, value, None, tuple(records))
+    fut: CudaFuture[Any] = CudaFuture()
+    fut._complete(_State.SET, value, None, tuple(records))
     return fut

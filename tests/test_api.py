@@ -6,9 +6,12 @@ import asyncio
 import builtins
 import concurrent.futures
 import pickle
+import re
+
+import pytest
 
 import cudafut
-from tests.subproc import run_python
+from tests.subproc import ROOT, run_python
 
 
 def test_all_names_exported_once_and_named_cudafut() -> None:
@@ -73,3 +76,37 @@ def test_missing_cupy_is_explained() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "CuPy is not installed" in proc.stdout
     assert "cudafut[cuda12]" in proc.stdout
+
+
+# -- what a package index shows ------------------------------------------------
+
+REPOSITORY = "https://github.com/cudafut/cudafut"
+
+
+def test_the_mit_license_is_shipped() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "Copyright (c) 2026 cudafut developers" in text
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "MIT"
+    assert "LICENSE" in project["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+
+
+def test_the_project_urls_point_at_the_repository() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert set(urls) == {"Homepage", "Documentation", "Changelog", "Issues"}
+    assert all(url.startswith(REPOSITORY) for url in urls.values()), urls
+
+
+def test_readme_links_work_on_a_package_index_page() -> None:
+    """PyPI renders README.md away from the repository: a relative link breaks."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)\s]+)\)", readme) + re.findall(r"^\[[^]]+\]:\s*(\S+)", readme, re.M)
+    assert targets, "the README links to its documentation"
+    relative = [t for t in targets if not re.match(r"https?://|mailto:|#", t)]
+    assert relative == [], f"make these absolute ({REPOSITORY}/blob/main/...): {relative}"
+    for target in targets:
+        prefix = REPOSITORY + "/blob/main/"
+        if target.startswith(prefix):  # and they name files that exist
+            assert (ROOT / target[len(prefix) :].split("#")[0]).exists(), target

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import random
 import threading
 
@@ -16,6 +17,27 @@ from cudafut import _loops
 from tests.fakes import FakeRecord, set_future, stream_records
 
 pytestmark = pytest.mark.anyio
+
+
+async def test_each_backend_runs_on_the_loop_it_names(request: pytest.FixtureRequest) -> None:
+    """The anyio_backend variants (tests/conftest.py) are what their ids say."""
+    variant = request.node.callspec.id
+    if variant == "trio":
+        import trio
+
+        trio.lowlevel.current_trio_token()  # raises outside a trio run
+        return
+    loop = asyncio.get_running_loop()
+    assert loop.get_debug()
+    assert (type(loop).__module__.split(".")[0] == "uvloop") == (variant == "uvloop")
+    eager = getattr(asyncio, "eager_task_factory", None)
+    assert (eager is not None and loop.get_task_factory() is eager) == (variant == "eager")
+
+
+@pytest.mark.no_asyncio_debug(reason="checks the marker itself")
+async def test_no_asyncio_debug_turns_debug_mode_off(anyio_backend: tuple[str, dict[str, object]]) -> None:
+    if anyio_backend[0] == "asyncio":
+        assert not asyncio.get_running_loop().get_debug()
 
 
 async def complete_later(rec: FakeRecord, delay: float = 0.003) -> None:
@@ -63,14 +85,32 @@ async def test_await_a_failed_future_raises_the_same_exception() -> None:
 
 
 async def test_await_raises_cuda_error_instead_of_hanging() -> None:
-    rec = FakeRecord()
-    fut = set_future("v", [rec, FakeRecord()])  # the other never completes
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(anyio.sleep, 0.003)
-        rec.fail(700)
-        with pytest.raises(cudafut.CudaError) as info:
+    """The record fails while the await is already waiting in the loop's
+    waiter: the waiter's poll finds the error and ends the wait, although
+    the future's other record never completes."""
+    rec, never = FakeRecord(), FakeRecord()
+    fut = set_future("v", [rec, never])
+    errors: list[cudafut.CudaError] = []
+
+    async def waiter() -> None:
+        try:
             await fut
-    assert info.value.code == 700
+        except cudafut.CudaError as exc:
+            errors.append(exc)
+
+    driver = _loops.current_driver()
+    assert driver is not None
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            while not driver.watchlist.pending:  # until the await is in the waiter
+                await anyio.sleep(0)
+            queries = rec.queries
+            assert not errors and queries >= 1
+            rec.fail(700)
+    assert [exc.code for exc in errors] == [700]
+    assert rec.queries > queries  # found by a poll after the failure, not before
+    assert driver.watchlist.pending == 0 and never.status is None
 
 
 async def test_await_a_cancelled_future(anyio_backend: tuple[str, dict[str, object]]) -> None:
@@ -165,22 +205,69 @@ async def test_await_outside_a_supported_loop_is_explained() -> None:
     gen.close()
 
 
-@pytest.mark.asyncio
-async def test_done_callback_error_goes_to_the_loop_exception_handler() -> None:
-    loop = asyncio.get_running_loop()
+async def test_done_callback_error_goes_to_the_loops_handler(
+    anyio_backend: tuple[str, dict[str, object]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """asyncio (uvloop included): the running loop's exception handler, with
+    the future in the context; trio has no such handler: the cudafut logger."""
+    on_asyncio = anyio_backend[0] == "asyncio"
     seen: list[dict[str, object]] = []
-    loop.set_exception_handler(lambda _loop, context: seen.append(context))
     fut: cudafut.CudaFuture[object] = cudafut.CudaFuture()
     fut.set_exception(KeyError())
     fut.exception()
+    raised: list[ZeroDivisionError] = []
 
     def bad(f: object) -> None:
-        raise ZeroDivisionError
+        raised.append(ZeroDivisionError())
+        raise raised[-1]
 
-    fut.add_done_callback(bad)
-    for _ in range(100):
-        if seen:
-            break
-        await asyncio.sleep(0.001)
-    assert isinstance(seen[0]["exception"], ZeroDivisionError)
-    assert seen[0]["future"] is fut
+    def ours() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "cudafut"]
+
+    loop = asyncio.get_running_loop() if on_asyncio else None
+    previous = loop.get_exception_handler() if loop is not None else None
+    if loop is not None:
+        loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        with caplog.at_level(logging.ERROR, logger="cudafut"):
+            fut.add_done_callback(bad)
+            with anyio.fail_after(5):
+                while not (seen or ours()):
+                    await anyio.sleep(0.001)
+    finally:
+        if loop is not None:
+            loop.set_exception_handler(previous)
+    assert len(raised) == 1
+    if on_asyncio:
+        assert len(seen) == 1 and not ours()
+        assert seen[0]["exception"] is raised[0]
+        assert seen[0]["future"] is fut
+    else:
+        [record] = ours()
+        assert record.exc_info is not None and record.exc_info[1] is raised[0]
+        assert "done callback" in record.getMessage() and repr(fut) in record.getMessage()
+
+
+def test_a_test_marked_both_anyio_and_asyncio_is_refused(pytester: pytest.Pytester) -> None:
+    """tests/conftest.py refuses the mix that ran a test's uvloop and trio
+    variants on pytest-asyncio's loop."""
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makeconftest("from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+    pytester.makepyfile(
+        """
+        import pytest
+
+        pytestmark = pytest.mark.anyio
+
+        @pytest.mark.asyncio
+        async def test_mixed():
+            pass
+
+        async def test_anyio_only():
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*both the anyio and the asyncio marker*", "*::test_mixed*"])
+    assert "test_anyio_only" not in result.stderr.str()

@@ -1,31 +1,147 @@
-"""Every Python example in README.md and docs/ runs, as a newcomer would run it."""
+"""Every Python example in README.md and docs/ runs, as a newcomer would run
+it, and prints what it says it computes.
+
+The examples the documentation must keep are listed in ``KNOWN``, each by a
+line that makes it what it is: one that is removed or loses that line fails
+``test_the_documented_examples_are_there``; one that breaks fails its run.
+An example not listed still runs, under its position in its file.
+"""
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import cudafut
 from tests.subproc import ROOT, run_python
 
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-def examples() -> list[object]:
+@dataclass(frozen=True)
+class Known:
+    """An example the documentation must keep."""
+
+    name: str
+    file: str  # relative to the repository root
+    line: str  # a line (stripped) that makes the example what it is
+    check: Callable[[str], bool]  # on what the example prints (stripped)
+    prints: str  # what check() accepts, for the failure message
+
+
+def _balanced() -> str:
+    old = cudafut.set_wait_policy("balanced")
+    try:
+        return repr(cudafut.get_wait_policy())
+    finally:
+        cudafut.set_wait_policy(old)
+
+
+KNOWN = [
+    Known(
+        "readme-await",
+        "README.md",
+        "y = await fut  # the loop serves others meanwhile",
+        # sum(sqrt(x * x + 1) for x in range(10**6)) = 499999500008.09 (float32 rounds)
+        lambda out: math.isclose(float(out), 499_999_500_008, rel_tol=1e-3),
+        "about 4.999995e11",
+    ),
+    Known(
+        "readme-then",
+        "README.md",
+        "fut.then(lambda a: a @ a)  # on a pool stream that waits for x",
+        # (a @ a) / max(a @ a) over 2048 x 2048 positive entries
+        lambda out: 0 < float(out) <= 2048 * 2048,
+        "a sum in (0, 2048**2]",
+    ),
+    Known(
+        "readme-result",
+        "README.md",
+        "spectrum = fut.result(timeout=10)  # raises cudafut.TimeoutError if late",
+        # the FFT of 2**20 ones: 2**20, then zeros
+        lambda out: out.startswith("[") and ("1048576." in out or "1.048576" in out),
+        "[1048576.+0.j ...",
+    ),
+    Known(
+        "readme-set-result",
+        "README.md",
+        "fut.set_result(y)  # records an event on `stream`",
+        lambda out: out == "[ 1  2  5 10 17 26 37 50 65 82]",
+        "[ 1  2  5 10 17 26 37 50 65 82]",
+    ),
+    Known(
+        "readme-policy",
+        "README.md",
+        'cudafut.set_wait_policy("balanced")  # the default',
+        lambda out: out == _balanced(),
+        "the balanced policy's repr",
+    ),
+    Known(
+        "semantics-keep",
+        "docs/semantics.md",
+        "out = cudafut.record(v + 1, keep=v)  # v can be dropped now",
+        lambda out: out == "[1. 2. 3. 4.]",
+        "[1. 2. 3. 4.]",
+    ),
+]
+
+
+def documented_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def fences(path: Path) -> list[str]:
+    return [match.group(1) for match in FENCE.finditer(path.read_text())]
+
+
+def owner(path: Path, code: str) -> Known | None:
+    """The known example that ``code`` (in ``path``) is, if any."""
+    lines = {line.strip() for line in code.splitlines()}
+    for known in KNOWN:
+        if ROOT / known.file == path and known.line in lines:
+            return known
+    return None
+
+
+def examples() -> list[Any]:
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for i, match in enumerate(FENCE.finditer(path.read_text())):
-            found.append(pytest.param(match.group(1), id=f"{path.name}-{i}"))
+    for path in documented_files():
+        for i, code in enumerate(fences(path)):
+            known = owner(path, code)
+            name = known.name if known is not None else f"{path.name}-{i}"
+            found.append(pytest.param(code, known, id=name))
     return found
 
 
-def test_the_readme_has_examples() -> None:
-    assert len(examples()) >= 4
+def test_the_documented_examples_are_there() -> None:
+    for known in KNOWN:
+        path = ROOT / known.file
+        holders = [code for code in fences(path) if owner(path, code) is known]
+        assert len(holders) == 1, (
+            f"{known.file} should have one ```python example with the line {known.line!r} "
+            f"({known.name}); it has {len(holders)}. If the example changed on purpose, "
+            "update KNOWN in tests/test_docs.py"
+        )
+
+
+def test_every_example_is_collected() -> None:
+    ids = [param.id for param in examples()]
+    assert {known.name for known in KNOWN} <= set(ids)
+    assert len(ids) == len(set(ids)), ids
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("code", examples())
-def test_example_runs(code: str) -> None:
+@pytest.mark.parametrize(("code", "known"), examples())
+def test_example_runs(code: str, known: Known | None) -> None:
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip(), "an example should print its result"
+    out = proc.stdout.strip()
+    assert out, "an example should print its result"
+    if known is not None:
+        assert known.check(out), f"{known.name} printed {out!r}, expected {known.prints}"

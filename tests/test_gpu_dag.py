@@ -17,11 +17,9 @@ reliability run uses 2000). A failure prints its seed; replay it with
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -31,12 +29,14 @@ from hypothesis import strategies as st
 import cudafut
 from cudafut import _cuda
 from tests.kernels import spin_copy, spin_fill
+from tests.runners import BACKENDS, run_on
 
 pytestmark = pytest.mark.gpu
 
 M = 2048
 DELAYS_MS = (0.0, 0.02, 0.1, 0.5, 2.0)
 EXAMPLES = int(os.environ.get("CUDAFUT_DAG_EXAMPLES", "100"))
+PRIORITIES: tuple[Literal["normal", "high"], ...] = ("normal", "high")
 
 
 class Node:
@@ -47,7 +47,7 @@ class Node:
 
 
 class World:
-    """Streams per device (both priorities), kernels compiled once."""
+    """Streams per device (both priorities); the kernels are warm (conftest)."""
 
     def __init__(self) -> None:
         cp = self.cp = _cuda.cupy()
@@ -56,12 +56,6 @@ class World:
         for d in self.devices:
             with cp.cuda.Device(d):
                 self.streams[d] = [cp.cuda.Stream(non_blocking=True, priority=p) for p in (0, 0, -1, -1)]
-                a = cp.zeros(4, dtype=cp.float32)
-                spin_fill(a, 1, 0)
-                spin_copy(a, a, 0)
-                for out in (a * 2 + 1, a + a):
-                    del out
-                cp.cuda.Device(d).synchronize()
 
     def slow_affine(self, x: Any, a: float, b: float, ms: float) -> Any:
         """``a * x + b`` on the current stream, after spinning ``ms``."""
@@ -76,7 +70,7 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world() -> World:
+def world(warm_kernels: None) -> World:
     return World()
 
 
@@ -98,7 +92,7 @@ def build(world: World, rng: random.Random) -> list[Node]:
             continue
         parent = rng.choice(nodes)
         if kind == "then":
-            prio = rng.choice(["normal", "high"])
+            prio = rng.choice(PRIORITIES)
             child = parent.fut.then(lambda v, a=a, b=b, ms=ms: world.slow_affine(v, a, b, ms), priority=prio)
             nodes.append(Node(child, a * parent.expected + b, parent.device))
             continue
@@ -142,26 +136,14 @@ def consume(world: World, nodes: list[Node], rng: random.Random) -> list[tuple[i
         got += [(i, "gather", cp.asnumpy(v)) for i, v in zip(gathered, values, strict=True)]
     awaited = [i for i, m in enumerate(modes) if m == "await"]
     if awaited:
-        backend = rng.choice(["asyncio", "uvloop", "trio"])
+        backend = rng.choice(BACKENDS)
 
         async def main() -> list[Any]:
             return [await nodes[i].fut for i in awaited]
 
-        values = _run(backend, main)
+        values = run_on(backend, main)
         got += [(i, f"await ({backend})", cp.asnumpy(v)) for i, v in zip(awaited, values, strict=True)]
     return got
-
-
-def _run(backend: str, main: Callable[[], Any]) -> Any:
-    if backend == "trio":
-        import trio
-
-        return trio.run(main)
-    if backend == "uvloop":
-        import uvloop
-
-        return uvloop.run(main())
-    return asyncio.run(main())
 
 
 def check_seed(world: World, seed: int) -> None:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import cudafut
-from cudafut._future import _SET
+from cudafut._future import _State
 from tests.fakes import FakeRecord, set_future
 
 
@@ -156,7 +156,7 @@ def test_done_queries_and_releases_kept_objects() -> None:
 
 def test_set_result_on_a_host_value_without_devices_is_refused() -> None:
     with pytest.raises(ValueError, match="no GPU"):
-        cudafut.CudaFuture().set_result(3)
+        cudafut.CudaFuture[int]().set_result(3)
 
 
 def test_devices_argument_must_name_a_device() -> None:
@@ -195,13 +195,13 @@ def test_then_on_a_cancelled_future_cancels_the_child() -> None:
 def test_then_validates_its_arguments() -> None:
     fut: cudafut.CudaFuture[object] = cudafut.CudaFuture()
     with pytest.raises(TypeError, match="callable"):
-        fut.then(42)  # type: ignore[arg-type]
+        fut.then(42)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="'normal' or 'high'"):
-        fut.then(lambda v: v, priority="hihg")
+        fut.then(lambda v: v, priority="hihg")  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="callable"):
         fut.add_done_callback(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="callable"):
-        cudafut.submit("not callable")  # type: ignore[arg-type]
+        cudafut.submit("not callable")  # type: ignore[call-overload]
 
 
 # -- combinators ---------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_gather_of_nothing_is_an_empty_list() -> None:
 def test_gather_collects_values_and_every_record() -> None:
     a, b = FakeRecord(0x1), FakeRecord(0x2)
     out = cudafut.gather(set_future(1, [a]), set_future(2, [b]))
-    assert out._state == _SET and set(out._records) == {a, b}
+    assert out._state is _State.SET and set(out._records) == {a, b}
     assert not out.done()
     a.complete()
     b.complete()
@@ -252,7 +252,12 @@ def test_done_callback_without_a_loop_runs_on_the_watcher_thread() -> None:
     fut = set_future("v", [rec])
     seen = threading.Event()
     where: list[str] = []
-    fut.add_done_callback(lambda f: (where.append(threading.current_thread().name), seen.set()))
+
+    def callback(fut: object) -> None:
+        where.append(threading.current_thread().name)
+        seen.set()
+
+    fut.add_done_callback(callback)
     time.sleep(0.01)
     assert not seen.is_set()  # set, but the GPU work is not done
     rec.complete()
