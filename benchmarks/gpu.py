@@ -1,25 +1,35 @@
-"""GPU helpers shared by the benchmarks: exact-duration kernels, streams, stats."""
+"""GPU helpers shared by the benchmarks: exact-duration kernels, streams, a
+native host function. Imports CuPy (sections import it inside ``run()``); the
+CuPy-free helpers are in ``common.py`` (re-exported here for convenience)."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import cupy as cp
 
-_SOURCE = r"""
-extern "C" __global__ void gsleep(long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < (unsigned long long)ns);
-}
+from cudafut._kernels import GSLEEP
 
+from .common import CpuMeter, quantiles, timed
+
+__all__ = [
+    "CpuMeter",
+    "HostFunc",
+    "axpb",
+    "environment",
+    "gsleep",
+    "quantiles",
+    "stream",
+    "sync_all",
+    "timed",
+    "token",
+    "work",
+]
+
+_AXPB = r"""
 extern "C" __global__ void axpb(const float* x, float* y, long long n, float a, float b, int rounds) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long step = (long long)gridDim.x * blockDim.x;
@@ -30,8 +40,9 @@ extern "C" __global__ void axpb(const float* x, float* y, long long n, float a, 
     }
 }
 """
-_module = cp.RawModule(code=_SOURCE)
+_module = cp.RawModule(code=GSLEEP + _AXPB)
 _gsleep = _module.get_function("gsleep")
+gsleep = _gsleep  # the raw kernel: gsleep((1,), (1,), (cp.int64(ns),)) on the current stream
 _axpb = _module.get_function("axpb")
 
 stream = cp.cuda.Stream(non_blocking=True)
@@ -53,42 +64,10 @@ def sync_all() -> None:
     cp.cuda.Device().synchronize()
 
 
-def quantiles(samples: list[float]) -> dict[str, float]:
-    """p50 / p99 / mean in µs."""
-    s = sorted(samples)
-    return {
-        "p50_us": s[len(s) // 2] * 1e6,
-        "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
-        "mean_us": statistics.fmean(s) * 1e6,
-        "n": len(s),
-    }
-
-
-def timed(fn: Callable[[], object], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-class CpuMeter:
-    """Process CPU seconds over wall seconds for a block."""
-
-    def __enter__(self) -> CpuMeter:
-        self.c0, self.t0 = time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.t0
-        self.cpu = time.process_time() - self.c0
-        self.ratio = self.cpu / self.wall
-
-
 class HostFunc:
     """A native host function that closes a file descriptor: the GIL-free
-    wake-up of DESIGN.md (``libc close()`` launched with ``cuLaunchHostFunc``)."""
+    wake-up that docs/design.md measured and did not take (``libc close()``
+    launched with ``cuLaunchHostFunc``)."""
 
     def __init__(self) -> None:
         self.libcuda = ctypes.CDLL("libcuda.so.1")
@@ -111,7 +90,7 @@ def environment() -> dict[str, Any]:
     props = cp.cuda.runtime.getDeviceProperties(0)
     driver = cp.cuda.runtime.driverGetVersion()
     try:
-        import pynvml  # type: ignore[import-not-found]
+        pynvml = importlib.import_module("pynvml")  # optional
 
         pynvml.nvmlInit()
         driver_str = pynvml.nvmlSystemGetDriverVersion()

@@ -36,12 +36,13 @@ def resources() -> dict[str, float]:
     pool = cp.get_default_memory_pool()
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
-    events_free = sum(len(v) for v in _pools.events._free.values())
+    pools = _pools.statistics()
+    events_free = sum(pools.events_free.values())
     return {
         "events_created": _pools.events.created,
         "events_free_in_pool": events_free,
         "events_live": _pools.events.created - events_free,
-        "pool_streams": sum(len(v) for v in _pools.streams._streams.values()),
+        "pool_streams": sum(pools.streams.values()),
         "threads": threading.active_count(),
         "fds": len(os.listdir("/proc/self/fd")),
         "rss_mb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20,

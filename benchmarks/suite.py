@@ -9,6 +9,8 @@ Sections (numbers as in the performance issue and docs/performance.md):
 1-3. ``wake``: launch a kernel that runs for an exact time (0 µs to 20 ms,
      ``%globaltimer`` spin), learn that it finished; p50/p99 and CPU/wall for
      each waiting strategy, against ``stream.synchronize()`` (the floor).
+     ``sweep``: the same ``await`` on repeating 2 and 20 ms work, for a range
+     of ``WaitPolicy(cpu_budget=...)``. ``vary``: see its module.
 4.   ``many``: 10,000 concurrent awaits over 8 streams; host time per future
      and the longest stall of a heartbeat task, next to plain asyncio futures.
 5.   ``host``: create + set, ``record()``, ``then()`` chains, next to a bare
@@ -18,6 +20,11 @@ Sections (numbers as in the performance issue and docs/performance.md):
 7.   peers appear inside the sections: asyncio ``sleep(0)`` polling,
      ``run_in_executor(event.synchronize)``, a native host function closing a
      pipe, numba-cuda ``async_done()``, ``torch.futures``.
+
+Each section is one module of this folder, named as in ``--only`` (``wake.py``
+...), with the interface of ``common.Section``: ``NAME``, ``steps(quick)``,
+``run(progress, quick)``, ``markdown(result)``, ``plots(result, out, stem)``;
+``common.SECTIONS`` lists them in the order they run and are reported.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 
 import cudafut
 
-SECTIONS = ("wake", "sweep", "many", "host", "pipeline")
+from .common import SECTIONS, Progress, section
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,34 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--name", default=None, help="result file stem (default: bench-<gpu>)")
     args = parser.parse_args(argv)
-    sections = args.only or list(SECTIONS)
+    # Every section module is imported before anything runs (a missing one
+    # fails now, not after minutes of measuring); none needs CuPy to import.
+    sections = [section(name) for name in SECTIONS if name in (args.only or SECTIONS)]
     # Imported only now: --help works without CuPy or a GPU.
     from . import gpu
-    from .measure import (
-        ASYNC_STRATEGIES,
-        PIPELINES,
-        SWEEP_BUDGETS,
-        SWEEP_MS,
-        SYNC_STRATEGIES,
-        WORK_MS,
-        Progress,
-        bench_host,
-        bench_many,
-        bench_pipeline,
-        bench_sweep,
-        bench_wake,
-    )
     from .report import write_report
 
     env = gpu.environment()
-    total = (
-        ("wake" in sections) * len(WORK_MS) * (1 + len(ASYNC_STRATEGIES) + len(SYNC_STRATEGIES))
-        + ("sweep" in sections) * len(SWEEP_MS) * len(SWEEP_BUDGETS)
-        + ("many" in sections) * 2
-        + ("host" in sections) * 7
-        + ("pipeline" in sections) * 4 * len(PIPELINES)
-    )
-    progress = Progress(total)
+    progress = Progress(sum(s.steps(args.quick) for s in sections))
     print(f"cudafut {cudafut.__version__} bench on {env['gpu']}, CuPy {env['cupy']}", file=sys.stderr)
     gpu.work(0)
     gpu.stream.synchronize()
@@ -83,16 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
         }
     }
-    if "wake" in sections:
-        results["wake"] = bench_wake(progress, args.quick)
-    if "sweep" in sections:
-        results["sweep"] = bench_sweep(progress, args.quick)
-    if "many" in sections:
-        results["many_awaits"] = bench_many(progress)
-    if "host" in sections:
-        results["host"] = bench_host(progress)
-    if "pipeline" in sections:
-        results["pipeline"] = bench_pipeline(progress)
+    for s in sections:
+        results[s.NAME] = s.run(progress, args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or "bench-" + env["gpu"].lower().replace("nvidia ", "").split()[0]

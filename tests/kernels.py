@@ -7,16 +7,11 @@ import functools
 from typing import Any
 
 from cudafut import _cuda
+from cudafut._kernels import SPIN
 
-_SOURCE = r"""
-__device__ void spin(long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < (unsigned long long)ns);
-}
-
+_SOURCE = (
+    SPIN
+    + r"""
 extern "C" __global__ void spin_fill(float* out, long long n, float value, long long ns) {
     spin(ns);
     for (long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = value;
@@ -32,6 +27,7 @@ extern "C" __global__ void spin_fault(long long ns) {
     *(volatile float*)(0x10) = 1.0f;  // an illegal address: a sticky error
 }
 """
+)
 
 
 @functools.cache

@@ -1,0 +1,170 @@
+"""Section 5, ``host``: create + set, ``record()``, ``then()`` chains, next to
+a bare kernel launch and to ``torch.futures``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cudafut
+
+from .common import Progress
+
+NAME = "host"
+
+LINKS = 1000
+
+# The operations timed one by one; each is stored as "<name> us".
+LAUNCH = "bare kernel launch"
+CREATE_SET = "cudafut create + set_result"
+RECORD = "cudafut record()"
+LAUNCH_US = LAUNCH + " us"
+CREATE_SET_US = CREATE_SET + " us"
+THEN_US = "cudafut then() per link us"
+LAUNCH_X1000_US = "bare kernel launch x1000, per launch us"
+RATIO = "ratio create+set / bare launch"
+TORCH_CREATE_SET_US = "peer: torch Future(devices) create + set_result us"
+TORCH_THEN_US = "peer: torch then() per link us"
+FN_RETURNS = " (fn returns)"
+FN_LAUNCHES = " (fn launches a kernel)"
+
+
+def steps(quick: bool) -> int:
+    torch = importlib.util.find_spec("torch") is not None
+    return 3 + 2 + 2 * torch
+
+
+def run(progress: Progress, quick: bool) -> dict[str, Any]:
+    return measure(progress)
+
+
+def per_call_us(fn: Callable[[], object], n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
+    import cupy as cp
+
+    from .gpu import gsleep, stream, token
+
+    res: dict[str, Any] = {}
+    kernel = gsleep
+    zero = cp.int64(0)
+
+    def launch() -> None:
+        kernel((1,), (1,), (zero,))
+
+    def create_set() -> None:
+        cudafut.CudaFuture(devices=0).set_result(token)
+
+    def record() -> None:
+        cudafut.record(token)
+
+    with stream:
+        for name, fn in (
+            (LAUNCH, launch),
+            (CREATE_SET, create_set),
+            (RECORD, record),
+        ):
+            per_call_us(fn, 2000)
+            res[name + " us"] = min(per_call_us(fn, 20_000) for _ in range(3))
+            stream.synchronize()
+            progress.step(f"host: {name}: {res[name + ' us']:.2f} us")
+
+    def chain_cudafut(with_kernel: bool) -> float:
+        fut = cudafut.record(token, stream=stream)
+
+        def link(v: Any) -> Any:
+            if with_kernel:
+                launch()
+            return v
+
+        t = time.perf_counter()
+        for _ in range(links):
+            fut = fut.then(link)
+        per = (time.perf_counter() - t) / links * 1e6
+        fut.result()
+        return per
+
+    for with_kernel in (False, True):
+        chain_cudafut(with_kernel)
+        key = THEN_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
+        res[key] = min(chain_cudafut(with_kernel) for _ in range(3))
+        progress.step(f"host: {key}: {res[key]:.2f}")
+    with stream:
+        res[LAUNCH_X1000_US] = min(per_call_us(launch, links) for _ in range(3))
+    stream.synchronize()
+    res.update(_torch_host(progress, links))
+    launch_us = res[LAUNCH_US]
+    res[RATIO] = res[CREATE_SET_US] / launch_us
+    return res
+
+
+def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
+    try:
+        torch = importlib.import_module("torch")  # an optional peer
+    except Exception as exc:  # noqa: BLE001
+        return {"torch": f"unavailable: {exc}"}
+    import cupy as cp
+
+    from .gpu import gsleep
+
+    res: dict[str, Any] = {}
+    t = torch.zeros(1, device="cuda")
+    tkernel = gsleep
+    zero = cp.int64(0)
+
+    def create_set() -> None:
+        torch.futures.Future(devices=["cuda:0"]).set_result(t)
+
+    per_call_us(create_set, 2000)
+    key = TORCH_CREATE_SET_US
+    res[key] = min(per_call_us(create_set, 20_000) for _ in range(3))
+
+    def chain(with_kernel: bool) -> float:
+        fut = torch.futures.Future(devices=["cuda:0"])
+        fut.set_result(t)
+
+        def link(f: Any) -> Any:
+            if with_kernel:
+                tkernel((1,), (1,), (zero,))
+            return f.value()
+
+        t0 = time.perf_counter()
+        for _ in range(links):
+            fut = fut.then(link)
+        per = (time.perf_counter() - t0) / links * 1e6
+        fut.wait()
+        torch.cuda.synchronize()
+        return per
+
+    for with_kernel in (False, True):
+        chain(with_kernel)
+        key = TORCH_THEN_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
+        res[key] = min(chain(with_kernel) for _ in range(3))
+        progress.step(f"host: {key}: {res[key]:.2f}")
+    return res
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    lines = ["## 5. Host costs", "", "| operation | µs |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in result.items()]
+    lines.append("")
+    return lines
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    return []

@@ -1,0 +1,169 @@
+"""Section 4, ``many``: 10,000 concurrent awaits over 8 streams; host time per
+future and the longest stall of a heartbeat task, next to plain asyncio
+futures.
+
+Stored under ``"many"`` (results written before this module under
+``"many_awaits"``, which report.py still reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+import cudafut
+
+from .common import CpuMeter, Progress
+
+NAME = "many"
+
+# The scenarios (row names in the JSON and the table) and the summary key.
+PLAIN = "plain asyncio futures (baseline)"
+AWAIT = "cudafut await"
+OVER_PLAIN = "cudafut host us per future over plain asyncio"
+
+
+def steps(quick: bool) -> int:
+    return 2
+
+
+def run(progress: Progress, quick: bool) -> dict[str, Any]:
+    return measure(progress)
+
+
+def measure(
+    progress: Progress, n: int = 10_000, nstreams: int = 8, batch: int = 10, busy_ms: float = 500
+) -> dict[str, Any]:
+    import cupy as cp
+
+    from .gpu import token, work
+
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(nstreams)]
+
+    async def scenario(gpu_work: bool) -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        stall = 0.0
+        stop = False
+
+        async def heartbeat() -> None:
+            # Ticks every 0.5 ms (asyncio rounds that up to 1 ms): the stall
+            # is the longest gap between two ticks. It must not spin, or the
+            # CPU figures would count it.
+            nonlocal stall
+            last = time.perf_counter()
+            while not stop:
+                await asyncio.sleep(0.5e-3)
+                now = time.perf_counter()
+                stall, last = max(stall, now - last), now
+
+        async def one_gpu(i: int) -> None:
+            # One event record on a busy stream, awaited: pending until the
+            # stream's long kernel ends, so all n waits are concurrent.
+            await cudafut.record(token, stream=streams[i % nstreams])
+
+        plain: list[asyncio.Future[None]] = []
+
+        async def one_plain(i: int) -> None:
+            # A plain asyncio future, resolved with the others in bulk after
+            # the same busy time: what 10k concurrent awaits cost asyncio.
+            fut = loop.create_future()
+            plain.append(fut)
+            await fut
+
+        async def release_plain() -> None:
+            await asyncio.sleep(busy_ms / 1e3)
+            while len(plain) < n:
+                await asyncio.sleep(1e-3)
+            for start in range(0, n, 256):  # in slices, as cudafut's waiter fires
+                for fut in plain[start : start + 256]:
+                    fut.set_result(None)
+                await asyncio.sleep(0)
+
+        one = one_gpu if gpu_work else one_plain
+        left = n
+        all_done = asyncio.Event()
+
+        async def counted(i: int) -> None:
+            nonlocal left
+            await one(i)
+            left -= 1
+            if not left:
+                all_done.set()
+
+        beat = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0)
+        tasks = set()
+        with CpuMeter() as m:
+            # Busy streams: every await is still pending when the last one
+            # starts, and they complete in bulk (the hard case for stalls).
+            if gpu_work:
+                for s in streams:
+                    work(int(busy_ms * 1e6), on=s)
+            else:
+                releaser = asyncio.create_task(release_plain())
+            for start in range(0, n, batch):  # clients arrive in small batches, not one burst
+                for i in range(start, min(n, start + batch)):
+                    task = asyncio.create_task(counted(i))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.sleep(0)
+            await all_done.wait()
+            if not gpu_work:
+                await releaser
+        stop = True
+        await beat
+        return {
+            "host_cpu_us_per_future": m.cpu / n * 1e6,
+            "wall_us_per_future": m.wall / n * 1e6,
+            "max_heartbeat_stall_ms": stall * 1e3,
+        }
+
+    res: dict[str, Any] = {}
+    for name, gpu_work in ((PLAIN, False), (AWAIT, True)):
+        asyncio.run(scenario(gpu_work))  # warm-up
+        res[name] = asyncio.run(scenario(gpu_work))
+        # The cyclic garbage collector's pauses are the loop's, not the
+        # waiter's: show the stall without them too (as services tune it).
+        gc.collect()
+        gc.disable()
+        try:
+            no_gc = asyncio.run(scenario(gpu_work))
+        finally:
+            gc.enable()
+        res[name]["max_heartbeat_stall_ms_gc_off"] = no_gc["max_heartbeat_stall_ms"]
+        res[name]["host_cpu_us_per_future_gc_off"] = no_gc["host_cpu_us_per_future"]
+        progress.step(f"10k awaits: {name}: {res[name]}")
+    base = res[PLAIN]["host_cpu_us_per_future"]
+    mine = res[AWAIT]["host_cpu_us_per_future"]
+    res[OVER_PLAIN] = mine - base
+    return {"n": n, "streams": nstreams, "batch": batch, "busy_ms": busy_ms, **res}
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    many = result
+    lines = [
+        f"## 4. {many['n']:,} concurrent awaits over {many['streams']} streams",
+        "",
+        "Every await is pending at once (the streams run a long kernel first) and they complete "
+        "in bulk. Host CPU per future, and the longest gap between ticks of a 0.5 ms heartbeat "
+        "task; with Python's cyclic garbage collector on (default) and off.",
+        "",
+        "| | host CPU µs / future | same, gc off | longest stall, ms | same, gc off |",
+        "|---|---|---|---|---|",
+    ]
+    for name in (PLAIN, AWAIT):
+        m = many[name]
+        lines.append(
+            f"| {name} | {m['host_cpu_us_per_future']:.2f} "
+            f"| {m.get('host_cpu_us_per_future_gc_off', 0):.2f} "
+            f"| {m['max_heartbeat_stall_ms']:.2f} | {m['max_heartbeat_stall_ms_gc_off']:.2f} |"
+        )
+    lines.append("")
+    return lines
+
+
+def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    return []
