@@ -71,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
         }
     }
-    for s in sections:
-        results[s.NAME] = s.run(progress, args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or "bench-" + env["gpu"].lower().replace("nvidia ", "").split()[0]
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    for s in sections:
+        results[s.NAME] = s.run(progress, args.quick)
+        # After every section: a crash later keeps what was measured.
+        (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     written = write_report(results, out, stem)
     for path in [out / f"{stem}.json", *written]:
         print(f"wrote {path}", file=sys.stderr)

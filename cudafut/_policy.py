@@ -223,13 +223,18 @@ def _find_modes(points: deque[tuple[float, bool]]) -> tuple[Mode, ...]:
     """Clusters of at least ``_MODE_MIN`` observations, one of them recent,
     or of the two newest ones, narrow enough to spin for; sorted by duration.
     About 5 µs for a full history."""
-    n = len(points)
+    # A snapshot first: other threads append to ``points`` meanwhile, and
+    # iterating a deque that changes raises RuntimeError. ``list(deque)`` is
+    # one C call that runs no Python code, so no other thread can append
+    # during it.
+    snapshot = list(points)
+    n = len(snapshot)
     if n < 2:
         return ()
     # (duration, age rank, exact), sorted by duration. Single linkage: a slow
     # drift stays one cluster; the spread check keeps chains of unrelated
     # durations out.
-    ranked = sorted([(p, i, exact) for i, (p, exact) in enumerate(points)])
+    ranked = sorted([(p, i, exact) for i, (p, exact) in enumerate(snapshot)])
     spin_s = _policy.spin_s
     modes = []
     first = 0

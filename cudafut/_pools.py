@@ -76,7 +76,9 @@ class EventPool:
         self.created = 0
         # Per device, created and destroyed (beyond _MAX_FREE_EVENTS): off the
         # hot path, counted under a lock only when CUDA is called anyway.
-        self._count_lock = threading.Lock()
+        # Re-entrant: a finalizer (a dropped record) can release an event while
+        # this thread holds the lock.
+        self._count_lock = threading.RLock()
         self._created: dict[int, int] = {}
         self._destroyed: dict[int, int] = {}
 

@@ -336,13 +336,16 @@ class ThreadWaiter(Driver):
         # Its polls are coarse and about keep-alives: they teach the
         # duration predictor nothing.
         super().__init__(learn=False)
-        self._cond = threading.Condition(threading.Lock())
+        # Re-entrant: hold() runs from finalizers, which the GC may run while
+        # this thread holds the lock.
+        self._cond = threading.Condition(threading.RLock())
         self._calls: list[Callable[[], None]] = []
         # Values to keep alive: appended without a lock (atomic under the
         # GIL), picked up at the next poll; the thread is woken only if idle.
         self._holds: deque[tuple[Sequence[EventRecord], object]] = deque()
         self._idle = True
         self._thread: threading.Thread | None = None
+        self._started = False
 
     def ensure_polling(self) -> None:
         pass  # only called from the watcher thread, which polls next anyway
@@ -353,7 +356,11 @@ class ThreadWaiter(Driver):
             self._start_or_notify()
 
     def _start_or_notify(self) -> None:
-        if self._thread is None:
+        if not self._started:
+            # Claimed before the thread is built: a finalizer run by the GC
+            # meanwhile re-enters here (the lock is re-entrant) and must not
+            # start a second watcher.
+            self._started = True
             self._thread = threading.Thread(target=self._run, name="cudafut-watcher", daemon=True)
             self._thread.start()
         self._cond.notify()
