@@ -83,6 +83,26 @@ def test_a_dropped_then_chain_keeps_every_link_alive(cp: Any) -> None:
     assert (fut.result().get() == 5).all()
 
 
+def test_a_dropped_pending_future_holds_its_value_for_other_streams(cp: Any) -> None:
+    # Nothing but the dropped future keeps x: its hold must last until the
+    # reader (another stream) has read it, or the pool hands x's block to
+    # the scribbling on the producer's stream first.
+    producer = cp.cuda.Stream(non_blocking=True)
+    reader = cp.cuda.Stream(non_blocking=True)
+    for _ in range(2):
+        x = _slow_source(cp, producer, 6.0, 5)
+        y = cp.zeros(N, dtype=cp.float32)
+        cp.cuda.Device().synchronize()  # y is ready; x is still being filled
+        reader.wait_event(producer.record())
+        with reader:
+            spin_copy(x, y, 150)  # reads x 150 ms later
+        fut = cudafut.record(x, stream=reader)  # pending until the read is done
+        del x, fut
+        _pool_pressure(cp, producer)
+        reader.synchronize()
+        assert (y.get() == 6).all()
+
+
 def test_submit_with_its_arguments_dropped(cp: Any) -> None:
     producer = cp.cuda.Stream(non_blocking=True)
     for _ in range(2):
