@@ -20,6 +20,8 @@ Sections (numbers as in the performance issue and docs/performance.md):
 7.   peers appear inside the sections: asyncio ``sleep(0)`` polling,
      ``run_in_executor(event.synchronize)``, a native host function closing a
      pipe, numba-cuda ``async_done()``, ``torch.futures``.
+8.   ``collectives``: NCCL collectives as futures against NCCL called
+     directly, one worker process per GPU (docs/distributed.md).
 
 Each section is one module of this folder, named as in ``--only`` (``wake.py``
 ...), with the interface of ``common.Section``: ``NAME``, ``steps(quick)``,

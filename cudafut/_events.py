@@ -23,6 +23,10 @@ from ._errors import CudaError
 _record_lock: Final = threading.Lock()
 _sequence: dict[tuple[int, ...], int] = {}
 
+#: The status of a record failed from the host (:meth:`EventRecord.fail`):
+#: not a CUDA error code.
+FAILED: Final = -1
+
 
 class EventRecord:
     """A CUDA event recorded on a stream, and what is known of its status.
@@ -31,7 +35,7 @@ class EventRecord:
     complete, or the CUDA error code the event reported.
     """
 
-    __slots__ = ("device", "handle", "seen", "seq", "status", "stream", "stream_key", "t")
+    __slots__ = ("device", "failure", "handle", "seen", "seq", "status", "stream", "stream_key", "t")
 
     def __init__(
         self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
@@ -46,22 +50,35 @@ class EventRecord:
         #: pending (0.0: never): what the duration predictor learns from.
         self.t = t
         self.seen = 0.0
+        #: An error decided on the host for the work behind this record (a
+        #: collective that timed out): see :meth:`fail_with`.
+        self.failure: CudaError | None = None
 
     def query(self) -> int | None:
         """Non-blocking: the status, asking CUDA only while it is unknown."""
         status = self.status
         if status is None:
             raw = _cuda.event_query(self.handle)
-            if raw != _cuda.NOT_READY:
-                self.status = status = raw
+            if raw != _cuda.NOT_READY and self.failure is None:
+                self.status = raw
+            return self.status
         return status
 
     def error(self) -> CudaError | None:
         """The :class:`CudaError` this record reported, if any."""
         status = self.status
         if status:
-            return _cuda.cuda_error(status, self.device)
+            return self.failure or _cuda.cuda_error(status, self.device)
         return None
+
+    def fail_with(self, error: CudaError) -> None:
+        """Fail the work behind this record from the host (callable from any
+        thread): every waiter sees ``error`` at its next poll, whatever the
+        event reports later. For work that can never complete (a collective
+        whose peer died), so that nobody waits on it for ever."""
+        if self.status is None:  # complete already: the work did finish
+            self.failure = error
+            self.status = FAILED
 
     def wait_on(self, stream: int, device: int) -> None:
         """Make ``stream`` wait for this record, unless it is known complete."""
@@ -69,7 +86,7 @@ class EventRecord:
             _cuda.stream_wait(stream, self.handle, device)
 
     def __repr__(self) -> str:
-        state = {None: "pending", 0: "complete"}.get(self.status, f"error {self.status}")
+        state = {None: "pending", 0: "complete", FAILED: "failed"}.get(self.status, f"error {self.status}")
         return f"<EventRecord device={self.device} stream={self.stream:#x} seq={self.seq} {state}>"
 
     def __del__(self) -> None:

@@ -791,6 +791,13 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
     else:
         ptr, device = _cuda.stream_handle(stream)
         records = (_events.record(ptr, device),)
+    return set_future(value, records, keep)
+
+
+def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) -> CudaFuture[T]:
+    """A future set with ``value`` and ``records`` already recorded (for
+    cudafut's own producers, such as the collectives); ``keep`` lives until
+    the records complete."""
     fut: CudaFuture[T] = CudaFuture()
     fut._complete(_SET, value, None, records, keep)
     return fut

@@ -1,0 +1,513 @@
+"""Process groups: NCCL communicators, their streams, the rendezvous, and the
+watchdog that turns a hung or failed collective into an error.
+
+A :class:`ProcessGroup` owns one NCCL communicator on one device and one
+communication stream at high priority. Every collective is enqueued under the
+group's lock (so that the calls of several threads reach NCCL in one order),
+after a stream wait on the caller's current stream, and followed by one event
+recorded on the communication stream: the event of the future it returns.
+
+NCCL never reports a dead peer by itself on one node: the collective's kernel
+just spins. So one watchdog thread per process looks, every few ms while any
+collective is pending, at the oldest pending collective of each group, at
+``ncclCommGetAsyncError`` and at the deadlines; on an error or a timeout it
+fails every pending future of the group with :class:`CollectiveError` (the
+waiters see it at their next poll) and aborts the communicator from a daemon
+thread, since ``ncclCommAbort`` can itself hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import Any, Final, Protocol
+
+from .. import _cuda, _events
+from .._errors import CudaUnavailableError
+from .._future import CudaFuture, set_future
+from .._log import logger
+from . import _env
+from ._errors import CollectiveError
+
+#: How often the watchdog looks while collectives are pending.
+WATCH_EVERY_S: Final = 5e-3
+#: torch.distributed's default for NCCL.
+DEFAULT_TIMEOUT_S: Final = 600.0
+
+
+class Store(Protocol):
+    """What the rendezvous needs of a key-value store (torch's ``TCPStore``
+    has it): ``get`` blocks until the key is set."""
+
+    def set(self, key: str, value: bytes) -> Any: ...
+
+    def get(self, key: str) -> bytes: ...
+
+
+def check_timeout(timeout: object, what: str = "timeout") -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {timeout!r}")
+    if math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+class _Pending:
+    """A collective enqueued (``record`` set) or being enqueued (None)."""
+
+    __slots__ = ("deadline", "op", "record", "timeout")
+
+    def __init__(self, record: _events.EventRecord | None, op: str, timeout: float) -> None:
+        self.record = record
+        self.op = op
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+    def query(self) -> int | None:
+        return None if self.record is None else self.record.query()
+
+    def fail(self, error: CollectiveError) -> None:
+        if self.record is not None:
+            self.record.fail_with(error)
+
+
+class ProcessGroup:
+    """Some ranks of the world, with their own NCCL communicator.
+
+    Made by :func:`init_process_group` (the world) and :func:`new_group`.
+
+    Attributes:
+        rank: this process's rank in the group.
+        size: the number of ranks in the group.
+        ranks: the members' ranks in the world, in group-rank order.
+        device: the CUDA device of this process's rank.
+        stream: the communication stream (a CuPy stream at the device's
+            highest priority): every collective of the group runs on it.
+        timeout: the default timeout of the group's collectives, seconds.
+    """
+
+    def __init__(
+        self, comm: Any, rank: int, ranks: Sequence[int], device: int, timeout: float, name: str
+    ) -> None:
+        self._comm = comm
+        self.rank = rank
+        self.size = len(ranks)
+        self.ranks = tuple(ranks)
+        self.device = device
+        self.timeout = timeout
+        self.name = name
+        # Clamped by CUDA into the device's range: the highest priority.
+        self.stream = _cuda.new_stream(device, -1000)
+        # Calls reach NCCL in one order, whichever threads make them.
+        self._call_lock = threading.Lock()
+        # Guards the bookkeeping below; never held across an NCCL call, so
+        # that the watchdog can always look (a call can block: the first
+        # send to a peer that never comes does).
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._aborted: str | None = None
+        self._calling: _Pending | None = None
+
+    @property
+    def aborted(self) -> str | None:
+        """None, or why the group's communicator was aborted."""
+        return self._aborted
+
+    def __repr__(self) -> str:
+        state = f" aborted: {self._aborted}" if self._aborted else ""
+        where = f"rank {self.rank} of {self.size} on device {self.device}"
+        return f"<cudafut.distributed.ProcessGroup {self.name} {where}{state}>"
+
+    def enqueue(
+        self,
+        op: str,
+        launch: Callable[[Any, int], None],
+        value: Any,
+        keep: object,
+        timeout: float | None,
+    ) -> CudaFuture[Any]:
+        """Enqueue one collective: the communication stream waits on the
+        caller's current stream, ``launch(comm, stream_ptr)`` calls NCCL, and
+        an event follows. Returns the future, set already."""
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        self._raise_if_aborted(op)
+        device = self.device
+        stream = int(self.stream.ptr)
+        with _cuda.on_device(device), self._call_lock:
+            self._raise_if_aborted(op)
+            _events.record_current(device).wait_on(stream, device)
+            # Visible to the watchdog from here on: a call that blocks (the
+            # first send to a peer that never comes) times out too.
+            self._calling = _Pending(None, op, limit)
+            _watchdog.watch(self)
+            try:
+                launch(self._comm, stream)
+            except Exception as exc:
+                self._calling = None
+                reason = self._aborted or f"NCCL refused the call: {exc}"
+                raise CollectiveError(self.rank, op, self.size, reason, device) from exc
+            record = _events.record(stream, device)
+            with self._lock:
+                self._pending.append(_Pending(record, op, limit))
+                self._calling = None
+        return set_future(value, (record,), keep)
+
+    def _raise_if_aborted(self, op: str) -> None:
+        if self._aborted is not None:
+            raise CollectiveError(
+                self.rank,
+                op,
+                self.size,
+                f"the group's communicator was aborted earlier ({self._aborted}); "
+                "restart the processes, or make a new group",
+                self.device,
+            )
+
+    def check(self, now: float) -> bool:
+        """The watchdog's look: drop what completed, fail the group on an
+        NCCL error or a deadline passed. Returns whether work is pending."""
+        with self._lock:
+            pending = self._pending
+            while pending and pending[0].query() is not None:
+                pending.popleft()
+            calling = self._calling
+            if not pending and calling is None:
+                return False
+            late = next((p for p in pending if now > p.deadline), None)
+            if late is None and calling is not None and now > calling.deadline:
+                late = calling
+        reason = None
+        try:
+            self._comm.check_async_error()
+        except Exception as exc:  # noqa: BLE001 - NCCL's error, reported in the futures
+            reason = f"NCCL reported an error: {exc}"
+        if reason is None and late is not None:
+            reason = (
+                f"{late.op} did not complete within its timeout of {late.timeout:g} s: "
+                "a peer may have died, hung, or not called it"
+            )
+        if reason is not None:
+            self.abort(reason)
+            return False
+        return True
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending collective of the group with
+        :class:`CollectiveError` and abort its communicator (in a daemon
+        thread: ``ncclCommAbort`` can hang). Later calls raise at once."""
+        with self._lock:
+            if self._aborted is not None:
+                return
+            self._aborted = reason
+            failed = list(self._pending)
+            self._pending.clear()
+        for p in failed:
+            p.fail(CollectiveError(self.rank, p.op, self.size, reason, self.device))
+        logger.error("cudafut.distributed: %s; aborting the communicator of %r", reason, self)
+        threading.Thread(target=_abort, args=(self._comm,), name="cudafut-nccl-abort", daemon=True).start()
+
+    def destroy(self) -> None:
+        """Wait for the group's work (up to its timeout) and free the communicator."""
+        if self._aborted is None:
+            deadline = time.monotonic() + self.timeout
+            while self.check(time.monotonic()) and time.monotonic() < deadline:
+                time.sleep(WATCH_EVERY_S)
+            if self._aborted is None:
+                with self._lock:
+                    self._aborted = "the group was destroyed"
+                with _cuda.on_device(self.device):
+                    self._comm.destroy()
+        _watchdog.forget(self)
+
+
+def _abort(comm: Any) -> None:
+    try:
+        comm.abort()
+    except Exception as exc:  # noqa: BLE001 - reported; nothing more to do
+        logger.error("cudafut.distributed: ncclCommAbort failed: %s", exc)
+
+
+class _Watchdog:
+    """One daemon thread per process, awake only while collectives are pending."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._groups: set[ProcessGroup] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, group: ProcessGroup) -> None:
+        with self._cond:
+            self._groups.add(group)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cudafut-nccl-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def forget(self, group: ProcessGroup) -> None:
+        with self._cond:
+            self._groups.discard(group)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._groups:
+                    self._cond.wait()
+                groups = list(self._groups)
+            now = time.monotonic()
+            idle = [g for g in groups if not g.check(now)]
+            with self._cond:
+                self._groups.difference_update(idle)
+            time.sleep(WATCH_EVERY_S)
+
+
+_watchdog: Final = _Watchdog()
+
+
+# -- the world and its groups ------------------------------------------------------
+
+
+class _World:
+    def __init__(self, group: ProcessGroup, store: Store | None, rank: int, size: int) -> None:
+        self.group = group
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.groups: list[ProcessGroup] = [group]
+        self.next_index = 1
+
+
+_world: _World | None = None
+_world_lock: Final = threading.Lock()
+
+
+def _nccl() -> Any:
+    cp = _cuda.cupy()
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", True):
+        raise CudaUnavailableError(
+            "cudafut.distributed needs NCCL, which this CuPy cannot load; install the NCCL "
+            "package matching your CUDA (e.g. pip install nvidia-nccl-cu12) or a CuPy with NCCL"
+        )
+    del cp
+    return nccl
+
+
+def _make_store(rank: int, size: int, timeout: float) -> Store:
+    addr, port = _env.store_address()
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        return _CupyxStore(rank, size, addr, port, timeout)
+    # Under torchrun the agent hosts a store on MASTER_PORT already: every
+    # rank is a client then (a second server on that port would fail).
+    host = rank == 0 and not _env.agent_store()
+    return TCPStore(addr, port, size, host, timedelta(seconds=timeout))  # type: ignore[no-any-return]
+
+
+class _CupyxStore:
+    """cupyx.distributed's TCP store (used when torch is absent), with a
+    blocking ``get``. It is a private module of CuPy: if it changes, pass a
+    store of your own (``store=``)."""
+
+    def __init__(self, rank: int, size: int, addr: str, port: int, timeout: float) -> None:
+        from cupyx.distributed import _store
+
+        self._server = None
+        if rank == 0:
+            self._server = _store.TCPStore(size)
+            self._server.run(addr, port)
+        self._proxy = _store.TCPStoreProxy(addr, port)
+        self._timeout = timeout
+
+    def set(self, key: str, value: bytes) -> None:
+        self._proxy[key] = value
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return bytes(self._proxy[key])
+            except Exception:  # not there yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+def _communicator(size: int, uid: bytes, rank: int, device: int, timeout: float, what: str) -> Any:
+    """``ncclCommInitRank`` in a thread, so that a peer that never comes
+    fails the call after ``timeout`` instead of hanging it."""
+    nccl = _nccl()
+    result: list[Any] = []
+
+    def init() -> None:
+        try:
+            with _cuda.on_device(device):
+                result.append(nccl.NcclCommunicator(size, uid, rank))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            result.append(exc)
+
+    thread = threading.Thread(target=init, name="cudafut-nccl-init", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not result:
+        raise CollectiveError(
+            rank,
+            what,
+            size,
+            f"not every rank joined within {timeout:g} s (is every process started?)",
+            device,
+        )
+    if isinstance(result[0], BaseException):
+        raise CollectiveError(rank, what, size, f"NCCL could not make the communicator: {result[0]}", device)
+    return result[0]
+
+
+def _rendezvous(store: Store | None, key: str, leader: bool) -> bytes:
+    nccl = _nccl()
+    if store is None:  # one rank
+        return bytes(nccl.get_unique_id())
+    if leader:
+        uid = bytes(nccl.get_unique_id())
+        store.set(key, uid)
+        return uid
+    return bytes(store.get(key))
+
+
+def init_process_group(
+    backend: str = "nccl",
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Store | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    device: int | None = None,
+) -> ProcessGroup:
+    """Join the world: make the NCCL communicator of all ranks.
+
+    Every process calls it once. ``rank`` and ``world_size`` default to the
+    launcher's variables (torchrun: ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``; mpirun: ``OMPI_COMM_WORLD_*``); with none, the world is
+    this process alone (rank 0 of 1), which needs no store. The ranks meet
+    through ``store``, by default a ``torch.distributed.TCPStore`` at
+    ``MASTER_ADDR:MASTER_PORT`` (127.0.0.1:29500) hosted by rank 0 when
+    torch is installed, else cupyx.distributed's store. ``device`` defaults
+    to the local rank modulo the device count, and becomes the thread's
+    current CuPy device.
+
+    Blocks the calling thread until every rank has joined, at most
+    ``timeout`` seconds; ``timeout`` is also the default timeout of every
+    collective of the world.
+
+    Raises:
+        ValueError: an unknown backend, inconsistent ranks, a bad timeout,
+            or a world already initialised.
+        CollectiveError: not every rank joined within ``timeout``, or NCCL
+            could not make the communicator.
+        CudaUnavailableError: no usable GPU or no NCCL.
+    """
+    global _world
+    if backend != "nccl":
+        raise ValueError(f"cudafut.distributed supports the 'nccl' backend only, not {backend!r}")
+    limit = check_timeout(timeout)
+    r, n, local = _env.launch_env(rank, world_size)
+    _cuda.check_usable()
+    count = _cuda.device_count()
+    dev = _cuda.check_device(local % count if device is None and local is not None else (device or 0))
+    with _world_lock:
+        if _world is not None:
+            raise ValueError("the process group is initialised already; call destroy_process_group() first")
+        _cuda.cupy().cuda.Device(dev).use()
+        if n > 1 and store is None:
+            store = _make_store(r, n, limit)
+        uid = _rendezvous(store if n > 1 else None, _env.key("group/0/uid"), leader=r == 0)
+        comm = _communicator(n, uid, r, dev, limit, "init_process_group")
+        group = ProcessGroup(comm, r, range(n), dev, limit, "world")
+        _world = _World(group, store, r, n)
+        return group
+
+
+def _require_world() -> _World:
+    world = _world
+    if world is None:
+        raise RuntimeError(
+            "cudafut.distributed is not initialised: call cudafut.distributed.init_process_group() first"
+        )
+    return world
+
+
+def resolve(group: ProcessGroup | None) -> ProcessGroup:
+    """``group``, or the world's group."""
+    if group is None:
+        return _require_world().group
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, not {group!r}")
+    return group
+
+
+def new_group(ranks: Iterable[int], *, timeout: float | None = None) -> ProcessGroup | None:
+    """A group of some ranks of the world, with its own communicator.
+
+    Every rank of the world calls it, with the same ranks, in the same order
+    as its other ``new_group`` calls; members get the group, other ranks
+    None. Blocks until the members joined (at most ``timeout``, by default
+    the world's).
+
+    Raises:
+        ValueError: ranks repeated, out of the world, or none.
+        CollectiveError: a member did not join in time.
+    """
+    world = _require_world()
+    members = sorted({int(r) for r in ranks})
+    if not members:
+        raise ValueError("new_group() needs at least one rank")
+    if members[0] < 0 or members[-1] >= world.size:
+        raise ValueError(f"ranks must be in [0, {world.size}), got {members}")
+    limit = world.group.timeout if timeout is None else check_timeout(timeout)
+    with _world_lock:
+        index = world.next_index
+        world.next_index += 1
+    if world.rank not in members:
+        return None
+    me = members.index(world.rank)
+    dev = world.group.device
+    key = _env.key(f"group/{index}/uid")
+    uid = _rendezvous(world.store if len(members) > 1 else None, key, leader=me == 0)
+    comm = _communicator(len(members), uid, me, dev, limit, "new_group")
+    group = ProcessGroup(comm, me, members, dev, limit, f"group {index} {members}")
+    world.groups.append(group)
+    return group
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Free a group's communicator (waiting for its work, up to its
+    timeout), or, with no argument, every group and the world."""
+    global _world
+    if group is not None:
+        resolve(group).destroy()
+        return
+    with _world_lock:
+        world, _world = _world, None
+    if world is None:
+        return
+    for g in reversed(world.groups):
+        g.destroy()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` was called (and not undone)."""
+    return _world is not None
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world)."""
+    return resolve(group).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """The number of ranks in ``group`` (default: the world)."""
+    return resolve(group).size

@@ -1,0 +1,337 @@
+"""The collectives: argument checks, then one NCCL call through the group.
+
+Each function checks its arguments (before anything is enqueued), then hands
+the group a ``launch(comm, stream)`` that makes the NCCL call(s). The values
+below are NCCL's enums (``ncclRedOp_t``, ``ncclDataType_t``), so that the
+checks need neither CuPy nor NCCL.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from .. import _cuda
+from .._future import CudaFuture
+from ._group import ProcessGroup, resolve
+
+OPS: Final = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+DTYPES: Final = {
+    "i1": 0,
+    "u1": 1,
+    "i4": 2,
+    "u4": 3,
+    "i8": 4,
+    "u8": 5,
+    "f2": 6,
+    "f4": 7,
+    "f8": 8,
+}
+
+
+def check_op(op: object) -> int:
+    """The NCCL reduction of ``op``, one of ``"sum"``, ``"prod"``, ``"max"``,
+    ``"min"``, ``"avg"``."""
+    try:
+        return OPS[op]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}, not {op!r}") from None
+
+
+class _Buffer:
+    """What NCCL needs of an array: pointer, element count, dtype, shape."""
+
+    __slots__ = ("array", "count", "dtype", "itemsize", "ptr", "shape")
+
+    def __init__(self, array: object, what: str, group: ProcessGroup) -> None:
+        iface = getattr(array, "__cuda_array_interface__", None)
+        if not isinstance(iface, dict):
+            raise TypeError(
+                f"{what} must be a GPU array (CuPy, or anything with __cuda_array_interface__ "
+                f"such as a torch tensor), not {type(array).__name__}"
+            )
+        typestr = str(iface["typestr"])
+        code = typestr[1:]
+        if code not in DTYPES:
+            raise TypeError(
+                f"{what} has dtype {typestr!r}, which NCCL cannot reduce or move; use one of "
+                "int8, uint8, int32, uint32, int64, uint64, float16, float32, float64"
+            )
+        shape = tuple(int(d) for d in iface["shape"])
+        itemsize = int(code[1:])
+        count = 1
+        for d in shape:
+            count *= d
+        strides = iface.get("strides")
+        if strides is not None and count > 1:
+            expected, step = [], itemsize
+            for d in reversed(shape):
+                expected.append(step)
+                step *= d
+            if tuple(strides) != tuple(reversed(expected)):
+                raise ValueError(f"{what} must be C-contiguous (copy it with .copy() first)")
+        ptr = int(iface["data"][0])
+        if count and _cuda.pointer_device(ptr) != group.device:
+            raise ValueError(
+                f"{what} is on device {_cuda.pointer_device(ptr)}, but this rank's group runs on "
+                f"device {group.device}"
+            )
+        self.array = array
+        self.ptr = ptr
+        self.count = count
+        self.dtype = DTYPES[code]
+        self.itemsize = itemsize
+        self.shape = shape
+
+
+def _empty(group: ProcessGroup, shape: tuple[int, ...], like: _Buffer) -> Any:
+    cp = _cuda.cupy()
+    with _cuda.on_device(group.device):
+        # On the caller's current stream, where the inputs are made.
+        return cp.empty(shape, dtype=_cuda_dtype(like))
+
+
+def _cuda_dtype(buf: _Buffer) -> str:
+    return str(buf.array.__cuda_array_interface__["typestr"])  # type: ignore[attr-defined]
+
+
+def _out(out: object, group: ProcessGroup, shape: tuple[int, ...], like: _Buffer) -> _Buffer:
+    if out is None:
+        out = _empty(group, shape, like)
+    buf = _Buffer(out, "out", group)
+    if buf.shape != shape or buf.dtype != like.dtype:
+        raise ValueError(
+            f"out must have shape {shape} and the input's dtype, not shape {buf.shape} "
+            f"(dtype {_cuda_dtype(buf)} against {_cuda_dtype(like)})"
+        )
+    return buf
+
+
+def _peer(value: object, group: ProcessGroup, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be a rank (an int), not {value!r}")
+    if not 0 <= value < group.size:
+        raise ValueError(f"{what} must be a rank of the group, in [0, {group.size}), not {value}")
+    return value
+
+
+def _blocks(buf: _Buffer, group: ProcessGroup, what: str) -> tuple[int, ...]:
+    if not buf.shape or buf.shape[0] % group.size:
+        raise ValueError(
+            f"{what}'s first dimension must be a multiple of the group's size ({group.size}); "
+            f"its shape is {buf.shape}"
+        )
+    return (buf.shape[0] // group.size, *buf.shape[1:])
+
+
+def all_reduce(
+    array: Any, op: str = "sum", *, group: ProcessGroup | None = None, timeout: float | None = None
+) -> CudaFuture[Any]:
+    """Reduce ``array`` over the group's ranks, in place.
+
+    Returns a future of ``array``, set at once: its event follows the
+    all-reduce on the group's communication stream, which first waits on the
+    caller's current stream (where ``array`` is produced). ``await`` it,
+    ``.result()``, ``.wait()`` or ``.then()`` it as any :class:`CudaFuture`.
+    Every rank of the group must call it, in the same order as its other
+    collectives. Costs a few tens of µs on the host; blocks neither the
+    thread nor the GPU (only the communication stream waits).
+
+    Args:
+        array: a C-contiguous CuPy array (or torch tensor) on the group's device.
+        op: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``.
+        group: the group (default: the world).
+        timeout: seconds after which the collective fails the group with
+            :class:`CollectiveError` (default: the group's).
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    nop = check_op(op)
+    buf = _Buffer(array, "array", g)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.allReduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, stream)
+
+    return g.enqueue("all_reduce", launch, array, array, timeout)
+
+
+def all_gather(
+    array: Any, *, out: Any = None, group: ProcessGroup | None = None, timeout: float | None = None
+) -> CudaFuture[Any]:
+    """Gather every rank's ``array`` into ``out`` (shape ``(size, *array.shape)``,
+    a new CuPy array by default, made on the caller's current stream).
+
+    Returns a future of ``out``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments (``out`` of the wrong shape or
+            dtype); nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    buf = _Buffer(array, "array", g)
+    dst = _out(out, g, (g.size, *buf.shape), buf)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.allGather(buf.ptr, dst.ptr, buf.count, buf.dtype, stream)
+
+    return g.enqueue("all_gather", launch, dst.array, (array, dst.array), timeout)
+
+
+def reduce_scatter(
+    array: Any,
+    op: str = "sum",
+    *,
+    out: Any = None,
+    group: ProcessGroup | None = None,
+    timeout: float | None = None,
+) -> CudaFuture[Any]:
+    """Reduce ``array`` (shape ``(size * n, ...)``) over the ranks and give
+    rank ``r`` block ``r`` of the result in ``out`` (shape ``(n, ...)``).
+
+    Returns a future of ``out``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    nop = check_op(op)
+    buf = _Buffer(array, "array", g)
+    dst = _out(out, g, _blocks(buf, g, "array"), buf)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.reduceScatter(buf.ptr, dst.ptr, dst.count, buf.dtype, nop, stream)
+
+    return g.enqueue("reduce_scatter", launch, dst.array, (array, dst.array), timeout)
+
+
+def broadcast(
+    array: Any, src: int, *, group: ProcessGroup | None = None, timeout: float | None = None
+) -> CudaFuture[Any]:
+    """Copy rank ``src``'s ``array`` into every rank's ``array``, in place.
+
+    Returns a future of ``array``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    root = _peer(src, g, "src")
+    buf = _Buffer(array, "array", g)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, root, stream)
+
+    return g.enqueue("broadcast", launch, array, array, timeout)
+
+
+def reduce(
+    array: Any,
+    dst: int,
+    op: str = "sum",
+    *,
+    group: ProcessGroup | None = None,
+    timeout: float | None = None,
+) -> CudaFuture[Any]:
+    """Reduce ``array`` over the ranks into rank ``dst``'s ``array``, in place
+    (other ranks' arrays are unchanged).
+
+    Returns a future of ``array``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    root = _peer(dst, g, "dst")
+    nop = check_op(op)
+    buf = _Buffer(array, "array", g)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, root, stream)
+
+    return g.enqueue("reduce", launch, array, array, timeout)
+
+
+def all_to_all(
+    array: Any, *, out: Any = None, group: ProcessGroup | None = None, timeout: float | None = None
+) -> CudaFuture[Any]:
+    """Send block ``j`` of ``array`` (shape ``(size * n, ...)``) to rank ``j``;
+    block ``i`` of ``out`` (same shape) comes from rank ``i``.
+
+    Returns a future of ``out``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    buf = _Buffer(array, "array", g)
+    _blocks(buf, g, "array")
+    dst = _out(out, g, buf.shape, buf)
+    block = buf.count // g.size
+    step = block * buf.itemsize
+
+    def launch(comm: Any, stream: int) -> None:
+        nccl = _nccl()
+        nccl.groupStart()
+        try:
+            for peer in range(g.size):
+                comm.send(buf.ptr + peer * step, block, buf.dtype, peer, stream)
+                comm.recv(dst.ptr + peer * step, block, buf.dtype, peer, stream)
+        finally:
+            nccl.groupEnd()
+
+    return g.enqueue("all_to_all", launch, dst.array, (array, dst.array), timeout)
+
+
+def send(
+    array: Any, dst: int, *, group: ProcessGroup | None = None, timeout: float | None = None
+) -> CudaFuture[Any]:
+    """Send ``array`` to rank ``dst``, which calls :func:`recv`.
+
+    Returns a future of ``array``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    peer = _peer(dst, g, "dst")
+    buf = _Buffer(array, "array", g)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.send(buf.ptr, buf.count, buf.dtype, peer, stream)
+
+    return g.enqueue("send", launch, array, array, timeout)
+
+
+def recv(
+    array: Any, src: int, *, group: ProcessGroup | None = None, timeout: float | None = None
+) -> CudaFuture[Any]:
+    """Receive into ``array`` what rank ``src`` sends with :func:`send`.
+
+    Returns a future of ``array``, set at once, as :func:`all_reduce` does.
+
+    Raises:
+        TypeError, ValueError: bad arguments; nothing was enqueued.
+        CollectiveError: the group was aborted earlier, or NCCL refused the call.
+    """
+    g = resolve(group)
+    peer = _peer(src, g, "src")
+    buf = _Buffer(array, "array", g)
+
+    def launch(comm: Any, stream: int) -> None:
+        comm.recv(buf.ptr, buf.count, buf.dtype, peer, stream)
+
+    return g.enqueue("recv", launch, array, array, timeout)
+
+
+def _nccl() -> Any:
+    from cupy.cuda import nccl
+
+    return nccl

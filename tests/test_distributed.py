@@ -1,0 +1,257 @@
+"""cudafut.distributed without a GPU: the launcher's environment, argument
+checks, the error type, and what importing it costs."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+import cudafut
+import cudafut.distributed as dist
+from cudafut.distributed._env import launch_env
+from cudafut.distributed._ops import check_op
+from tests.subproc import run_python
+
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+)
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+MPIRUN = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A clean environment: no launcher variable set."""
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def setenv(env: pytest.MonkeyPatch, **values: str) -> None:
+    for name, value in values.items():
+        env.setenv(name, value)
+
+
+# -- the launcher's environment ---------------------------------------------------
+
+
+def test_no_launcher_is_a_world_of_one(env: pytest.MonkeyPatch) -> None:
+    assert launch_env() == (0, 1, None)
+
+
+@pytest.mark.parametrize("names", [TORCHRUN, MPIRUN], ids=["torchrun", "mpirun"])
+def test_the_launchers_variables(env: pytest.MonkeyPatch, names: tuple[str, str, str]) -> None:
+    rank, size, local = names
+    setenv(env, **{rank: "5", size: "8", local: "1"})
+    assert launch_env() == (5, 8, 1)
+
+
+@pytest.mark.parametrize("names", [TORCHRUN, MPIRUN], ids=["torchrun", "mpirun"])
+def test_the_local_rank_is_optional(env: pytest.MonkeyPatch, names: tuple[str, str, str]) -> None:
+    rank, size, _local = names
+    setenv(env, **{rank: "1", size: "2"})
+    assert launch_env() == (1, 2, None)
+
+
+def test_torchrun_wins_over_mpirun(env: pytest.MonkeyPatch) -> None:
+    setenv(env, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    setenv(env, OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0")
+    assert launch_env() == (1, 2, 1)
+
+
+def test_arguments_override_the_environment(env: pytest.MonkeyPatch) -> None:
+    setenv(env, RANK="0", WORLD_SIZE="2")
+    assert launch_env(rank=3, world_size=4)[:2] == (3, 4)
+    setenv(env, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
+    assert launch_env(rank=1, world_size=2)[:2] == (1, 2)
+
+
+def test_arguments_without_a_launcher(env: pytest.MonkeyPatch) -> None:
+    assert launch_env(rank=2, world_size=3) == (2, 3, None)
+    assert launch_env(rank=0, world_size=1) == (0, 1, None)
+
+
+# (environment, words the message must contain, case-insensitively)
+BAD_ENVIRONMENTS = [
+    pytest.param({"RANK": "2", "WORLD_SIZE": "2"}, ["rank", "2"], id="rank-equals-size"),
+    pytest.param({"RANK": "7", "WORLD_SIZE": "4"}, ["rank", "7", "4"], id="rank-above-size"),
+    pytest.param({"RANK": "-1", "WORLD_SIZE": "2"}, ["rank", "-1"], id="negative-rank"),
+    pytest.param({"RANK": "0", "WORLD_SIZE": "0"}, ["world_size", "0"], id="empty-world"),
+    pytest.param({"RANK": "0", "WORLD_SIZE": "-2"}, ["world_size", "-2"], id="negative-size"),
+    pytest.param({"RANK": "one", "WORLD_SIZE": "2"}, ["RANK", "'one'"], id="word-rank"),
+    pytest.param({"RANK": "0", "WORLD_SIZE": "2.0"}, ["WORLD_SIZE", "'2.0'"], id="float-size"),
+    pytest.param({"RANK": "", "WORLD_SIZE": "2"}, ["RANK", "''"], id="empty-rank"),
+    pytest.param({"RANK": "1"}, ["WORLD_SIZE"], id="rank-without-size"),
+    pytest.param({"WORLD_SIZE": "2"}, ["RANK"], id="size-without-rank"),
+    pytest.param({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, ["local", "-1"], id="negative-local"),
+    pytest.param({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, ["local", "'x'"], id="word-local"),
+    pytest.param(
+        {"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, ["rank", "4"], id="mpirun-rank-is-size"
+    ),
+    pytest.param(
+        {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "two"},
+        ["OMPI_COMM_WORLD_SIZE", "'two'"],
+        id="mpirun-word-size",
+    ),
+]
+
+
+def assert_says(exc: BaseException, words: list[str]) -> None:
+    text = str(exc).lower()
+    missing = [w for w in words if w.lower() not in text]
+    assert not missing, f"the message {str(exc)!r} does not mention {missing}"
+
+
+@pytest.mark.parametrize(("values", "words"), BAD_ENVIRONMENTS)
+def test_inconsistent_environments_are_value_errors(
+    env: pytest.MonkeyPatch, values: dict[str, str], words: list[str]
+) -> None:
+    setenv(env, **values)
+    with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+        launch_env()
+    assert_says(info.value, words)
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "words"),
+    [
+        (2, 2, ["rank", "2"]),
+        (-1, 4, ["rank", "-1"]),
+        (0, 0, ["world_size", "0"]),
+        (1, None, ["world_size"]),  # one of the two, and no launcher to give the other
+        (None, 2, ["rank"]),
+    ],
+)
+def test_inconsistent_arguments_are_value_errors(
+    env: pytest.MonkeyPatch, rank: int | None, world_size: int | None, words: list[str]
+) -> None:
+    with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+        launch_env(rank=rank, world_size=world_size)
+    assert_says(info.value, words)
+
+
+@pytest.mark.parametrize("bad", [1.5, "x", True])
+def test_arguments_of_the_wrong_type_are_refused(env: pytest.MonkeyPatch, bad: object) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        launch_env(rank=bad, world_size=4)
+
+
+def test_init_checks_the_environment_before_touching_cuda(env: pytest.MonkeyPatch) -> None:
+    # These fail the same way with or without a GPU: nothing is initialised.
+    setenv(env, RANK="3", WORLD_SIZE="2")
+    with pytest.raises(ValueError, match="rank"):
+        dist.init_process_group()
+    env.delenv("RANK")
+    env.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match="nccl"):
+        dist.init_process_group("gloo")
+    with pytest.raises(ValueError, match="timeout"):
+        dist.init_process_group(timeout=0)
+    with pytest.raises(TypeError, match="timeout"):
+        dist.init_process_group(timeout="5")  # type: ignore[arg-type]
+    assert not dist.is_initialized()
+
+
+def test_calls_before_init_say_what_to_do() -> None:
+    assert not dist.is_initialized()
+    for call in (dist.get_rank, dist.get_world_size, lambda: dist.new_group([0])):
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            call()
+
+
+# -- reduction ops ---------------------------------------------------------------------
+
+
+def test_every_documented_op_is_accepted_and_distinct() -> None:
+    ops = ("sum", "prod", "max", "min", "avg")
+    codes = [check_op(op) for op in ops]
+    assert len(set(codes)) == len(ops)
+    # NCCL's ncclRedOp_t values: the checks need neither CuPy nor NCCL.
+    assert dict(zip(ops, codes, strict=True)) == {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+
+@pytest.mark.parametrize("bad", ["add", "mean", "", "sum ", None, 0, ("sum",)])
+def test_unknown_ops_are_value_errors_that_list_the_valid_ones(bad: object) -> None:
+    with pytest.raises(ValueError, match="op") as info:
+        check_op(bad)
+    assert all(op in str(info.value) for op in ("sum", "prod", "max", "min", "avg")), info.value
+
+
+# -- the error -------------------------------------------------------------------------
+
+
+def test_collective_error_is_a_cuda_error_that_says_who_what_and_why() -> None:
+    assert issubclass(dist.CollectiveError, cudafut.CudaError)
+    assert issubclass(dist.CollectiveError, RuntimeError)
+    err = dist.CollectiveError(rank=3, op="all_reduce", size=8, reason="timed out after 5.0 s")
+    assert (err.rank, err.op, err.size, err.reason) == (3, "all_reduce", 8, "timed out after 5.0 s")
+    text = str(err)
+    assert "all_reduce" in text and "rank 3" in text and "8" in text and "timed out after 5.0 s" in text
+    assert not err.sticky  # a dead peer does not corrupt this process's CUDA context
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is dist.CollectiveError
+    assert (again.rank, again.op, again.size, again.reason) == (3, "all_reduce", 8, err.reason)
+    assert str(again) == text
+    with pytest.raises(cudafut.CudaError) as info:  # code that handles failed GPU work handles it
+        raise err
+    assert info.value is err
+
+
+def test_public_names() -> None:
+    names = {
+        "init_process_group",
+        "destroy_process_group",
+        "is_initialized",
+        "get_rank",
+        "get_world_size",
+        "new_group",
+        "ProcessGroup",
+        "CollectiveError",
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "reduce",
+        "all_to_all",
+        "send",
+        "recv",
+    }
+    assert names <= set(dist.__all__), names - set(dist.__all__)
+    assert set(dist.__all__) <= {name for name in dir(dist) if not name.startswith("_")}
+    for name in dist.__all__:
+        assert getattr(dist, name).__doc__, f"{name} has no docstring"
+
+
+# -- what the import costs -------------------------------------------------------------
+
+
+def test_import_needs_neither_torch_nor_cupy() -> None:
+    # A finder first in line records every attempt, even one that would
+    # fail on a machine without the package (try: import torch).
+    proc = run_python(
+        """
+        import json, sys
+        heavy = ("torch", "cupy", "cupyx", "cupy_backends")
+        tried = []
+
+        class Spy:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in heavy:
+                    tried.append(name)
+                return None
+
+        sys.meta_path.insert(0, Spy())
+        import cudafut.distributed as dist
+        loaded = sorted(n for n in sys.modules if n.split(".")[0] in heavy)
+        print(json.dumps({"tried": tried, "loaded": loaded, "initialised": dist.is_initialized()}))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"tried": [], "loaded": [], "initialised": False}
