@@ -287,6 +287,7 @@ import os, sys, time
 for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
             "OMPI_COMM_WORLD_LOCAL_RANK"):
     os.environ.pop(var, None)
+import cudafut
 import cudafut.distributed as dist
 from cudafut import _cuda
 from tests.kernels import spin_fill

@@ -156,6 +156,10 @@ class ProcessGroup:
                 self._calling = None
         return set_future(value, (record,), keep)
 
+    def busy(self) -> bool:
+        """Whether a collective is pending or being enqueued."""
+        return bool(self._pending) or self._calling is not None
+
     def _raise_if_aborted(self, op: str) -> None:
         if self._aborted is not None:
             raise CollectiveError(
@@ -240,7 +244,10 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
 
     def watch(self, group: ProcessGroup) -> None:
+        """Watch ``group``, which has work pending (or being enqueued)."""
         with self._cond:
+            if group in self._groups:
+                return
             self._groups.add(group)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cudafut-nccl-watchdog", daemon=True)
@@ -260,7 +267,9 @@ class _Watchdog:
             now = time.monotonic()
             idle = [g for g in groups if not g.check(now)]
             with self._cond:
-                self._groups.difference_update(idle)
+                # Looked at again under the lock: a call that began since
+                # (it marks the group busy, then calls watch()) keeps it.
+                self._groups.difference_update(g for g in idle if not g.busy())
             time.sleep(WATCH_EVERY_S)
 
 

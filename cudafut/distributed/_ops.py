@@ -70,17 +70,27 @@ class _Buffer:
             if tuple(strides) != tuple(reversed(expected)):
                 raise ValueError(f"{what} must be C-contiguous (copy it with .copy() first)")
         ptr = int(iface["data"][0])
-        if count and _cuda.pointer_device(ptr) != group.device:
-            raise ValueError(
-                f"{what} is on device {_cuda.pointer_device(ptr)}, but this rank's group runs on "
-                f"device {group.device}"
-            )
+        if count:
+            device = _device_of(array, ptr)
+            if device != group.device:
+                raise ValueError(
+                    f"{what} is on device {device}, but this rank's group runs on device {group.device}"
+                )
         self.array = array
         self.ptr = ptr
         self.count = count
         self.dtype = DTYPES[code]
         self.itemsize = itemsize
         self.shape = shape
+
+
+def _device_of(array: object, ptr: int) -> int:
+    # CuPy arrays and torch tensors say it without a CUDA call (a few µs).
+    device = getattr(array, "device", None)
+    index = getattr(device, "id", None)
+    if index is None:
+        index = getattr(device, "index", None)
+    return int(index) if isinstance(index, int) else _cuda.pointer_device(ptr)
 
 
 def _empty(group: ProcessGroup, shape: tuple[int, ...], like: _Buffer) -> Any:
