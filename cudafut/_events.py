@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Final
 
 from . import _cuda, _pools
@@ -35,7 +36,18 @@ class EventRecord:
     complete, or the CUDA error code the event reported.
     """
 
-    __slots__ = ("device", "failure", "handle", "seen", "seq", "status", "stream", "stream_key", "t")
+    __slots__ = (
+        "confirm",
+        "device",
+        "failure",
+        "handle",
+        "seen",
+        "seq",
+        "status",
+        "stream",
+        "stream_key",
+        "t",
+    )
 
     def __init__(
         self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
@@ -53,6 +65,9 @@ class EventRecord:
         #: An error decided on the host for the work behind this record (a
         #: collective that timed out): see :meth:`fail_with`.
         self.failure: CudaError | None = None
+        #: Asked once the event completes: an error means the work did not
+        #: succeed after all (an NCCL kernel that an abort ended early).
+        self.confirm: Callable[[], CudaError | None] | None = None
 
     def query(self) -> int | None:
         """Non-blocking: the status, asking CUDA only while it is unknown."""
@@ -60,6 +75,12 @@ class EventRecord:
         if status is None:
             raw = _cuda.event_query(self.handle)
             if raw != _cuda.NOT_READY and self.failure is None:
+                confirm = self.confirm
+                if raw == 0 and confirm is not None:
+                    error = confirm()
+                    if error is not None:
+                        self.fail_with(error)
+                        return self.status
                 self.status = raw
             return self.status
         return status
@@ -103,8 +124,12 @@ def _stream_key(stream: int, device: int) -> tuple[int, ...]:
     return (device, stream)
 
 
-def record(stream: int, device: int) -> EventRecord:
-    """Record a pooled event on ``stream`` of ``device`` (host: < 2 µs)."""
+def record(stream: int, device: int, confirm: Callable[[], CudaError | None] | None = None) -> EventRecord:
+    """Record a pooled event on ``stream`` of ``device`` (host: < 2 µs).
+
+    ``confirm``, if given, is called (in the polling thread) when the event
+    is first seen complete; an error it returns fails the record instead.
+    """
     handle = _pools.events.acquire(device)
     key = (device, stream) if stream != 2 else _stream_key(stream, device)
     try:
@@ -115,7 +140,9 @@ def record(stream: int, device: int) -> EventRecord:
     except BaseException:
         _pools.events.release(device, handle)
         raise
-    return EventRecord(handle, device, stream, key, seq, time.perf_counter())
+    rec = EventRecord(handle, device, stream, key, seq, time.perf_counter())
+    rec.confirm = confirm
+    return rec
 
 
 def record_current(device: int) -> EventRecord:

@@ -76,7 +76,7 @@ _settle = _future._settle
 
 def _settle_recorded_early(fut, fn, args, kwargs, streams, keep):
     real = _events.record
-    _events.record = lambda stream, device: _idle_record(device)
+    _events.record = lambda stream, device, confirm=None: _idle_record(device)
     try:
         _settle(fut, fn, args, kwargs, streams, keep)
     finally:

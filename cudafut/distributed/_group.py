@@ -19,6 +19,7 @@ thread, since ``ncclCommAbort`` can itself hang.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 import time
@@ -150,7 +151,7 @@ class ProcessGroup:
                 self._calling = None
                 reason = self._aborted or f"NCCL refused the call: {exc}"
                 raise CollectiveError(self.rank, op, self.size, reason, device) from exc
-            record = _events.record(stream, device)
+            record = _events.record(stream, device, functools.partial(self._confirm, op))
             with self._lock:
                 self._pending.append(_Pending(record, op, limit))
                 self._calling = None
@@ -171,24 +172,47 @@ class ProcessGroup:
                 self.device,
             )
 
+    def _async_error(self) -> str | None:
+        if self._aborted is not None:
+            return self._aborted
+        try:
+            self._comm.check_async_error()
+        except Exception as exc:  # noqa: BLE001 - NCCL's error, reported in the futures
+            return f"NCCL reported an error: {exc}"
+        return None
+
+    def _confirm(self, op: str) -> CollectiveError | None:
+        # A collective's event also completes when an abort (ours, or NCCL's
+        # own on a peer's failure) ended its kernel early: it succeeded only
+        # if NCCL reports no error. One ncclCommGetAsyncError per collective.
+        reason = self._async_error()
+        if reason is None:
+            return None
+        self.abort(reason)
+        return CollectiveError(self.rank, op, self.size, reason, self.device)
+
     def check(self, now: float) -> bool:
         """The watchdog's look: drop what completed, fail the group on an
         NCCL error or a deadline passed. Returns whether work is pending."""
         with self._lock:
-            pending = self._pending
-            while pending and pending[0].query() is not None:
-                pending.popleft()
+            items = list(self._pending)
             calling = self._calling
-            if not pending and calling is None:
-                return False
-            late = next((p for p in pending if now > p.deadline), None)
-            if late is None and calling is not None and now > calling.deadline:
-                late = calling
-        reason = None
-        try:
-            self._comm.check_async_error()
-        except Exception as exc:  # noqa: BLE001 - NCCL's error, reported in the futures
-            reason = f"NCCL reported an error: {exc}"
+        # Queried outside the lock: a query may abort the group (_confirm).
+        done = 0
+        for p in items:
+            if p.query() is None:
+                break
+            done += 1
+        with self._lock:
+            for _ in range(min(done, len(self._pending))):  # abort() may have emptied it
+                self._pending.popleft()
+        items = items[done:]
+        if not items and calling is None:
+            return False
+        late = next((p for p in items if now > p.deadline), None)
+        if late is None and calling is not None and now > calling.deadline:
+            late = calling
+        reason = self._async_error()
         if reason is None and late is not None:
             reason = (
                 f"{late.op} did not complete within its timeout of {late.timeout:g} s: "
