@@ -36,6 +36,9 @@ from ._errors import CollectiveError
 
 #: How often the watchdog looks while collectives are pending.
 WATCH_EVERY_S: Final = 5e-3
+#: A collective that completes in this last share of its timeout is taken
+#: as failed: the peers' watchdogs abort then, which can end it early.
+_DOUBT: Final = 0.1
 #: torch.distributed's default for NCCL.
 DEFAULT_TIMEOUT_S: Final = 600.0
 
@@ -151,7 +154,9 @@ class ProcessGroup:
                 self._calling = None
                 reason = self._aborted or f"NCCL refused the call: {exc}"
                 raise CollectiveError(self.rank, op, self.size, reason, device) from exc
-            record = _events.record(stream, device, functools.partial(self._confirm, op))
+            # The end of the window in which a completion is believed (see _confirm).
+            trusted_until = time.monotonic() + limit * (1 - _DOUBT)
+            record = _events.record(stream, device, functools.partial(self._confirm, op, trusted_until))
             with self._lock:
                 self._pending.append(_Pending(record, op, limit))
                 self._calling = None
@@ -181,11 +186,19 @@ class ProcessGroup:
             return f"NCCL reported an error: {exc}"
         return None
 
-    def _confirm(self, op: str) -> CollectiveError | None:
-        # A collective's event also completes when an abort (ours, or NCCL's
-        # own on a peer's failure) ended its kernel early: it succeeded only
-        # if NCCL reports no error. One ncclCommGetAsyncError per collective.
+    def _confirm(self, op: str, trusted_until: float) -> CollectiveError | None:
+        # A collective's event also completes when an abort ended its kernel
+        # early: ours, NCCL's own, or a peer's (on one node a peer's abort
+        # can end this rank's kernel with no error reported here: seen on 4
+        # H200s, one run in five). So it succeeded only if NCCL reports no
+        # error and it did not end in the last part of its timeout, when the
+        # peers' watchdogs abort. One ncclCommGetAsyncError per collective.
         reason = self._async_error()
+        if reason is None and time.monotonic() > trusted_until:
+            reason = (
+                f"{op} ended within the last {_DOUBT:.0%} of its timeout, when peers abort "
+                "theirs: its data cannot be trusted (a peer may have died, hung, or not called it)"
+            )
         if reason is None:
             return None
         self.abort(reason)
