@@ -1,7 +1,7 @@
 """The waiter: learning, without blocking anybody, that recorded events completed.
 
-A :class:`Watchlist` keeps the records someone waits on in one heap per
-stream, ordered by the record's sequence number on that stream. Work on a
+A :class:`Watchlist` keeps the records someone waits on in one sorted queue
+per stream, ordered by the record's sequence number on that stream. Work on a
 stream completes in order, so each poll queries only the oldest pending record
 of each stream: the cost of a poll is one ``cudaEventQuery`` per busy stream,
 whatever the number of waiters.

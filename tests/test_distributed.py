@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import pickle
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
 import cudafut
 import cudafut.distributed as dist
+from cudafut import _cuda, _events
+from cudafut.distributed import _group
 from cudafut.distributed._env import launch_env
 from cudafut.distributed._ops import check_op
+from tests.fakes import FakeRecord
 from tests.subproc import run_python
 
 LAUNCH_VARS = (
@@ -255,3 +261,143 @@ def test_import_needs_neither_torch_nor_cupy() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == {"tried": [], "loaded": [], "initialised": False}
+
+
+# -- the group's bookkeeping and the watchdog, with scripted events --------------------
+
+
+class _FakeComm:
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.aborted = threading.Event()
+
+    def check_async_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def _fake_group(timeout: float = 5.0) -> _group.ProcessGroup:
+    return _group.ProcessGroup(_FakeComm(), 0, [0, 1], 0, timeout, "test", stream=object())
+
+
+def _pending(group: _group.ProcessGroup, rec: FakeRecord, timeout: float = 5.0) -> _group._Pending:
+    p = _group._Pending(rec, "all_reduce", timeout)
+    group._pending.append(p)
+    return p
+
+
+def test_a_deadline_passed_fails_every_pending_collective_and_aborts() -> None:
+    g = _fake_group()
+    recs = [FakeRecord(), FakeRecord()]
+    for rec in recs:
+        _pending(g, rec)
+    assert g.check(time.monotonic())  # pending, nothing late
+    assert not g.check(time.monotonic() + 10)  # past the 5 s deadline
+    for rec in recs:
+        err = rec.error()
+        assert isinstance(err, dist.CollectiveError) and err.op == "all_reduce"
+        assert "timeout of 5 s" in err.reason
+    assert g.aborted and g._comm.aborted.wait(5)
+
+
+def test_an_asynchronous_nccl_error_fails_the_group() -> None:
+    g = _fake_group()
+    rec = FakeRecord()
+    _pending(g, rec)
+    g._comm.error = "NCCL error 6: remote process exited"
+    assert not g.check(time.monotonic())
+    err = rec.error()
+    assert isinstance(err, dist.CollectiveError) and "remote process exited" in err.reason
+
+
+def test_completed_collectives_are_dropped_and_the_rest_kept() -> None:
+    g = _fake_group()
+    done, waiting = FakeRecord(), FakeRecord()
+    done.complete()
+    _pending(g, done)
+    p = _pending(g, waiting)
+    assert g.check(time.monotonic())
+    assert list(g._pending) == [p]
+
+
+class _HookedRecord(FakeRecord):
+    """Runs ``hook`` at each query: another thread's look, made to happen here."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[[], object]) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def query(self) -> int | None:
+        self.hook()
+        return super().query()
+
+
+def test_a_check_never_drops_what_another_check_popped_first() -> None:
+    # destroy() checks from the user's thread while the watchdog does: a
+    # look must pop only what it saw complete, not a count of entries.
+    g = _fake_group()
+    inner: list[bool] = []
+
+    def look_first() -> None:
+        if not inner:
+            inner.append(True)  # once: the inner look queries `first` too
+            inner.append(g.check(time.monotonic()))
+
+    first = _HookedRecord(look_first)
+    first.complete()
+    _pending(g, first)
+    p2 = _pending(g, FakeRecord())
+    assert g.check(time.monotonic())  # its query of `first` runs a whole look first
+    assert inner == [True, True]
+    assert list(g._pending) == [p2]  # the pending one is still watched
+
+
+def test_the_watchdog_outlives_a_group_whose_check_raises() -> None:
+    dog = _group._Watchdog()
+    broken, healthy = _fake_group(), _fake_group(timeout=0.05)
+    broken.check = lambda now: 1 / 0  # type: ignore[method-assign, assignment, return-value]
+    rec = FakeRecord()
+    _pending(healthy, rec, timeout=0.05)
+    dog.watch(broken)
+    dog.watch(healthy)
+    deadline = time.monotonic() + 5
+    while not (broken.aborted and healthy.aborted) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert broken.aborted is not None and "could not check" in broken.aborted
+    assert healthy.aborted is not None and "timeout" in healthy.aborted  # still watched
+    assert isinstance(rec.error(), dist.CollectiveError)
+
+
+def test_a_completion_late_in_its_timeout_is_not_trusted() -> None:
+    g = _fake_group()
+    assert g._confirm("all_reduce", time.monotonic() + 10) is None
+    assert not g.aborted
+    err = g._confirm("all_gather", time.monotonic() - 1)
+    assert isinstance(err, dist.CollectiveError) and err.op == "all_gather"
+    assert "cannot be trusted" in err.reason and g.aborted
+
+
+class _Confirmable(_events.EventRecord):
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        pass  # owns no CUDA event
+
+
+def test_a_record_asks_its_producer_before_it_counts_as_complete(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cuda, "event_query", lambda handle: 0)
+    ok = _Confirmable(-1, 0, 0x77, (0, 0x77), 1, 0.0)
+    ok.confirm = lambda: None
+    assert ok.query() == 0 and ok.error() is None
+    failed = _Confirmable(-2, 0, 0x77, (0, 0x77), 2, 0.0)
+    error = dist.CollectiveError(0, "all_reduce", 2, "aborted")
+    failed.confirm = lambda: error
+    assert failed.query() == _events.FAILED
+    assert failed.error() is error
+    failed.fail_with(dist.CollectiveError(0, "x", 2, "later"))  # a failure is final
+    assert failed.error() is error

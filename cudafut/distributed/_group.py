@@ -95,7 +95,14 @@ class ProcessGroup:
     """
 
     def __init__(
-        self, comm: Any, rank: int, ranks: Sequence[int], device: int, timeout: float, name: str
+        self,
+        comm: Any,
+        rank: int,
+        ranks: Sequence[int],
+        device: int,
+        timeout: float,
+        name: str,
+        stream: Any = None,
     ) -> None:
         self._comm = comm
         self.rank = rank
@@ -105,13 +112,14 @@ class ProcessGroup:
         self.timeout = timeout
         self.name = name
         # Clamped by CUDA into the device's range: the highest priority.
-        self.stream = _cuda.new_stream(device, -1000)
+        self.stream = _cuda.new_stream(device, -1000) if stream is None else stream
         # Calls reach NCCL in one order, whichever threads make them.
         self._call_lock = threading.Lock()
         # Guards the bookkeeping below; never held across an NCCL call, so
         # that the watchdog can always look (a call can block: the first
-        # send to a peer that never comes does).
-        self._lock = threading.Lock()
+        # send to a peer that never comes does). Re-entrant: a query under
+        # it can run a finalizer that aborts the group.
+        self._lock = threading.RLock()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._aborted: str | None = None
         self._calling: _Pending | None = None
@@ -217,8 +225,12 @@ class ProcessGroup:
                 break
             done += 1
         with self._lock:
-            for _ in range(min(done, len(self._pending))):  # abort() may have emptied it
-                self._pending.popleft()
+            # Only what this look saw complete: another thread's check()
+            # (destroy()) may have popped some already, abort() all.
+            pending = self._pending
+            for p in items[:done]:
+                if pending and pending[0] is p:
+                    pending.popleft()
         items = items[done:]
         if not items and calling is None:
             return False
@@ -302,12 +314,21 @@ class _Watchdog:
                     self._cond.wait()
                 groups = list(self._groups)
             now = time.monotonic()
-            idle = [g for g in groups if not g.check(now)]
+            idle = [g for g in groups if not self._check(g, now)]
             with self._cond:
                 # Looked at again under the lock: a call that began since
                 # (it marks the group busy, then calls watch()) keeps it.
                 self._groups.difference_update(g for g in idle if not g.busy())
             time.sleep(WATCH_EVERY_S)
+
+    @staticmethod
+    def _check(group: ProcessGroup, now: float) -> bool:
+        # The thread must outlive any error: without it, nothing times out.
+        try:
+            return group.check(now)
+        except Exception as exc:  # noqa: BLE001 - reported; the group is failed, not forgotten
+            group.abort(f"the watchdog could not check the group: {exc!r}")
+            return False
 
 
 _watchdog: Final = _Watchdog()
@@ -503,8 +524,10 @@ def new_group(ranks: Iterable[int], *, timeout: float | None = None) -> ProcessG
     None. Blocks until the members joined (at most ``timeout``, by default
     the world's).
 
+    Repeated ranks count once; the group's ranks are ordered by world rank.
+
     Raises:
-        ValueError: ranks repeated, out of the world, or none.
+        ValueError: ranks out of the world, or none.
         CollectiveError: a member did not join in time.
     """
     world = _require_world()
@@ -540,8 +563,14 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         world, _world = _world, None
     if world is None:
         return
+    errors = []
     for g in reversed(world.groups):
-        g.destroy()
+        try:
+            g.destroy()
+        except Exception as exc:  # noqa: BLE001 - the others are destroyed too; raised after
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def is_initialized() -> bool:
