@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from .common import Progress, meta_of, pyplot
+from .common import Progress, meta_of, pyplot, save_figure
 
 NAME = "collectives"
 
@@ -435,8 +435,4 @@ def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
     axes[0][0].legend(fontsize=8)
     gpu = runs[0].get("gpu") or meta_of(result).get("gpu", "GPU")
     fig.suptitle(f"cudafut.distributed against NCCL called directly ({gpu}, float32)")
-    fig.tight_layout()
-    path = out / f"{stem}-collectives.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out / f"{stem}-collectives.png")]

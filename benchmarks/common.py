@@ -174,3 +174,11 @@ def pyplot() -> Any:
     except Exception:  # noqa: BLE001 - plots are optional
         return None
     return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (PNG) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -14,7 +14,7 @@ from typing import Any
 
 import cudafut
 
-from .common import Progress, pyplot
+from .common import Progress, pyplot, save_figure
 
 NAME = "pipeline"
 
@@ -298,8 +298,4 @@ def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
     axes[-1].set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="upper right")
-    fig.tight_layout()
-    path = out / f"{stem}-pipeline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out / f"{stem}-pipeline.png")]

@@ -30,7 +30,7 @@ from typing import Any
 
 import cudafut
 
-from .common import CpuMeter, Progress, meta_of, policy, pyplot
+from .common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure
 
 NAME = "vary"
 
@@ -385,8 +385,4 @@ def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
     axes[0][0].legend(fontsize=7)
     meta = meta_of(result)
     fig.suptitle(f"cudafut waiters on work that varies ({meta.get('gpu', 'GPU')})")
-    fig.tight_layout()
-    path = out / f"{stem}-vary.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out / f"{stem}-vary.png")]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import cudafut
 from cudafut import WaitPolicy
 
-from .common import CpuMeter, Progress, Samples, meta_of, pyplot, quantiles, timed, with_policy
+from .common import CpuMeter, Progress, Samples, meta_of, pyplot, quantiles, save_figure, timed, with_policy
 
 if TYPE_CHECKING:
     from .gpu import HostFunc
@@ -332,8 +332,4 @@ def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
     ax.legend(fontsize=7)
     gpu_name = meta_of(result).get("gpu")
     fig.suptitle("Wake-up latency and CPU against work duration" + (f" ({gpu_name})" if gpu_name else ""))
-    fig.tight_layout()
-    path = out / f"{stem}-wake.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out / f"{stem}-wake.png")]

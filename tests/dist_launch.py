@@ -77,6 +77,17 @@ dist.destroy_process_group()
 """.replace("MARK", repr(RESULT_MARK))
 
 
+#: Every variable a launcher sets for the rank: cleared for a one-process world.
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+)
+
+
 @dataclasses.dataclass
 class Result:
     """What one rank did."""

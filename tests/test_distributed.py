@@ -17,17 +17,10 @@ from cudafut import _cuda, _events
 from cudafut.distributed import _group
 from cudafut.distributed._env import launch_env
 from cudafut.distributed._ops import check_op
+from tests.dist_launch import LAUNCH_VARS
 from tests.fakes import FakeRecord
 from tests.subproc import run_python
 
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-)
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 MPIRUN = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
 

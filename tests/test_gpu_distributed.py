@@ -21,7 +21,7 @@ import pytest
 
 import cudafut.distributed as dist
 from cudafut import _cuda
-from tests.dist_launch import NO_MULTICAST, describe, run_ranks
+from tests.dist_launch import LAUNCH_VARS, NO_MULTICAST, describe, run_ranks
 from tests.kernels import spin_copy, spin_fill
 from tests.runners import BACKENDS
 from tests.subproc import run_python
@@ -30,15 +30,6 @@ pytestmark = pytest.mark.gpu
 
 N = 1 << 16
 SLOW_MS = 50.0
-
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-)
 
 
 @pytest.fixture
