@@ -106,15 +106,21 @@ def _await_cudafut(gpu: Any) -> Callable[[int, Any], Coroutine[Any, Any, float]]
     return once
 
 
-def _await_sleep0(gpu: Any) -> Callable[[int, Any], Coroutine[Any, Any, float]]:
-    import cupy as cp
+def _event_of(events: dict[int, Any], stream: Any, block: bool) -> Any:
+    """One reusable event per stream (made on first use)."""
+    ev = events.get(stream.ptr)
+    if ev is None:
+        import cupy as cp
 
+        ev = events[stream.ptr] = cp.cuda.Event(block=block, disable_timing=True)
+    return ev
+
+
+def _await_sleep0(gpu: Any) -> Callable[[int, Any], Coroutine[Any, Any, float]]:
     events: dict[int, Any] = {}
 
     async def once(ns: int, s: Any) -> float:
-        ev = events.get(s.ptr)
-        if ev is None:
-            ev = events[s.ptr] = cp.cuda.Event(block=False, disable_timing=True)
+        ev = _event_of(events, s, block=False)
         t = time.perf_counter()
         gpu.work(ns, on=s)
         ev.record(s)
@@ -126,14 +132,10 @@ def _await_sleep0(gpu: Any) -> Callable[[int, Any], Coroutine[Any, Any, float]]:
 
 
 def _await_executor(gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) -> Any:
-    import cupy as cp
-
     events: dict[int, Any] = {}
 
     async def once(ns: int, s: Any) -> float:
-        ev = events.get(s.ptr)
-        if ev is None:
-            ev = events[s.ptr] = cp.cuda.Event(block=True, disable_timing=True)
+        ev = _event_of(events, s, block=True)
         loop = asyncio.get_running_loop()
         t = time.perf_counter()
         gpu.work(ns, on=s)

@@ -104,37 +104,33 @@ class _RecordingCondition(threading.Condition):
         return super().wait(timeout)
 
 
-def test_the_watcher_thread_sleeps_between_polls_even_when_told_to_spin() -> None:
-    # A spinning thread would hold the GIL and shut the application's
-    # threads out for the 5 ms switch interval at a time.
-    cudafut.set_wait_policy("low_latency")
+def _watcher_sleeps(n: int) -> list[float]:
+    """The first ``n`` sleeps (at least) of a fresh watcher thread that holds
+    a value on a record which stays pending meanwhile."""
     waiter = _waiter.ThreadWaiter()
     cond = waiter._cond = _RecordingCondition()
     rec = FakeRecord()
     waiter.hold([rec], _Value())
     deadline = time.monotonic() + 5
-    while len(cond.timeouts) < 20 and time.monotonic() < deadline:
+    while len(cond.timeouts) < n and time.monotonic() < deadline:
         time.sleep(0.01)
     rec.complete()
     polls = [t for t in cond.timeouts if t is not None]
-    assert len(polls) >= 20
-    assert min(polls) >= _waiter.THREAD_MIN_SLEEP_S > 0
+    assert len(polls) >= n
+    return polls
+
+
+def test_the_watcher_thread_sleeps_between_polls_even_when_told_to_spin() -> None:
+    # A spinning thread would hold the GIL and shut the application's
+    # threads out for the 5 ms switch interval at a time.
+    cudafut.set_wait_policy("low_latency")
+    assert min(_watcher_sleeps(20)) >= _waiter.THREAD_MIN_SLEEP_S > 0
 
 
 def test_the_watcher_thread_sleeps_at_most_max_sleep_s() -> None:
     # Done-callbacks outside a loop get the same bound as await.
     cudafut.set_wait_policy(cudafut.WaitPolicy(max_sleep_s=2e-3, first_sleep_s=1e-3))
-    waiter = _waiter.ThreadWaiter()
-    cond = waiter._cond = _RecordingCondition()
-    rec = FakeRecord()
-    waiter.hold([rec], _Value())
-    deadline = time.monotonic() + 5
-    while len(cond.timeouts) < 10 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    rec.complete()
-    polls = [t for t in cond.timeouts if t is not None]
-    assert len(polls) >= 10
-    assert max(polls) <= 2e-3
+    assert max(_watcher_sleeps(10)) <= 2e-3
 
 
 # -- the timer ----------------------------------------------------------------------
