@@ -15,8 +15,13 @@ Sections (numbers as in the performance issue and docs/performance.md):
      and the longest stall of a heartbeat task, next to plain asyncio futures.
 5.   ``host``: create + set, ``record()``, ``then()`` chains, next to a bare
      kernel launch and to ``torch.futures``.
-6.   ``pipeline``: copy in / compute / copy out over N chunks: cudafut, serial
-     and hand-written multi-stream CuPy with events.
+     ``copies``: ``to_device`` / ``to_host`` against raw ``cudaMemcpyAsync``
+     on pinned memory and CuPy's pageable copies, 4 KB to 1 GB: bandwidth,
+     calling-thread time, 64 tasks copying, 100,000 copies for leaks, the
+     allocator wrapper's cost (issue 10).
+6.   ``pipeline``: copy in / compute / copy out over N chunks: cudafut
+     (``to_device().then().to_host()``), serial and hand-written
+     multi-stream CuPy with events; pinned and pageable host chunks.
 7.   peers appear inside the sections: asyncio ``sleep(0)`` polling,
      ``run_in_executor(event.synchronize)``, a native host function closing a
      pipe, numba-cuda ``async_done()``, ``torch.futures``.

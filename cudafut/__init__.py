@@ -19,9 +19,14 @@ docs/performance.md for the CPU measured.
 :class:`CudaUnavailableError` if CUDA cannot be used.
 """
 
+from ._bridges import from_torch as from_torch
+from ._bridges import wrap_future as wrap_future
 from ._combinators import as_completed as as_completed
+from ._combinators import as_completed_sync as as_completed_sync
 from ._combinators import gather as gather
 from ._combinators import wait_all as wait_all
+from ._copies import to_device as to_device
+from ._copies import to_host as to_host
 from ._errors import CancelledError as CancelledError
 from ._errors import CudaError as CudaError
 from ._errors import CudaUnavailableError as CudaUnavailableError
@@ -30,9 +35,16 @@ from ._errors import TimeoutError as TimeoutError
 from ._future import CudaFuture as CudaFuture
 from ._future import record as record
 from ._future import submit as submit
+from ._memory import MemoryStatistics as MemoryStatistics
+from ._memory import memory_statistics as memory_statistics
+from ._memory import record_stream as record_stream
+from ._pinned import empty_pinned as empty_pinned
+from ._pinned import set_pinned_limit as set_pinned_limit
 from ._policy import WaitPolicy as WaitPolicy
 from ._policy import get_wait_policy as get_wait_policy
 from ._policy import set_wait_policy as set_wait_policy
+from ._trace import Trace as Trace
+from ._trace import trace as trace
 
 __version__ = "0.1.0.dev0"
 
@@ -42,16 +54,28 @@ __all__ = [
     "CudaFuture",
     "CudaUnavailableError",
     "InvalidStateError",
+    "MemoryStatistics",
     "TimeoutError",
+    "Trace",
     "WaitPolicy",
     "__version__",
     "as_completed",
+    "as_completed_sync",
+    "empty_pinned",
+    "from_torch",
     "gather",
     "get_wait_policy",
+    "memory_statistics",
     "record",
+    "record_stream",
+    "set_pinned_limit",
     "set_wait_policy",
     "submit",
+    "to_device",
+    "to_host",
+    "trace",
     "wait_all",
+    "wrap_future",
 ]
 
 # Named so in tracebacks, reprs and docs: users import them from cudafut.

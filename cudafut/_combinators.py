@@ -1,17 +1,18 @@
-"""Combining futures: gather, wait_all, as_completed."""
+"""Combining futures: gather, wait_all, as_completed, as_completed_sync."""
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from ._errors import TimeoutError
 from ._future import CudaFuture, check_timeout, remaining
 from ._loops import current_driver, require_driver
+from ._waiter import Driver, thread_waiter
 
-__all__ = ["as_completed", "gather", "wait_all"]
+__all__ = ["as_completed", "as_completed_sync", "gather", "wait_all"]
 
 
 def _futures(futs: Iterable[object], what: str) -> list[CudaFuture[Any]]:
@@ -171,27 +172,117 @@ def as_completed(futs: Iterable[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[An
     return _as_completed(items)
 
 
+class _Arrivals:
+    """The futures of an as_completed() in the order they become done.
+
+    One done callback per future, run by ``driver`` (the loop's waiter, or
+    the watcher thread for :func:`as_completed_sync`), appends the future to
+    ``ready`` and then calls ``wake`` if set, in the driver's thread.
+    :meth:`close` removes the callbacks of those that have not arrived.
+    """
+
+    def __init__(
+        self, items: list[CudaFuture[Any]], driver: Driver, wake: Callable[[], None] | None = None
+    ) -> None:
+        self.items = items
+        self.ready: collections.deque[CudaFuture[Any]] = collections.deque()
+        self.wake = wake
+        for fut in items:
+            fut._when_done(self._arrived, driver)
+
+    def _arrived(self, fut: CudaFuture[Any]) -> None:
+        self.ready.append(fut)
+        wake = self.wake
+        if wake is not None:
+            wake()
+
+    def close(self) -> None:
+        for fut in self.items:
+            fut.remove_done_callback(self._arrived)
+
+
 async def _as_completed(items: list[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:
     driver = require_driver()
-    ready: collections.deque[CudaFuture[Any]] = collections.deque()
-    wake: list[Any] = [None]
+    arrivals = _Arrivals(items, driver)
 
-    def arrived(fut: object) -> None:
-        ready.append(fut)  # type: ignore[arg-type]
-        if wake[0] is not None:
-            wake[0]()
-
-    def register(w: Any) -> Any:
-        wake[0] = w
+    def register(wake: Callable[[], None]) -> Callable[[], None]:
+        arrivals.wake = wake
 
         def cancel() -> None:
-            wake[0] = None
+            arrivals.wake = None
 
         return cancel
 
-    for fut in items:
-        fut.add_done_callback(arrived)
-    for _ in items:
-        if not ready:
-            await driver.until(register)
-        yield ready.popleft()
+    try:
+        for _ in items:
+            if not arrivals.ready:
+                await driver.until(register)
+            yield arrivals.ready.popleft()
+    finally:
+        arrivals.close()
+
+
+def as_completed_sync(
+    futs: Iterable[CudaFuture[Any]], timeout: float | None = None
+) -> Iterator[CudaFuture[Any]]:
+    """Yield the futures as they become done, blocking the calling thread between them.
+
+    The synchronous :func:`as_completed`, for threads and scripts, as
+    :func:`concurrent.futures.as_completed` is for executors:
+    ``for fut in cudafut.as_completed_sync(futs): value = fut.result()``
+    (``result()`` of a yielded future returns at once). Takes one iterable
+    of futures. Never call it on an event loop: use :func:`as_completed`
+    there.
+
+    cudafut's watcher thread watches all the futures' GPU work (one poll per
+    busy stream, never spinning: a completion is noticed within its sleeps
+    of at most ``max_sleep_s``, 1 ms by default, plus the operating system's
+    wake-up delay) and wakes the iterating thread, which sleeps on a
+    condition variable meanwhile (GIL released, Ctrl-C works). Blocks
+    neither the GPU nor other threads. Leaving the loop early removes the
+    remaining watches' callbacks.
+
+    Args:
+        futs: the futures.
+        timeout: seconds to wait at most, for all of them together, counted
+            from this call; ``None`` or ``math.inf``: no limit.
+
+    Returns:
+        An iterator of the same futures, in the order they become done
+        (failed and cancelled ones included).
+
+    Raises:
+        TypeError: ``futs`` is not an iterable of CudaFutures (a single
+            future included: pass ``[fut]``), or ``timeout`` is not a number.
+        ValueError: ``timeout`` is negative or NaN.
+        TimeoutError: (while iterating) the next future was not done in time;
+            their GPU work goes on.
+    """
+    items = _futures(futs, "as_completed_sync")
+    deadline = check_timeout(timeout)
+    return _as_completed_sync(items, deadline, timeout)
+
+
+def _as_completed_sync(
+    items: list[CudaFuture[Any]], deadline: float | None, timeout: float | None
+) -> Iterator[CudaFuture[Any]]:
+    cond = threading.Condition()
+
+    def wake() -> None:  # in the watcher thread, after the append
+        with cond:
+            cond.notify()
+
+    arrivals = _Arrivals(items, thread_waiter(), wake)
+    try:
+        for i in range(len(items)):
+            with cond:
+                while not arrivals.ready:
+                    if not cond.wait(remaining(deadline)) and not arrivals.ready:
+                        raise TimeoutError(
+                            f"as_completed_sync(): {len(items) - i} of {len(items)} futures were not "
+                            f"done within {timeout} s; their GPU work goes on: iterate again, or "
+                            "wait on them with result()"
+                        )
+            yield arrivals.ready.popleft()
+    finally:
+        arrivals.close()

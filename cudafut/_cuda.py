@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -28,6 +29,8 @@ NOT_READY = 600
 _SPECIAL_STREAMS = (0, 1, 2)
 
 _init_lock = threading.Lock()
+#: Called with the cupy module once CUDA is found usable (see on_initialise()).
+_init_hooks: list[Callable[[Any], None]] = []
 _cupy: Any = None
 _rt: Any = None
 _count = 0
@@ -121,8 +124,20 @@ def _initialise() -> Any:
         if count == 0:
             raise CudaUnavailableError(_DRIVER_HINTS[100])
         _cupy, _count = cp, count
+        for hook in _init_hooks:
+            hook(cp)
         _rt = rt
         return rt
+
+
+def on_initialise(hook: Callable[[Any], None]) -> None:
+    """Call ``hook(cupy)`` when cudafut first finds CUDA usable (at once if
+    it has), and, if CuPy is imported already, now: hooks must not need the
+    GPU (the allocator wrapper of ``_memory``)."""
+    _init_hooks.append(hook)
+    cp = _cupy if _cupy is not None else sys.modules.get("cupy")
+    if cp is not None and hasattr(cp, "cuda"):
+        hook(cp)
 
 
 def device_count() -> int:
@@ -198,19 +213,118 @@ def current_stream(device: int) -> Any:
 
 
 def stream_handle(stream: object) -> tuple[int, int]:
-    """``(cudaStream_t, device)`` of a CuPy or PyTorch stream object."""
-    cp = cupy()
-    if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
-        device = stream.device_id
-        return int(stream.ptr), current_device() if device < 0 else int(device)
+    """``(cudaStream_t, device)`` of a stream object, wherever cudafut takes one.
+
+    Accepted, tried in this order:
+
+    - a CuPy stream (``cupy.cuda.Stream``, ``cupy.cuda.ExternalStream``):
+      its ``ptr`` and ``device_id``;
+    - a PyTorch stream: its ``cuda_stream`` and ``device_index``;
+    - any object implementing the CUDA stream protocol: ``__cuda_stream__``,
+      a method (or attribute) giving ``(0, handle)`` (``cuda.core`` and
+      Numba streams, CuPy 14 streams, ...).
+
+    The device, where the object does not carry it: its ``device_id`` or
+    ``device_index`` attribute (an int), else its ``device`` attribute (an
+    int, or an object with an int ``device_id``, ``id`` or ``index``:
+    ``cuda.core``'s ``Device``, CuPy's, ``torch.device``), else asked from
+    CUDA: the device of the context the stream belongs to
+    (``cuStreamGetCtx``, as ``cuda.core`` does, about a µs). The default
+    streams (handles 0, 1 and 2) belong to the current device.
+
+    The kind of object is checked before CUDA is touched.
+
+    Raises:
+        TypeError: ``stream`` is none of these, or its ``__cuda_stream__``
+            does not give a ``(version, handle)`` pair of ints.
+        ValueError: a protocol version other than 0, a negative handle, or
+            a handle CUDA does not know.
+    """
+    cuda = getattr(sys.modules.get("cupy"), "cuda", None)  # no import: not a CuPy stream then
+    if cuda is not None and isinstance(stream, (cuda.Stream, cuda.ExternalStream)):
+        handle, device_id = int(stream.ptr), int(stream.device_id)
+        return handle, device_id if device_id >= 0 else stream_device(handle)
     ptr = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
     device = getattr(stream, "device_index", None)
     if isinstance(ptr, int) and isinstance(device, int):
         return ptr, device
-    raise TypeError(
-        f"stream must be a cupy.cuda.Stream, cupy.cuda.ExternalStream or "
-        f"torch.cuda.Stream, not {type(stream).__name__}"
-    )
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is None:
+        raise TypeError(
+            "stream must be a CuPy stream (cupy.cuda.Stream, cupy.cuda.ExternalStream), a "
+            "PyTorch stream (torch.cuda.Stream), or an object with __cuda_stream__ (the CUDA "
+            f"stream protocol: cuda.core and Numba streams, ...), not {type(stream).__name__}"
+        )
+    handle = _protocol_handle(protocol() if callable(protocol) else protocol, stream)
+    return handle, _protocol_device(stream, handle)
+
+
+def _protocol_handle(info: object, stream: object) -> int:
+    """The handle of a ``__cuda_stream__`` answer, ``(0, handle)``, checked."""
+    name = type(stream).__name__
+    if not isinstance(info, tuple) or len(info) != 2:
+        raise TypeError(f"{name}.__cuda_stream__ must give a (version, handle) tuple, not {info!r}")
+    version, handle = info
+    if version != 0:
+        raise ValueError(
+            f"{name}.__cuda_stream__ gives protocol version {version!r}: cudafut reads "
+            "version 0, (0, cudaStream_t address)"
+        )
+    if isinstance(handle, (bool, float, str, bytes)):
+        raise TypeError(f"{name}.__cuda_stream__ must give an int handle, not {handle!r}")
+    try:
+        handle = int(handle)  # an int, an IntEnum, a cuda.bindings CUstream
+    except TypeError:
+        raise TypeError(f"{name}.__cuda_stream__ must give an int handle, not {handle!r}") from None
+    if handle < 0:
+        raise ValueError(f"{name}.__cuda_stream__ gives a negative handle ({handle})")
+    return handle
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _protocol_device(stream: object, handle: int) -> int:
+    """The device of a ``__cuda_stream__`` object (see :func:`stream_handle`)."""
+    for attr in ("device_id", "device_index"):
+        index = getattr(stream, attr, None)
+        if _is_index(index):
+            return index  # type: ignore[return-value]
+    device = getattr(stream, "device", None)
+    if _is_index(device):
+        return device  # type: ignore[return-value]
+    for attr in ("device_id", "id", "index"):  # cuda.core Device, cupy Device, torch.device
+        index = getattr(device, attr, None)
+        if _is_index(index):
+            return index  # type: ignore[return-value]
+    return stream_device(handle)
+
+
+def stream_device(stream: int) -> int:
+    """The device a stream belongs to: that of its CUDA context
+    (``cuStreamGetCtx``); the default streams (0, 1, 2) are the current
+    device's. About a µs on the host; the GPU is not involved.
+
+    Raises:
+        ValueError: CUDA does not know the handle.
+    """
+    if stream in _SPECIAL_STREAMS:
+        return current_device()
+    runtime()
+    driver = _cupy.cuda.driver
+    try:
+        context = driver.streamGetCtx(stream)
+    except driver.CUDADriverError as exc:
+        raise ValueError(f"{stream:#x} is not a CUDA stream of this process ({exc})") from exc
+    current = driver.ctxGetCurrent()
+    if current == context:
+        return int(driver.ctxGetDevice())
+    driver.ctxSetCurrent(context)
+    try:
+        return int(driver.ctxGetDevice())
+    finally:
+        driver.ctxSetCurrent(current)
 
 
 def new_stream(device: int, priority: int) -> Any:
@@ -258,6 +372,20 @@ def event_create(device: int) -> int:
 
 def event_destroy(event: int) -> None:
     runtime().eventDestroy(event)
+
+
+def timing_event_create(device: int) -> int:
+    """A new event on ``device`` with timing enabled (for tracing only:
+    recording one costs a little more than a timing-disabled event)."""
+    rt = runtime()
+    with on_device(device):
+        return int(rt.eventCreateWithFlags(rt.eventDefault))
+
+
+def event_elapsed_ms(start: int, end: int) -> float:
+    """``cudaEventElapsedTime``: ms from ``start`` to ``end`` (both complete,
+    both timing events of one device); negative if ``end`` ran first."""
+    return float(_rt.eventElapsedTime(start, end))
 
 
 def event_record(event: int, stream: int, device: int) -> None:

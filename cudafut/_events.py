@@ -21,7 +21,11 @@ from ._errors import CudaError
 
 # Serialises "record, then number" so that sequence numbers follow the order
 # in which records reach each stream, whichever threads record them.
-_record_lock: Final = threading.Lock()
+# Re-entrant: a finalizer that records (a freed block's record_stream, in
+# _memory) can run from a garbage collection inside this lock. A nested
+# record on the same stream then takes the earlier number; a waiter only
+# queries it first, which delays, never misorders, a completion.
+_record_lock: Final = threading.RLock()
 _sequence: dict[tuple[int, ...], int] = {}
 
 #: The status of a record failed from the host (:meth:`EventRecord.fail`):

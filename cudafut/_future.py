@@ -10,6 +10,8 @@ call waits for and what it blocks.
 
 from __future__ import annotations
 
+import asyncio.base_futures as _asyncio_base_futures
+import asyncio.futures as _asyncio_futures
 import enum
 import math
 import sys
@@ -17,13 +19,17 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _cuda, _events, _loops, _pools, _waiter
+from . import _cuda, _events, _loops, _memory, _pools, _torch, _trace, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._log import logger
-from ._values import find_devices, normalize_devices
+from ._values import find_devices, gpu_arrays, normalize_devices
+
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
 
 __all__ = ["CudaFuture", "record", "submit"]
 
@@ -113,6 +119,7 @@ class CudaFuture(Generic[T]):
 
     __slots__ = (
         "__weakref__",
+        "_callbacks",
         "_devices",
         "_exception",
         "_keep",
@@ -144,6 +151,10 @@ class CudaFuture(Generic[T]):
         self._retrieved = False
         # Whether a then() child already continues on this future's stream.
         self._stream_given = False
+        # Done callbacks not started yet, for remove_done_callback().
+        self._callbacks: list[_DoneCallback] | None = None
+        if _trace.active is not None:
+            _trace.created(self)
 
     # -- producer side ---------------------------------------------------
 
@@ -162,6 +173,10 @@ class CudaFuture(Generic[T]):
         :meth:`add_done_callback` callbacks are only handed to their loop or
         thread (a ``call_soon_threadsafe`` each); they run there.
 
+        With PyTorch imported, the events of the torch CUDA tensors in
+        ``value`` are recorded on PyTorch's current stream of their device
+        instead (a few µs more; docs/interop.md).
+
         Raises:
             InvalidStateError: the future was already set or cancelled.
             ValueError: ``value`` holds no GPU array and no ``devices`` were
@@ -170,12 +185,16 @@ class CudaFuture(Generic[T]):
         if self._state is not _PENDING:
             self._check_pending()
         _cuda.check_usable()
-        devices = self._devices or find_devices(value)
-        if len(devices) == 1:
-            records: tuple[EventRecord, ...] = (_events.record_current(devices[0]),)
-        elif devices:
-            records = tuple(_events.record_current(d) for d in devices)
+        torch = _torch.loaded()
+        if torch is not None:  # torch tensors are recorded on PyTorch's current streams
+            records: tuple[EventRecord, ...] = _torch.record_value(torch, value, self._devices)
         else:
+            devices = self._devices or find_devices(value)
+            if len(devices) == 1:
+                records = (_events.record_current(devices[0]),)
+            else:
+                records = tuple(_events.record_current(d) for d in devices)
+        if not records:
             raise ValueError(
                 f"set_result() got a value on no GPU ({type(value).__name__}); "
                 "pass devices=... to CudaFuture() to say which device's "
@@ -221,7 +240,10 @@ class CudaFuture(Generic[T]):
             self._state = _CANCELLED
             listeners, self._listeners = self._listeners, None
             event = self._set_event
-        self._notify(event, listeners)
+        if _trace.active is not None:
+            _trace.completed(self, event, listeners)
+        else:
+            self._notify(event, listeners)
         return True
 
     # -- queries -----------------------------------------------------------
@@ -279,7 +301,10 @@ class CudaFuture(Generic[T]):
             Exception: whatever the producer set with :meth:`set_exception`.
         """
         self._block_until_done(timeout)
-        return self._outcome(CancelledError)
+        value = self._outcome(CancelledError)
+        if self._records:
+            _record_current_consumers(value, self._records, untracked=False)
+        return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Like :meth:`result`, but return the error instead of raising it.
@@ -319,11 +344,12 @@ class CudaFuture(Generic[T]):
         returns at once. Work you enqueue next on those streams runs after
         the producer's. Blocks neither the GPU nor, once set, the thread.
 
-        Keep the returned value referenced until the work you enqueue on it
-        is done, or hand it to that work's future with
-        ``cudafut.record(result, keep=value)``: CuPy's memory pool may reuse
-        a dropped array's memory on the producer's stream while your stream
-        still reads it. :meth:`then` and :func:`submit` do this for you.
+        The value's CuPy arrays are marked used by those streams
+        (:func:`cudafut.record_stream`): when you drop them, their memory goes
+        back to CuPy's pool only after the work you enqueued on your streams
+        by then is done, so no ``keep=`` is needed. A value that is not a
+        CuPy array (memory cudafut's allocator wrapper did not make) is kept
+        alive until the work queued on your streams at this call is done.
 
         Args:
             timeout: seconds to wait at most for the future to be set;
@@ -343,6 +369,12 @@ class CudaFuture(Generic[T]):
             for rec in self._records:
                 if rec.status is None:
                     rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
+            torch = _torch.loaded()
+            if torch is not None:  # PyTorch's current streams wait too
+                _torch.wait_current(torch, self._records, self._value)
+            value = self._outcome(CancelledError)
+            _record_current_consumers(value, self._records, untracked=True)
+            return value
         return self._outcome(CancelledError)
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -369,10 +401,16 @@ class CudaFuture(Generic[T]):
         """
         _cuda.check_usable()
         if self._state is _SET and self._events_done():
-            return self._outcome(CancelledError)
+            if _trace.active is not None:
+                _trace.waited_at_once(self, "await")
+            value = self._outcome(CancelledError)
+            if self._records:
+                _record_current_consumers(value, self._records, untracked=False)
+            return value
         # A plain generator, not a coroutine: each pending await keeps only a
         # few objects alive, which matters to the cyclic GC at 10k awaits.
         driver = _loops.require_driver()
+        token = _trace.wait_start(self, "await") if _trace.active is not None else None
         if self._state is _PENDING:
             yield from driver.until(
                 lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake))
@@ -381,7 +419,12 @@ class CudaFuture(Generic[T]):
             pending = [r for r in self._records if r.status is None]
             if pending:
                 yield from driver.wait(pending)
-        return self._outcome(driver.cancelled_error)
+        if token is not None:
+            _trace.waited("await", token)
+        value = self._outcome(driver.cancelled_error)
+        if self._records:
+            _record_current_consumers(value, self._records, untracked=False)
+        return value
 
     @overload
     def then(self, fn: Callable[[T], CudaFuture[U]], *, priority: Priority = ...) -> CudaFuture[U]: ...
@@ -428,6 +471,8 @@ class CudaFuture(Generic[T]):
         prio = _pools.check_priority(priority)
         _cuda.check_usable()
         child: CudaFuture[Any] = CudaFuture()
+        if _trace.active is not None:
+            _trace.chained(self, child, fn)
         self._on_set(lambda: _run_then(self, fn, prio, child))
         return child
 
@@ -442,22 +487,151 @@ class CudaFuture(Generic[T]):
         2 µs, per loop iteration while the wait policy says spin, otherwise
         one per sleep of at most ``max_sleep_s``).
 
+        :meth:`remove_done_callback` removes it until it starts.
+
         Raises:
             TypeError: ``fn`` is not callable.
         """
         _check_callable(fn, "add_done_callback()")
-        driver: _waiter.Driver = _loops.current_driver() or _waiter.thread_waiter()
+        self._when_done(fn, _loops.current_driver() or _waiter.thread_waiter())
+
+    def remove_done_callback(self, fn: Callable[[CudaFuture[T]], object]) -> int:
+        """Remove every :meth:`add_done_callback` ``fn`` that has not started; return how many.
+
+        As :meth:`asyncio.Future.remove_done_callback`: callbacks are compared
+        with ``==`` (a bound method equals another of the same object and
+        function), and ``0`` means none was waiting. A callback already
+        running or run is not counted. Callable from any thread; costs a
+        comparison per callback added (``==`` runs outside the future's
+        lock) and blocks nothing.
+        """
+        with self._lock:
+            waiting = list(self._callbacks or ())
+        matches = [entry for entry in waiting if entry.fn == fn]
+        if not matches:
+            return 0
+        removed = 0
+        with self._lock:
+            for entry in matches:
+                if entry.state == _WAITING:
+                    entry.state = _REMOVED
+                    removed += 1
+            if self._callbacks is not None:
+                self._callbacks = [e for e in self._callbacks if e.state == _WAITING] or None
+        return removed
+
+    def to_asyncio(self) -> asyncio.Future[T]:
+        """An :class:`asyncio.Future` of the running loop, done when this one is done.
+
+        The same as :func:`cudafut.wrap_future(fut) <cudafut.wrap_future>`:
+        see there for what it costs and blocks, and for cancellation (which
+        never reaches this future nor its GPU work).
+
+        Raises:
+            RuntimeError: no asyncio (or uvloop) loop runs in this thread.
+        """
+        from ._bridges import wrap_future
+
+        return wrap_future(self)
+
+    def to_concurrent(self) -> concurrent.futures.Future[T]:
+        """A :class:`concurrent.futures.Future` done when this one is done.
+
+        For thread-pool code: its ``result()`` blocks as
+        ``concurrent.futures`` does (a condition variable), and it works with
+        ``concurrent.futures.wait()`` and ``as_completed()``. cudafut's
+        watcher thread watches the GPU work (never spinning: it notices a
+        completion within its sleeps of at most ``max_sleep_s``, 1 ms by
+        default, plus the operating system's wake-up delay) and completes the
+        returned future there, running its callbacks in that thread.
+        Cancelling it cancels neither this future nor its GPU work. Costs a
+        few µs; blocks nothing.
+        """
+        from ._bridges import to_concurrent
+
+        return to_concurrent(self)
+
+    def to_torch(self) -> Any:
+        """A ``torch.futures.Future`` with this future's value, ordered like it.
+
+        Needs PyTorch imported (cudafut never imports it). When this future
+        is set (in the setter's thread) and its value holds torch CUDA
+        tensors on every device it has events on, PyTorch's current stream of
+        each of those devices waits on the events and the torch future is set
+        at once: torch's ``wait()``, ``value()`` and callbacks are then
+        ordered on torch's streams, as for any torch future with devices.
+        Otherwise (a value torch cannot see on the GPU: CuPy arrays, or a
+        future whose devices were not known when ``to_torch()`` was called)
+        the torch future is completed once the GPU work is *done*, from
+        cudafut's watcher thread (latency as :meth:`to_concurrent`). torch
+        runs its callbacks in the thread that completes it. Failures and
+        cancellation become the torch future's exception. Costs a few µs;
+        blocks nothing.
+
+        Raises:
+            RuntimeError: PyTorch is not imported.
+        """
+        from ._bridges import to_torch
+
+        return to_torch(self)
+
+    @property
+    def _asyncio_future_blocking(self) -> None:
+        """asyncio's mark of its own futures: a CudaFuture is not one.
+
+        ``asyncio.isfuture(fut)`` is therefore False, so ``ensure_future``,
+        ``gather`` and ``wait_for`` wrap it in a task like any awaitable. The
+        property exists for one caller: :func:`asyncio.wrap_future`, which
+        would fail with a bare ``AssertionError`` (it takes
+        ``concurrent.futures.Future`` objects only), is told what to use.
+        """
+        isfuture = sys._getframe(1)
+        caller = isfuture.f_back
+        if isfuture.f_code is _ISFUTURE_CODE and caller is not None and caller.f_code is _WRAP_FUTURE_CODE:
+            raise TypeError(
+                "asyncio.wrap_future() takes a concurrent.futures.Future; for a CudaFuture use "
+                "cudafut.wrap_future(fut) or fut.to_asyncio(), or simply await it"
+            )
+        return None
+
+    # -- internals -----------------------------------------------------------
+
+    def _when_done(self, fn: Callable[[CudaFuture[T]], object], driver: _waiter.Driver) -> None:
+        """Call ``fn(self)`` in ``driver``'s thread once done, unless
+        :meth:`remove_done_callback` removes it first (add_done_callback and
+        the bridges)."""
+        entry = _DoneCallback(fn)
+        with self._lock:
+            if self._callbacks is None:
+                self._callbacks = [entry]
+            else:
+                self._callbacks.append(entry)
+
+        def run() -> None:
+            if self._claim(entry):
+                driver.run_callback(fn, self)
 
         def when_done() -> None:  # runs in the driver's thread
             pending = [r for r in self._records if r.status is None] if self._state is _SET else []
             if pending:
-                driver.watch_all(pending, lambda _error: driver.run_callback(fn, self))
+                driver.watch_all(pending, lambda _error: run())
             else:
-                driver.run_callback(fn, self)
+                run()
 
         self._on_set(lambda: driver.call_soon_threadsafe(when_done))
 
-    # -- internals -----------------------------------------------------------
+    def _claim(self, entry: _DoneCallback) -> bool:
+        """Start a done callback unless it was removed: it can be removed no more."""
+        with self._lock:
+            if entry.state != _WAITING:
+                return False
+            entry.state = _STARTED
+            callbacks = self._callbacks
+            if callbacks is not None:
+                callbacks.remove(entry)
+                if not callbacks:
+                    self._callbacks = None
+        return True
 
     def _check_pending(self) -> None:
         if self._state is not _PENDING:
@@ -487,7 +661,10 @@ class CudaFuture(Generic[T]):
             self._state = state  # last: readers that see it see the rest
             listeners, self._listeners = self._listeners, None
             event = self._set_event
-        self._notify(event, listeners)
+        if _trace.active is not None:
+            _trace.completed(self, event, listeners)  # runs _notify, timed
+        else:
+            self._notify(event, listeners)
 
     def _try_complete(
         self,
@@ -614,6 +791,7 @@ class CudaFuture(Generic[T]):
     def _block_until_done(self, timeout: float | None) -> None:
         """Block until set, then until the events complete (or one fails)."""
         _cuda.check_usable()
+        token = _trace.wait_start(self, "result()") if _trace.active is not None else None
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state is _SET and not _waiter.block_until_complete(self._records, deadline):
@@ -621,6 +799,8 @@ class CudaFuture(Generic[T]):
                 f"the GPU work behind this future did not finish within {timeout} s; "
                 "it is still running: call again to keep waiting"
             )
+        if token is not None:
+            _trace.waited("result()", token)
 
     def _outcome(self, cancelled_error: type[BaseException]) -> T:
         """The value, or the error to raise; the future must be set, failed,
@@ -679,6 +859,51 @@ class CudaFuture(Generic[T]):
                 _waiter.thread_waiter().hold(pending, (self._value, self._keep))
 
 
+def _record_consumers(value: object, streams: Mapping[int, int], *, untracked: bool) -> None:
+    """Mark the GPU arrays of ``value`` used by ``streams`` (``{device:
+    stream handle}``), so that their memory outlives the work queued there
+    (:func:`cudafut.record_stream`)."""
+    arrays = gpu_arrays(value)
+    if arrays:
+        _memory.record_streams_of(arrays, [(s, d) for d, s in streams.items()], untracked=untracked)
+
+
+def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *, untracked: bool) -> None:
+    """For ``wait()``, ``await`` and ``result()``: the caller's current
+    streams of the future's devices consume the value (for ``await`` and
+    ``result()``, most likely: ``untracked`` is off there)."""
+    arrays = gpu_arrays(value)
+    if arrays:
+        devices = dict.fromkeys(r.device for r in records)
+        streams = [(int(_cuda.current_stream(d).ptr), d) for d in devices]
+        _memory.record_streams_of(arrays, streams, untracked=untracked)
+
+
+_WAITING: Final = 0
+_STARTED: Final = 1
+_REMOVED: Final = 2
+
+
+class _DoneCallback:
+    """One ``add_done_callback`` (or bridge) callback: waiting, started or removed."""
+
+    __slots__ = ("fn", "state")
+
+    def __init__(self, fn: Callable[[Any], object]) -> None:
+        self.fn = fn
+        self.state = _WAITING
+
+
+def _asyncio_code(module: Any, name: str) -> object:
+    return getattr(getattr(module, name, None), "__code__", None)
+
+
+# What CudaFuture._asyncio_future_blocking recognises: asyncio.wrap_future()
+# asking asyncio.isfuture() about a CudaFuture.
+_WRAP_FUTURE_CODE: Final = _asyncio_code(_asyncio_futures, "wrap_future")
+_ISFUTURE_CODE: Final = _asyncio_code(_asyncio_base_futures, "isfuture")
+
+
 def _short(value: object) -> str:
     if hasattr(value, "__cuda_array_interface__"):
         shape, dtype = getattr(value, "shape", "?"), getattr(value, "dtype", "?")
@@ -704,6 +929,9 @@ def _run_then(
         return
     try:
         streams = _then_streams(parent, priority)
+        # The child keeps the value until its own events complete; fn may also
+        # queue work on these streams that outlives them.
+        _record_consumers(parent._value, {d: int(s.ptr) for d, s in streams.items()}, untracked=False)
         _settle(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
         child._try_fail(exc)
@@ -744,11 +972,16 @@ def _settle(
 ) -> None:
     """Run ``fn`` with ``streams`` current (the first one's device current
     too), then complete ``fut`` from what it returned."""
+    if _trace.active is not None:
+        fn = _trace.timed_fn(fut, fn, streams)
+    torch = _torch.loaded()
     try:
-        if streams:
-            out = _cuda.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
-        else:  # a parent on no device: nothing to order against
+        if not streams:  # a parent on no device: nothing to order against
             out = fn(*args, **kwargs)
+        elif torch is None:
+            out = _cuda.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
+        else:  # the pool streams are PyTorch's current streams too
+            out = _torch.call_on_streams(torch, streams, fn, args, kwargs, keep)
     except Exception as exc:  # noqa: BLE001 - the future carries it
         fut._try_fail(exc)
         return
@@ -757,37 +990,48 @@ def _settle(
         fut._follow(out, records, keep)
         return
     # Arrays fn placed on other devices were made on those devices' streams.
-    records += tuple(_events.record_current(d) for d in find_devices(out) if d not in streams)
+    if torch is None:
+        records += tuple(_events.record_current(d) for d in find_devices(out) if d not in streams)
+    else:
+        records += _torch.record_value(torch, out, None, skip=streams)
     fut._try_complete(_SET, out, None, records, keep)
 
 
 def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T]:
     """A future, already set, for GPU work already enqueued.
 
-    Records one event on ``stream`` (a CuPy or PyTorch stream) or, by
-    default, on the current stream of each device of ``value``. Costs about
-    1 µs per event on the host; blocks neither the thread nor the GPU.
+    Records one event on ``stream`` (a CuPy or PyTorch stream, or any object
+    with ``__cuda_stream__``) or, by default, on the current stream of each
+    device of ``value`` (with PyTorch imported, PyTorch's current stream for
+    the torch CUDA tensors in ``value``, a few µs more). Costs about 1 µs
+    per event on the host; blocks neither the thread nor the GPU.
 
     ``keep``: objects the recorded work reads, kept alive until the events
-    complete (so that the memory pool cannot hand their memory to other work
-    meanwhile), even if every other reference is dropped. Pass the inputs
-    of the work, e.g. the value ``fut.wait()`` returned::
+    complete, even if every other reference is dropped. CuPy arrays taken
+    from a future need no ``keep``: the consumer's streams are recorded on
+    their memory (:func:`cudafut.record_stream`). Pass ``keep`` for what
+    cudafut cannot see: memory of other libraries or allocators, or arrays
+    used on a stream cudafut did not order::
 
         v = fut.wait()
-        out = cudafut.record(v + 1, keep=v)  # v may be dropped now
+        out = cudafut.record(v + 1)  # v may be dropped now
+        out2 = cudafut.record(torch_op(t), keep=t)  # keep a torch input alive
 
     Raises:
         ValueError: no ``stream`` and ``value`` holds no GPU array.
     """
     _cuda.check_usable()
     if stream is None:
-        devices = find_devices(value)
-        if not devices:
+        torch = _torch.loaded()
+        if torch is None:
+            records = tuple(_events.record_current(d) for d in find_devices(value))
+        else:  # torch tensors are recorded on PyTorch's current streams
+            records = _torch.record_value(torch, value, None)
+        if not records:
             raise ValueError(
                 f"record() got a value on no GPU ({type(value).__name__}); pass "
                 "stream=... to say which stream produces it"
             )
-        records = tuple(_events.record_current(d) for d in devices)
     else:
         ptr, device = _cuda.stream_handle(stream)
         records = (_events.record(ptr, device),)
@@ -801,6 +1045,15 @@ def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) 
     fut: CudaFuture[T] = CudaFuture()
     fut._complete(_SET, value, None, records, keep)
     return fut
+
+
+def complete_future(
+    fut: CudaFuture[T], value: T, records: tuple[EventRecord, ...], keep: object = None
+) -> None:
+    """Set a pending future made by one of cudafut's producers (a staged
+    copy) with ``records`` already recorded; ``keep`` lives until they
+    complete. A future its consumer cancelled meanwhile stays cancelled."""
+    fut._try_complete(_SET, value, None, records, keep)
 
 
 @overload
@@ -841,6 +1094,10 @@ def submit(
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
     _events.record_current(dev).wait_on(int(stream.ptr), dev)
+    torch = _torch.loaded()
+    if torch is not None:  # and for what it enqueued with torch
+        _torch.follow_current(torch, dev, int(stream.ptr))
+    _record_consumers((args, kwargs), {dev: int(stream.ptr)}, untracked=False)
     fut: CudaFuture[Any] = CudaFuture()
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
+from . import _trace
 from ._events import EventRecord
 from ._policy import predictor
 from ._timer import make_timer
@@ -95,11 +96,15 @@ class LoopDriver(Driver):
         the pacer is told, to measure how late the wake-up comes)."""
         when = self.poll(timer_fired)
         if when is None:
-            return None
-        delay = when - time.perf_counter()
-        if delay < MIN_SLEEP_S:
-            return 0.0
-        self.pacer.sleeping_until(when)
+            delay: float | None = None
+        else:
+            delay = when - time.perf_counter()
+            if delay < MIN_SLEEP_S:
+                delay = 0.0
+            else:
+                self.pacer.sleeping_until(when)
+        if _trace.active is not None:
+            _trace.planned(self, delay)
         return delay
 
     async def spin_alone(self, record: EventRecord) -> bool:
@@ -119,17 +124,24 @@ class LoopDriver(Driver):
             return False
         ends = pacer.spin_ends
         self._alone = True
+        if _trace.active is not None:
+            _trace.planned(self, 0.0, "spin (lone await)")
         try:
             while now < ends:
                 await self._checkpoint()
                 if self.watchlist.pending:
                     break  # others wait too: one poller for all is cheaper
                 if record.query() is not None:
-                    predictor.observe(record, time.perf_counter())
+                    now = time.perf_counter()
+                    predictor.observe(record, now)
+                    if _trace.active is not None:
+                        _trace.seen_alone(self, record, now)
                     return True
                 now = record.seen = time.perf_counter()
         finally:
             self._alone = False
+            if _trace.active is not None:
+                _trace.planned(self, None)
         return False
 
 
@@ -138,8 +150,11 @@ class AsyncioDriver(LoopDriver):
     timerfd reader (or ``call_later``) while sleeping."""
 
     cancelled_error = asyncio.CancelledError
+    name = "asyncio waiter"
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        if type(loop).__module__.startswith("uvloop"):
+            self.name = "uvloop waiter"
         super().__init__()
         self._loop = weakref.ref(loop)  # the registry is keyed weakly by the loop
         self._thread = threading.get_ident()
@@ -259,6 +274,7 @@ class TrioDriver(LoopDriver):
 
     # trio cancels with scopes; a cancelled *future* is a plain error there.
     cancelled_error = concurrent.futures.CancelledError
+    name = "trio waiter"
 
     def __init__(self, trio: Any) -> None:
         super().__init__()

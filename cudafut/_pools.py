@@ -29,6 +29,7 @@ from . import _cuda
 PRIORITIES: Final = {"normal": 0, "high": -1024}
 
 STREAMS_PER_POOL: Final = 32
+COPY_STREAMS_PER_POOL: Final = 8
 
 # Free events kept per device; beyond this they are destroyed.
 _MAX_FREE_EVENTS: Final = 4096
@@ -163,6 +164,10 @@ class StreamPool:
 
 events: Final = EventPool()
 streams: Final = StreamPool()
+#: Streams of cudafut's copies (to_device, to_host) that name no stream: apart
+#: from the compute pool, so a copy never queues behind an unrelated kernel
+#: that round-robin put on the same stream.
+copy_streams: Final = StreamPool(COPY_STREAMS_PER_POOL)
 
 
 def statistics() -> PoolStatistics:

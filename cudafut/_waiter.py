@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
+from . import _trace
 from ._errors import CudaError
 from ._events import EventRecord
 from ._log import logger
@@ -240,9 +241,12 @@ class Driver(abc.ABC):
     as the :class:`~cudafut._policy.Pacer` decides.
     """
 
+    #: What the debug log and traces call this waiter.
+    name = "waiter"
+
     def __init__(self, *, learn: bool = True) -> None:
         self.watchlist = Watchlist(learn=learn)
-        self.pacer = Pacer()
+        self.pacer = Pacer(name=self.name)
 
     def _new_wait(self) -> None:
         self.pacer.new_wait(time.perf_counter())
@@ -282,6 +286,8 @@ class Driver(abc.ABC):
         fired = self.watchlist.poll(now, FIRE_PER_POLL)
         if fired:
             self.run_fired(fired)
+        if _trace.active is not None:
+            _trace.polled(self, now, timer_fired, fired)
         if not self.watchlist.pending:
             return None
         if len(fired) == FIRE_PER_POLL:
@@ -311,6 +317,8 @@ class Driver(abc.ABC):
         logger.error("%s%s", message, extra, exc_info=exc)
 
     def run_callback(self, fn: Callable[[Any], object], future: object) -> None:
+        if _trace.active is not None:
+            fn = _trace.timed_callback(fn, future)
         try:
             fn(future)
         except Exception as exc:  # noqa: BLE001 - reported, not swallowed
@@ -331,6 +339,8 @@ class ThreadWaiter(Driver):
     sleeps on a condition variable when it has nothing to watch (no CPU),
     and between polls otherwise (never spins, see ``THREAD_MIN_SLEEP_S``).
     """
+
+    name = "watcher thread"
 
     def __init__(self) -> None:
         # Its polls are coarse and about keep-alives: they teach the
@@ -375,11 +385,15 @@ class ThreadWaiter(Driver):
                         # Idle first, then look: hold() reads the flag after
                         # it appends, so one of the two sees the other.
                         self._idle = True
+                        if _trace.active is not None:
+                            _trace.planned(self, None)
                         if not self._holds:
                             self._cond.wait()
                         self._idle = False
                     elif not self._holds:
                         delay = max(next_poll - time.perf_counter(), THREAD_MIN_SLEEP_S)
+                        if _trace.active is not None:
+                            _trace.planned(self, delay)
                         self.pacer.sleeping_until(time.perf_counter() + delay)
                         timer_fired = not self._cond.wait(delay)
                 calls, self._calls = self._calls, []
@@ -458,7 +472,7 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
         status = record.query()
         if status is None:
             if pacer is None:
-                pacer = Pacer(_blocking_lateness)
+                pacer = Pacer(_blocking_lateness, name="result()")
                 pacer.new_wait(time.perf_counter())
             while (status := record.query()) is None:
                 now = record.seen = time.perf_counter()
@@ -466,8 +480,14 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
                     return False
                 when = pacer.next_poll((record,), now)
                 if when > now:
-                    sleep_until(when if deadline is None else min(when, deadline), pacer)
+                    if deadline is not None:
+                        when = min(when, deadline)
+                    if _trace.active is not None:
+                        _trace.blocking_planned(when - now)
+                    sleep_until(when, pacer)
                     continue
+                if _trace.active is not None:
+                    _trace.blocking_planned(0.0)
                 # Spinning: query until the plan says otherwise. A sleep(0)
                 # now and then lets other threads have the GIL (a query
                 # holds it, and the switch interval is 5 ms).
@@ -482,7 +502,10 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
                         yield_at = now + _YIELD_EVERY_S
                 if status is not None:
                     break
-            predictor.observe(record, time.perf_counter())
+            now = time.perf_counter()
+            predictor.observe(record, now)
+            if _trace.active is not None:
+                _trace.blocking_seen(record, now)
         if status:
             return True  # an error: the caller raises it
     return True

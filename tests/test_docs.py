@@ -85,9 +85,37 @@ KNOWN = [
     Known(
         "semantics-keep",
         "docs/semantics.md",
-        "out = cudafut.record(v + 1, keep=v)  # v can be dropped now",
+        "out = cudafut.record(v + 1)  # no keep= needed: wait() recorded this stream on v",
         lambda out: out == "[1. 2. 3. 4.]",
         "[1. 2. 3. 4.]",
+    ),
+    Known(
+        "interop-torch",
+        "docs/interop.md",
+        "back = cudafut.from_torch(tf.then(lambda f: f.value() * 10))",
+        lambda out: out == "[10.0, 30.0, 50.0, 70.0]",
+        "[10.0, 30.0, 50.0, 70.0]",
+    ),
+    Known(
+        "interop-cupy-events",
+        "docs/interop.md",
+        "fut = cudafut.record(x, stream=producer)  # an event on the producer",
+        lambda out: out == "[ 1.  2.  5. 10.]",
+        "[ 1.  2.  5. 10.]",
+    ),
+    Known(
+        "interop-bridges",
+        "docs/interop.md",
+        "total = sum(int(f.result().sum()) for f in cudafut.as_completed_sync(futs, timeout=30))",
+        lambda out: out == "[3, 42, 3]",
+        "[3, 42, 3]",
+    ),
+    Known(
+        "tracing-record",
+        "docs/tracing.md",
+        "async with cudafut.trace(path):",
+        lambda out: out == "['#1 submit(arange)', '#2 then(<lambda>)']",
+        "['#1 submit(arange)', '#2 then(<lambda>)']",
     ),
 ]
 

@@ -3,9 +3,13 @@
 Each example builds a random graph of futures from a seed: sources written
 by slow producers (kernels that spin on %globaltimer for a random time
 before they write) on several streams, with both stream priorities and, when
-there are two GPUs, both devices; derived nodes made with ``then()``,
-``wait()`` + ``record(keep=...)``, ``submit()`` and two-parent joins, each
-of which also spins before it writes. Every node is then consumed with one
+there are two GPUs, both devices, or uploaded with ``to_device()`` from
+pinned, pageable or strided host arrays dropped at once; derived nodes made
+with ``then()``, ``wait()`` + ``record()`` (with and without ``keep=``: the
+wait marks the value used by the consumer's stream), ``submit()``,
+two-parent joins, each of which also spins before it writes, and host nodes
+downloaded with ``to_host()`` of a future (into pool, pinned, pageable or
+strided memory). Every node is then consumed with one
 of ``await`` (asyncio, uvloop or trio), ``result()``, ``gather()`` or
 ``wait()``, and compared with the value computed on the host. A missing
 stream wait shows up as a wrong number.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -27,7 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import cudafut
-from cudafut import _cuda
+from cudafut import _copies, _cuda
 from tests.kernels import spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
 
@@ -40,10 +45,23 @@ PRIORITIES: tuple[Literal["normal", "high"], ...] = ("normal", "high")
 
 
 class Node:
-    __slots__ = ("device", "expected", "fut")
+    __slots__ = ("device", "expected", "fut", "host")
 
-    def __init__(self, fut: cudafut.CudaFuture[Any], expected: float, device: int) -> None:
+    def __init__(self, fut: cudafut.CudaFuture[Any], expected: float, device: int, host: bool = False):
         self.fut, self.expected, self.device = fut, expected, device
+        self.host = host  # a NumPy value (to_host): consumed, never a parent
+
+
+def host_array(rng: random.Random, value: float) -> np.ndarray[Any, Any]:
+    """``M`` float32 ``value``s in pinned, pageable or strided host memory."""
+    how = rng.choice(["pinned", "pageable", "strided"])
+    if how == "pinned":
+        h = cudafut.empty_pinned(M, np.float32)
+        h[:] = value
+        return h
+    if how == "strided":
+        return np.full(2 * M, value, dtype=np.float32)[::2]
+    return np.full(M, value, dtype=np.float32)
 
 
 class World:
@@ -70,17 +88,28 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(warm_kernels: None) -> World:
-    return World()
+def world(warm_kernels: None) -> Iterator[World]:
+    # Pageable copies of M floats staged by the copy threads, in two chunks
+    # (they would be copied inline otherwise); to_host is staged anyway.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_copies, "INLINE_BYTES", 4096)
+        patch.setattr(_copies, "CHUNK_MIN", 4096)
+        yield World()
 
 
 def build(world: World, rng: random.Random) -> list[Node]:
     cp = world.cp
     nodes: list[Node] = []
     for _ in range(rng.randint(2, 9)):
-        kind = rng.choice(["source", "then", "then", "wait", "join", "submit"]) if nodes else "source"
+        kinds = ["source", "upload", "then", "then", "wait", "join", "submit", "download"]
+        kind = rng.choice(kinds) if any(not n.host for n in nodes) else rng.choice(["source", "upload"])
         ms = rng.choice(DELAYS_MS)
         a, b = float(rng.choice([1, 2, -1])), float(rng.randint(-5, 5))
+        if kind == "upload":
+            dev = rng.choice(world.devices)
+            value = float(rng.randint(1, 100))
+            nodes.append(Node(cudafut.to_device(host_array(rng, value), device=dev), value, dev))
+            continue
         if kind == "source":
             dev = rng.choice(world.devices)
             stream = rng.choice(world.streams[dev])
@@ -90,7 +119,18 @@ def build(world: World, rng: random.Random) -> list[Node]:
                 spin_fill(x, value, ms)
                 nodes.append(Node(cudafut.record(x), value, dev))
             continue
-        parent = rng.choice(nodes)
+        parent = rng.choice([n for n in nodes if not n.host])
+        if kind == "download":
+            out = rng.choice([None, "pinned", "pageable", "strided"])
+            buffer: Any = None
+            if out == "pinned":
+                buffer = cudafut.empty_pinned(M, np.float32)
+            elif out == "pageable":
+                buffer = np.empty(M, np.float32)
+            elif out == "strided":
+                buffer = np.empty(2 * M, np.float32)[::2]
+            nodes.append(Node(cudafut.to_host(parent.fut, out=buffer), parent.expected, parent.device, True))
+            continue
         if kind == "then":
             prio = rng.choice(PRIORITIES)
             child = parent.fut.then(lambda v, a=a, b=b, ms=ms: world.slow_affine(v, a, b, ms), priority=prio)
@@ -102,9 +142,10 @@ def build(world: World, rng: random.Random) -> list[Node]:
             if kind == "wait":
                 v = parent.fut.wait()
                 out = world.slow_affine(v, a, b, ms)
-                nodes.append(Node(cudafut.record(out, keep=v), a * parent.expected + b, dev))
+                keep = v if rng.random() < 0.5 else None  # the wait protects v itself
+                nodes.append(Node(cudafut.record(out, keep=keep), a * parent.expected + b, dev))
             elif kind == "join":
-                other = rng.choice([n for n in nodes if n.device == dev])
+                other = rng.choice([n for n in nodes if n.device == dev and not n.host])
                 x, y = parent.fut.wait(), other.fut.wait()
                 out = world.slow_sum(x, y, ms)
                 nodes.append(Node(cudafut.record(out, keep=(x, y)), parent.expected + other.expected, dev))
@@ -123,6 +164,8 @@ def consume(world: World, nodes: list[Node], rng: random.Random) -> list[tuple[i
     for i, (node, mode) in enumerate(zip(nodes, modes, strict=True)):
         if mode == "result":
             got.append((i, mode, cp.asnumpy(node.fut.result(timeout=60))))
+        elif mode == "wait" and node.host:
+            got.append((i, "wait (host: result)", node.fut.result(timeout=60)))
         elif mode == "wait":
             reader = rng.choice(world.streams[node.device])
             with cp.cuda.Device(node.device), reader:

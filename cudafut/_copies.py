@@ -1,0 +1,527 @@
+"""Awaitable copies between host and device: :func:`to_device`, :func:`to_host`.
+
+Only pinned host memory is copied asynchronously by the GPU's copy engines;
+a ``cudaMemcpyAsync`` from or to pageable memory is staged by the driver
+and blocks the calling thread (docs/memory.md). So:
+
+- pinned, C-contiguous host memory (:func:`cudafut.empty_pinned`, the
+  results of :func:`to_host`, any ``cudaHostAlloc``'d or registered memory)
+  is copied with one ``cudaMemcpyAsync``, from the calling thread;
+- small pageable sources (up to ``INLINE_BYTES``) are copied into a pinned
+  block on the calling thread, then by one ``cudaMemcpyAsync``;
+- larger pageable memory is staged in chunks through pinned blocks by
+  cudafut's copy threads (``WORKERS`` of them, GIL released while NumPy
+  copies and while they wait for the GPU): each thread copies its share of
+  the chunks, the host copy of one chunk overlapping the DMA of the other,
+  through two staging blocks of its own. The future is pending until the
+  last DMA is enqueued (``to_device``) or the last chunk is copied out
+  (``to_host`` into pageable ``out``).
+
+Copies that name no stream run on a copy stream of the device
+(``_pools.copy_streams``), after the work already queued on the caller's
+current stream (for ``to_host`` of an array) or after the future's events
+(for ``to_host`` of a future, on the stream ``then()`` picks).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from . import _cuda, _events, _pinned, _pools
+from ._errors import InvalidStateError
+from ._events import EventRecord
+from ._future import CudaFuture, complete_future, set_future
+from ._values import find_devices
+
+__all__ = ["to_device", "to_host"]
+
+#: Pageable copies up to this size are staged on the calling thread.
+INLINE_BYTES: Final = 256 << 10
+#: Staging chunks: the transfer is cut into about 2 chunks per copy thread,
+#: each between these sizes (a chunk costs about 25 µs of Python).
+CHUNK_MIN: Final = 1 << 20
+CHUNK_MAX: Final = 8 << 20
+WORKERS: Final = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+_H2D: Final = 1  # cudaMemcpyHostToDevice
+_D2H: Final = 2  # cudaMemcpyDeviceToHost
+_HOST_PINNED: Final = 1  # cudaMemoryTypeHost
+_SUPPORTED_KINDS: Final = "biufc"
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_lock: Final = threading.Lock()
+
+
+def _run_in_worker(fn: Callable[..., None], *args: Any) -> None:
+    global _executor
+    executor = _executor
+    if executor is None:
+        with _executor_lock:
+            if _executor is None:
+                _executor = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="cudafut-copy")
+            executor = _executor
+    executor.submit(fn, *args)
+
+
+def _reset_after_fork() -> None:
+    global _executor
+    _executor = None  # the parent's threads do not exist in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+# -- arguments ------------------------------------------------------------------
+
+
+def _host_array(host: object) -> np.ndarray[Any, Any]:
+    if isinstance(host, np.ndarray):
+        array = host
+    elif hasattr(host, "__cuda_array_interface__"):
+        raise TypeError(
+            f"to_device() got a GPU array ({type(host).__name__}); copy between devices "
+            "with cupy.asarray() or array.copy() under the target device instead"
+        )
+    elif hasattr(host, "__array_interface__"):
+        array = np.asarray(host)
+    else:
+        try:
+            view = memoryview(host)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                "to_device() needs a NumPy array or an object with the buffer protocol or "
+                f"__array_interface__, not {type(host).__name__}; convert it with numpy.asarray() first"
+            ) from None
+        array = np.asarray(view)
+    if array.dtype.kind not in _SUPPORTED_KINDS:
+        raise TypeError(
+            f"CuPy arrays cannot hold dtype {array.dtype}: copy booleans, integers, floats or complex numbers"
+        )
+    return array
+
+
+def _device_array_info(array: object) -> tuple[int, tuple[int, ...], np.dtype[Any]]:
+    """(device, shape, dtype) of a GPU array; TypeError for anything else."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if not isinstance(interface, dict):
+        raise TypeError(
+            "to_host() needs a GPU array (a CuPy array, or any __cuda_array_interface__ object) "
+            f"or a CudaFuture of one, not {type(array).__name__}"
+        )
+    (device,) = find_devices(array) or (_cuda.current_device(),)
+    return device, tuple(interface["shape"]), np.dtype(interface["typestr"])
+
+
+def _check_out(out: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array, not {type(out).__name__}")
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}, but the array copied has shape "
+            f"{shape} and dtype {dtype}: pass an array of the same shape and dtype "
+            "(cudafut.empty_pinned(shape, dtype) copies fastest)"
+        )
+    if not out.flags.writeable:
+        raise ValueError("out is read-only: pass a writeable array")
+    if out.size > 1 and 0 in out.strides:
+        raise ValueError(
+            "out has a zero stride (a broadcast view), so its elements overlap: pass a real array"
+        )
+    return out
+
+
+def _stream_of(stream: object, device: int | None) -> tuple[int, int]:
+    ptr, stream_device = _cuda.stream_handle(stream)
+    if device is not None and stream_device != device:
+        raise ValueError(f"stream is on device {stream_device}, but the copy is for device {device}")
+    return ptr, stream_device
+
+
+def _is_pinned(array: np.ndarray[Any, Any]) -> bool:
+    if not array.flags.c_contiguous or array.nbytes == 0:
+        return False
+    ptr = array.__array_interface__["data"][0]
+    try:
+        return int(_cuda.runtime().pointerGetAttributes(ptr).type) == _HOST_PINNED
+    except Exception:  # noqa: BLE001 - unknown to CUDA: pageable
+        return False
+
+
+def _cupy_stream(stream: object, ptr: int, device: int) -> Any:
+    """A CuPy stream object for ``stream`` (whose handle is ``ptr``), to make
+    it current."""
+    cp = _cuda.cupy()
+    if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+        return stream
+    # CuPy 14 deprecates ExternalStream(ptr) for the stream protocol; the
+    # wrapper takes the current device, which the callers set.
+    return cp.cuda.Stream.from_external(_Handle(ptr))
+
+
+class _Handle:
+    """A bare stream handle, under the ``__cuda_stream__`` protocol."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+# -- chunks -----------------------------------------------------------------------
+
+# A piece of a transfer: (host view, byte offset in the C-ordered device
+# buffer, bytes). A C-contiguous host array is cut into byte ranges; another
+# layout into blocks of rows (NumPy copies them into C order).
+Piece = tuple[np.ndarray[Any, Any], int, int]
+
+
+def _chunk_bytes(nbytes: int) -> int:
+    per_thread = nbytes // (2 * WORKERS)
+    chunk = max(CHUNK_MIN, min(CHUNK_MAX, per_thread))
+    return -(-chunk // 4096) * 4096
+
+
+def _pieces(host: np.ndarray[Any, Any], chunk: int) -> list[Piece]:
+    if host.flags.c_contiguous:
+        flat = host.reshape(-1).view(np.uint8)
+        n = flat.size
+        return [(flat[o : o + chunk], o, min(chunk, n - o)) for o in range(0, n, chunk)]
+    row = host.itemsize * math.prod(host.shape[1:])
+    rows = max(1, chunk // max(row, 1))
+    n = host.shape[0]
+    return [(host[r : r + rows], r * row, (min(r + rows, n) - r) * row) for r in range(0, n, rows)]
+
+
+def _split(pieces: list[Piece]) -> list[list[Piece]]:
+    """The pieces in at most WORKERS consecutive runs, one per copy thread."""
+    jobs = min(WORKERS, len(pieces))
+    per = -(-len(pieces) // jobs)
+    return [pieces[i : i + per] for i in range(0, len(pieces), per)]
+
+
+def _staging(nbytes: int) -> tuple[np.ndarray[Any, Any], _pinned.HostBuffer] | None:
+    return _pinned.host_array((nbytes,), np.dtype(np.uint8))
+
+
+def _view(stage: np.ndarray[Any, Any], piece: np.ndarray[Any, Any], nbytes: int) -> np.ndarray[Any, Any]:
+    view: np.ndarray[Any, Any] = stage[:nbytes].view(piece.dtype).reshape(piece.shape)
+    return view
+
+
+class _Transfer:
+    """The jobs of one staged copy; the last one to finish completes it."""
+
+    def __init__(self, fut: CudaFuture[Any], jobs: int, finish: Callable[[], None]) -> None:
+        self.fut = fut
+        self.lock = threading.Lock()
+        self.remaining = jobs
+        self.error: BaseException | None = None
+        self.finish = finish
+
+    def job_done(self, error: BaseException | None = None) -> None:
+        with self.lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.remaining -= 1
+            if self.remaining:
+                return
+        if self.error is not None:
+            self.fail(self.error)
+            return
+        try:
+            self.finish()
+        except Exception as exc:  # noqa: BLE001 - the future carries it
+            self.fail(exc)
+
+    def fail(self, error: BaseException) -> None:
+        with contextlib.suppress(InvalidStateError):  # its consumer cancelled it
+            self.fut.set_exception(error)
+
+
+def _stage_in(transfer: _Transfer, pieces: Sequence[Piece], dst: int, stream: int, device: int) -> None:
+    """A copy thread's share of a host-to-device copy through two staging blocks."""
+    error: BaseException | None = None
+    try:
+        with _cuda.on_device(device):
+            rt = _cuda.runtime()
+            biggest = max(n for _, _, n in pieces)
+            stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
+            last: list[EventRecord | None] = [None] * len(stages)
+            for i, (piece, offset, n) in enumerate(pieces):
+                b = i % len(stages)
+                stage = stages[b]
+                if stage is None:  # past the pinned limit: the driver stages it, blocking this thread
+                    src = np.ascontiguousarray(piece)
+                    rt.memcpyAsync(dst + offset, src.ctypes.data, n, _H2D, stream)
+                    continue
+                previous = last[b]
+                if previous is not None and previous.query() is None:
+                    rt.eventSynchronize(previous.handle)
+                np.copyto(_view(stage[0], piece, n), piece)
+                rt.memcpyAsync(dst + offset, stage[1].allocation.ptr, n, _H2D, stream)
+                last[b] = rec = _events.record(stream, device)
+                stage[1].guard = (rec,)  # the block returns to the pool after this DMA
+    except BaseException as exc:  # noqa: BLE001 - handed to the future
+        error = exc
+    transfer.job_done(error)
+
+
+def _stage_out(transfer: _Transfer, pieces: Sequence[Piece], src: int, stream: int, device: int) -> None:
+    """A copy thread's share of a device-to-host copy into pageable memory."""
+    error: BaseException | None = None
+    try:
+        with _cuda.on_device(device):
+            rt = _cuda.runtime()
+            biggest = max(n for _, _, n in pieces)
+            stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
+            pending: tuple[EventRecord, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
+            for i, (piece, offset, n) in enumerate(pieces):
+                stage = stages[i % len(stages)]
+                if stage is None:  # past the pinned limit: the driver stages it
+                    tmp = np.empty(piece.shape, piece.dtype)
+                    rt.memcpyAsync(tmp.ctypes.data, src + offset, n, _D2H, stream)
+                    rt.streamSynchronize(stream)
+                    np.copyto(piece, tmp)
+                    continue
+                rt.memcpyAsync(stage[1].allocation.ptr, src + offset, n, _D2H, stream)
+                rec = _events.record(stream, device)
+                view = _view(stage[0], piece, n)
+                if pending is not None:
+                    _copy_out(rt, *pending)
+                pending = (rec, view, piece)
+                stage[1].guard = (rec,)
+            if pending is not None:
+                _copy_out(rt, *pending)
+    except BaseException as exc:  # noqa: BLE001 - handed to the future
+        error = exc
+    transfer.job_done(error)
+
+
+def _copy_out(rt: Any, rec: EventRecord, stage: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
+    if rec.query() is None:
+        rt.eventSynchronize(rec.handle)
+    if rec.query():
+        raise rec.error() or RuntimeError("the copy failed")
+    np.copyto(out, stage)
+
+
+# -- to_device ----------------------------------------------------------------------
+
+
+def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) -> CudaFuture[Any]:
+    """Copy a host array to a GPU; return the future of the CuPy array.
+
+    ``host``: a NumPy array, or anything with the buffer protocol or
+    ``__array_interface__`` (of booleans, integers, floats or complex
+    numbers), in any layout; the device array is C-contiguous, of the same
+    shape and dtype. ``device``: the target device (default: the current
+    one). ``stream``: the stream to copy on (a CuPy or PyTorch stream, or any
+    ``__cuda_stream__`` object); by default a copy stream of cudafut's, so
+    that copies overlap compute.
+
+    Returns at once, whatever the size; the calling thread does about 20 µs
+    of work for pinned sources (one ``cudaMemcpyAsync``), plus a host copy
+    of at most ``INLINE_BYTES`` (256 KB) for small pageable ones. Larger
+    pageable sources are staged by cudafut's copy threads, in chunks through
+    pinned memory; the future is then pending (not yet set: :meth:`~CudaFuture.wait`
+    blocks until it is) until the last chunk's DMA is enqueued. Take the
+    array through the future (``await``, :meth:`~CudaFuture.result`,
+    :meth:`~CudaFuture.wait`, :meth:`~CudaFuture.then`): work queued on the
+    copy's stream by hand is not ordered after a staged copy.
+
+    The future keeps ``host`` alive until the copy is done; **do not change
+    ``host`` until then** (until the future is done): the copy may read it
+    at any moment before. Cancelling a task that awaits the future does not
+    stop the copy.
+
+    Raises:
+        TypeError: ``host`` is not host memory of a supported dtype, or
+            ``stream`` is not a stream, or ``device`` not an int.
+        ValueError: ``device`` does not exist, or ``stream`` is on another
+            device.
+        CudaUnavailableError: CUDA cannot be used here.
+    """
+    array = _host_array(host)
+    if device is not None:
+        _cuda.check_device_argument(device)
+    _cuda.check_usable()
+    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    if stream is None:
+        copy_stream = _pools.copy_streams.get(dev, 0)
+        ptr = int(copy_stream.ptr)
+    else:
+        ptr, dev = _stream_of(stream, dev if device is not None else None)
+        copy_stream = _cupy_stream(stream, ptr, dev)
+    nbytes = array.nbytes
+    pinned = _is_pinned(array)
+    if pinned or nbytes <= INLINE_BYTES:
+        return _to_device_now(array, dev, copy_stream, ptr, pinned)
+    # Allocated here (a few µs from CuPy's pool; the first allocation of a
+    # size may take a cudaMalloc), so that the copy threads start at once.
+    dst = _new_device_array(array.shape, array.dtype, dev, copy_stream)
+    fut: CudaFuture[Any] = CudaFuture()
+    jobs = _split(_pieces(array, _chunk_bytes(nbytes)))
+
+    def finish() -> None:
+        complete_future(fut, dst, (_events.record(ptr, dev),), array)
+
+    transfer = _Transfer(fut, len(jobs), finish)
+    for job in jobs:
+        _run_in_worker(_stage_in, transfer, job, int(dst.data.ptr), ptr, dev)
+    return fut
+
+
+def _new_device_array(shape: tuple[int, ...], dtype: np.dtype[Any], device: int, stream: Any) -> Any:
+    cp = _cuda.cupy()
+    with _cuda.on_device(device), stream:
+        return cp.empty(shape, dtype)
+
+
+def _to_device_now(
+    array: np.ndarray[Any, Any], device: int, stream: Any, ptr: int, pinned: bool
+) -> CudaFuture[Any]:
+    dst = _new_device_array(array.shape, array.dtype, device, stream)
+    nbytes = array.nbytes
+    staged = None
+    with _cuda.on_device(device):
+        if pinned:
+            _cuda.runtime().memcpyAsync(dst.data.ptr, array.ctypes.data, nbytes, _H2D, ptr)
+        elif nbytes:
+            staged = _staging(nbytes)
+            if staged is None:  # past the pinned limit: the driver stages it
+                src = np.ascontiguousarray(array)
+                _cuda.runtime().memcpyAsync(dst.data.ptr, src.ctypes.data, nbytes, _H2D, ptr)
+            else:
+                np.copyto(_view(staged[0], array, nbytes), array)
+                _cuda.runtime().memcpyAsync(dst.data.ptr, staged[1].allocation.ptr, nbytes, _H2D, ptr)
+        rec = _events.record(ptr, device)
+    if staged is not None:
+        staged[1].guard = (rec,)  # back to the pool once the DMA has read it
+    return set_future(dst, (rec,), array)
+
+
+# -- to_host ---------------------------------------------------------------------------
+
+
+def to_host(array_or_future: Any, /, *, out: Any = None, stream: Any = None) -> CudaFuture[Any]:
+    """Copy a GPU array to host memory; return the future of the NumPy array.
+
+    ``array_or_future``: a CuPy array (or any ``__cuda_array_interface__``
+    object), copied after the work queued so far on the caller's current
+    stream of its device; or a :class:`CudaFuture` of one, copied once the
+    future is set, after its events, on the device (the host never waits
+    for the producer: the copy continues on the stream :meth:`~CudaFuture.then`
+    picks).
+
+    ``out``: where to copy, a NumPy array of the same shape and dtype, any
+    layout. Without it, the result is a C-contiguous array in pinned memory
+    from cudafut's pool (:func:`empty_pinned`), which returns to the pool
+    when the array is garbage collected (past the pool's limit, pageable
+    memory is used instead). Pinned ``out`` is one ``cudaMemcpyAsync``;
+    pageable ``out`` is staged in chunks through pinned memory by cudafut's
+    copy threads, and the future is set only once every chunk is copied out.
+    ``stream``: the stream to copy on (as for :func:`to_device`).
+
+    ``await``/:meth:`~CudaFuture.result` give the NumPy array once its data
+    is complete; the array is yours to keep. Do not read it after
+    :meth:`~CudaFuture.wait` alone: that orders GPU streams, not the host.
+
+    Returns at once, whatever the size: about 20 µs of work on the calling
+    thread for a pinned destination; staged copies run on the copy threads.
+    The future keeps the source array alive until the copy is done.
+
+    Raises:
+        TypeError: not a GPU array or future; ``out`` not a NumPy array;
+            ``stream`` not a stream.
+        ValueError: ``out`` of another shape or dtype, read-only or
+            overlapping, or ``stream`` on another device. For a future not
+            set yet these are found when it is set, and the returned future
+            fails with them.
+        CudaUnavailableError: CUDA cannot be used here.
+    """
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array, not {type(out).__name__}")
+    if stream is not None:
+        _cuda.stream_handle(stream)  # a TypeError now, not in the future
+    _cuda.check_usable()
+    if isinstance(array_or_future, CudaFuture):
+        return array_or_future.then(lambda value: _to_host_on(value, out, stream, follow=True))
+    return _to_host_on(array_or_future, out, stream, follow=False)
+
+
+def _to_host_on(array: Any, out: Any, stream: Any, *, follow: bool) -> CudaFuture[Any]:
+    """The copy, from the caller's current stream (``follow``: it already
+    waits for the producer, as in a then() callback) or a copy stream."""
+    device, shape, dtype = _device_array_info(array)
+    if out is not None:
+        out = _check_out(out, shape, dtype)
+    current = _cuda.current_stream(device)
+    if stream is not None:
+        ptr, _ = _stream_of(stream, device)
+        copy_stream = _cupy_stream(stream, ptr, device)
+    elif follow:
+        copy_stream, ptr = current, int(current.ptr)
+    else:
+        copy_stream = _pools.copy_streams.get(device, 0)
+        ptr = int(copy_stream.ptr)
+    if ptr != int(current.ptr):
+        _events.record(int(current.ptr), device).wait_on(ptr, device)
+    cp = _cuda.cupy()
+    with _cuda.on_device(device), copy_stream:
+        src = cp.ascontiguousarray(cp.asarray(array))
+    keep = (array, src)
+    nbytes = src.nbytes
+    if out is None:
+        made = _pinned.host_array(shape, dtype)
+        if made is not None:
+            result, buffer = made
+            return _copy_to_pinned(src, result, buffer, nbytes, device, ptr, keep)
+        out = np.empty(shape, dtype)
+    if _is_pinned(out):
+        return _copy_to_pinned(src, out, None, nbytes, device, ptr, keep)
+    if nbytes == 0:
+        with _cuda.on_device(device):
+            return set_future(out, (_events.record(ptr, device),), keep)
+    fut: CudaFuture[Any] = CudaFuture()
+    pieces = _pieces(out, _chunk_bytes(nbytes))
+    jobs = _split(pieces)
+
+    def finish() -> None:
+        # Every chunk is on the host now: a host value, with no GPU work left.
+        complete_future(fut, out, (), keep)
+
+    transfer = _Transfer(fut, len(jobs), finish)
+    base = int(src.data.ptr)
+    for job in jobs:
+        _run_in_worker(_stage_out, transfer, job, base, ptr, device)
+    return fut
+
+
+def _copy_to_pinned(
+    src: Any,
+    out: np.ndarray[Any, Any],
+    buffer: _pinned.HostBuffer | None,
+    nbytes: int,
+    device: int,
+    ptr: int,
+    keep: object,
+) -> CudaFuture[Any]:
+    with _cuda.on_device(device):
+        if nbytes:
+            _cuda.runtime().memcpyAsync(out.ctypes.data, int(src.data.ptr), nbytes, _D2H, ptr)
+        rec = _events.record(ptr, device)
+    if buffer is not None:
+        buffer.guard = (rec,)
+    return set_future(out, (rec,), keep)

@@ -1,0 +1,323 @@
+"""Pinned (page-locked) host memory: cudafut's pool, with a cap.
+
+Only pinned memory can be copied to or from the GPU asynchronously at full
+bandwidth (docs/memory.md). Pinning is slow (``cudaHostAlloc`` takes about a
+millisecond per hundred MB and may synchronise the device when freed), so
+blocks are cached and reused: sizes are rounded up to a power of two from
+4 KB to 16 MB, and to a multiple of 16 MB above, and a freed block waits in
+its size class for the next request of that class.
+
+The pool never holds more than its limit (:func:`set_pinned_limit`; a
+quarter of the machine's memory by default) in use and cached together:
+past it, cached blocks are freed first, and then a request fails
+(:func:`empty_pinned` raises ``MemoryError``; :func:`cudafut.to_host` falls
+back to pageable memory).
+
+A block goes back to the pool when the last object using it is garbage
+collected, and not before the GPU work that reads or writes it (its
+*guard*, a set of event records) is complete: a NumPy array dropped while a
+copy into it is still running cannot hand its memory to someone else.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from . import _cuda, _waiter
+from ._events import EventRecord
+
+__all__ = ["Allocation", "HostBuffer", "PinnedPool", "empty_pinned", "pool", "set_pinned_limit"]
+
+_PAGE: Final = 4096
+_LARGE: Final = 16 << 20
+# cudaHostAllocPortable: pinned for every CUDA context, so any device can use it.
+_PORTABLE: Final = 1
+
+
+def size_class(nbytes: int) -> int:
+    """The size of the block that serves a request of ``nbytes``."""
+    if nbytes <= _PAGE:
+        return _PAGE
+    if nbytes <= _LARGE:
+        return 1 << (nbytes - 1).bit_length()
+    return -(-nbytes // _LARGE) * _LARGE
+
+
+def _default_limit() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return max(total // 4, 64 << 20)
+
+
+class Allocation:
+    """One pinned block of the pool; it returns to the pool when garbage."""
+
+    __slots__ = ("__weakref__", "pool", "ptr", "size")
+
+    def __init__(self, pool: PinnedPool, ptr: int, size: int) -> None:
+        self.pool = pool
+        self.ptr = ptr
+        self.size = size
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 - a finalizer must not raise (e.g. at shutdown)
+            self.pool.give_back(self.ptr, self.size)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class HostBuffer:
+    """A NumPy-visible view of an :class:`Allocation`, and its guard.
+
+    ``numpy.asarray(buffer)`` is an array whose ``base`` is this object, so
+    the block lives as long as any view of it. ``guard``: records of GPU
+    work that reads or writes the block; when the buffer is garbage while one
+    is pending, the block is kept (by the watcher thread) until they
+    complete, and only then returns to the pool.
+    """
+
+    __slots__ = ("__array_interface__", "allocation", "guard")
+
+    def __init__(self, allocation: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.allocation = allocation
+        self.guard: Sequence[EventRecord] = ()
+        interface: dict[str, Any] = {
+            "version": 3,
+            "shape": shape,
+            "typestr": dtype.str,
+            "data": (allocation.ptr, False),
+            "strides": None,
+        }
+        if dtype.fields is not None:
+            interface["descr"] = dtype.descr
+        self.__array_interface__ = interface
+
+    def __del__(self) -> None:
+        guard = self.guard
+        if not guard:
+            return
+        try:
+            pending = [r for r in guard if r.query() is None]
+            if pending:
+                _waiter.thread_waiter().hold(pending, self.allocation)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise; keep the block for ever
+            _leaked.append(self.allocation)
+
+
+# Blocks whose guard could not be checked (CUDA failed at that moment): never
+# reused, since a copy may still be writing them.
+_leaked: list[Allocation] = []
+
+
+class PinnedPool:
+    """The pinned host memory cudafut copies through, with a cap.
+
+    Thread-safe. Taking a cached block costs about a µs; a new block costs a
+    ``cudaHostAlloc`` (about 1 ms per 100 MB, blocking the calling thread).
+    """
+
+    def __init__(self) -> None:
+        # Re-entrant: an Allocation's finalizer gives its block back, and the
+        # GC may run it while this thread holds the lock.
+        self._lock = threading.RLock()
+        self._free: dict[int, list[int]] = {}
+        self._limit: int | None = None
+        self.in_use = 0  # bytes of blocks handed out
+        self.cached = 0  # bytes of blocks waiting in the free lists
+        self.blocks_in_use = 0
+        self.host_allocs = 0  # cudaHostAlloc calls since the start
+        self.failures = 0  # requests refused for the limit
+
+    @property
+    def limit(self) -> int:
+        if self._limit is None:
+            self._limit = _default_limit()
+        return self._limit
+
+    def set_limit(self, nbytes: int) -> None:
+        with self._lock:
+            self._limit = nbytes
+            self._trim(nbytes - self.in_use)
+
+    def take(self, nbytes: int) -> Allocation | None:
+        """A block of at least ``nbytes``, or None past the limit."""
+        size = size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                ptr = free.pop()
+                self.cached -= size
+            else:
+                if self.in_use + self.cached + size > self.limit:
+                    self._trim(self.limit - self.in_use - size)
+                    if self.in_use + size > self.limit:
+                        self.failures += 1
+                        return None
+                ptr = 0
+            self.in_use += size
+            self.blocks_in_use += 1
+        if ptr == 0:
+            try:
+                ptr = int(_cuda.runtime().hostAlloc(size, _PORTABLE))
+            except BaseException:
+                with self._lock:
+                    self.in_use -= size
+                    self.blocks_in_use -= 1
+                raise
+            with self._lock:
+                self.host_allocs += 1
+        return Allocation(self, ptr, size)
+
+    def give_back(self, ptr: int, size: int) -> None:
+        with self._lock:
+            self.in_use -= size
+            self.blocks_in_use -= 1
+            if self.in_use + self.cached + size <= self.limit:
+                self._free.setdefault(size, []).append(ptr)
+                self.cached += size
+                return
+        if not sys.is_finalizing():
+            _cuda.runtime().freeHost(ptr)
+
+    def free_cached(self) -> int:
+        """Free every cached block; return the bytes freed.
+
+        Blocks the calling thread for a ``cudaFreeHost`` per block, which may
+        wait for the whole device to be idle.
+        """
+        with self._lock:
+            before = self.cached
+            self._trim(0)
+            return before
+
+    def _trim(self, target: int) -> None:
+        """Free cached blocks, largest first, until ``cached <= target``
+        (under the lock)."""
+        goal = max(target, 0)
+        for size in sorted(self._free, reverse=True):
+            free = self._free[size]
+            while free and self.cached > goal:
+                ptr = free.pop()
+                self.cached -= size
+                _cuda.runtime().freeHost(ptr)
+
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        """(limit, in use, cached, blocks in use, host allocations, refusals)."""
+        with self._lock:
+            return (
+                self.limit,
+                self.in_use,
+                self.cached,
+                self.blocks_in_use,
+                self.host_allocs,
+                self.failures,
+            )
+
+
+pool: Final = PinnedPool()
+
+
+def set_pinned_limit(nbytes: int) -> None:
+    """Cap the pinned host memory cudafut holds (in use and cached), in bytes.
+
+    The default is a quarter of the machine's physical memory. Lowering the
+    limit frees cached blocks at once (a ``cudaFreeHost`` each, which may
+    wait for the device to be idle: call it at start-up, not in a hot loop);
+    blocks in use are never taken back, they are freed instead of cached
+    when they return while the pool is over the limit.
+
+    Raises:
+        TypeError: ``nbytes`` is not an int.
+        ValueError: ``nbytes`` is negative.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"the pinned memory limit is an int number of bytes, not {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"the pinned memory limit must be >= 0 bytes, not {nbytes}")
+    pool.set_limit(nbytes)
+
+
+def check_shape(shape: object) -> tuple[int, ...]:
+    """A shape argument as a tuple of non-negative ints.
+
+    Raises:
+        TypeError: not an int or a sequence of ints.
+        ValueError: a negative dimension.
+    """
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        dims: tuple[object, ...] = (shape,)
+    elif isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
+        dims = tuple(shape)
+    else:
+        raise TypeError(f"shape must be an int or a tuple of ints, not {shape!r}")
+    out = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"shape must be an int or a tuple of ints, not {shape!r}")
+        if d < 0:
+            raise ValueError(f"shape must not have negative dimensions: {shape!r}")
+        out.append(operator.index(d))
+    return tuple(out)
+
+
+def host_array(
+    shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> tuple[np.ndarray[Any, Any], HostBuffer] | None:
+    """A C-contiguous array in pinned memory from the pool, and its buffer
+    (to set the guard on); None past the pool's limit."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    allocation = pool.take(max(nbytes, 1))
+    if allocation is None:
+        return None
+    buffer = HostBuffer(allocation, shape, dtype)
+    return np.asarray(buffer), buffer
+
+
+def empty_pinned(shape: int | Sequence[int], dtype: Any = float) -> np.ndarray[Any, Any]:
+    """A new, uninitialised, C-contiguous NumPy array in pinned host memory.
+
+    From cudafut's pinned pool: the memory returns to the pool when the array
+    (and every view of it) is garbage collected. Copies to and from it
+    (:func:`cudafut.to_device`, :func:`cudafut.to_host` with ``out=``) are one
+    ``cudaMemcpyAsync``, at full bandwidth, and never block the thread.
+
+    Costs about a µs when the pool has a free block of the size class (a
+    power of two up to 16 MB, a multiple of 16 MB above), otherwise a
+    ``cudaHostAlloc`` of that size, which blocks the calling thread (about
+    1 ms per 100 MB): allocate staging arrays once, at start-up, and reuse
+    them.
+
+    Raises:
+        TypeError: ``shape`` is not an int or a sequence of ints, or
+            ``dtype`` is not a NumPy dtype.
+        ValueError: a negative dimension.
+        MemoryError: the pool's limit (:func:`set_pinned_limit`) would be
+            exceeded; drop arrays you no longer need, or raise the limit.
+        CudaUnavailableError: CUDA cannot be used here.
+    """
+    dims = check_shape(shape)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype must be a NumPy dtype, not {dtype!r}") from exc
+    if dt.hasobject:
+        raise TypeError("pinned memory cannot hold Python objects (dtype=object)")
+    _cuda.check_usable()
+    made = host_array(dims, dt)
+    if made is None:
+        limit, in_use, *_ = pool.counts()
+        raise MemoryError(
+            f"cudafut's pinned memory limit ({limit} bytes) would be exceeded: {in_use} bytes are in "
+            "use; drop pinned arrays you no longer need, or raise the limit with "
+            "cudafut.set_pinned_limit()"
+        )
+    return made[0]

@@ -1,0 +1,215 @@
+"""PyTorch's side of the streams: its current streams, its allocator.
+
+cudafut never imports torch. Every function here works on the module the
+program imported itself, found by :func:`loaded` in ``sys.modules``; without
+torch imported, none of this runs (a dictionary lookup per call says so).
+
+With torch imported (and able to use CUDA), the core does, besides what it
+does with CuPy's current streams:
+
+- ``then()``/``submit()``: each pool stream is PyTorch's current stream of
+  its device too (an ``ExternalStream`` over the same handle) while ``fn``
+  runs, so torch ops in ``fn`` are ordered like CuPy's; the torch CUDA
+  tensors ``fn`` reads (the parent's value, ``submit``'s arguments) are
+  recorded on those streams (``Tensor.record_stream``), so torch's caching
+  allocator does not hand their memory out before the pool streams are past
+  it; ``submit()``'s pool stream also waits for PyTorch's current stream.
+- ``set_result(value)``/``record(value)``: events for the torch CUDA tensors
+  in ``value`` are recorded on PyTorch's current stream of their devices
+  (other arrays: on CuPy's current stream, as without torch).
+- ``wait()``: PyTorch's current stream of each device waits too (where it is
+  not CuPy's current stream), and the value's torch tensors are recorded on
+  it.
+
+Each costs a few µs more on the host (torch's stream calls); none blocks
+the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+from . import _cuda, _events
+from ._events import EventRecord
+from ._values import gpu_arrays, placements
+
+__all__ = [
+    "call_on_streams",
+    "current_handle",
+    "follow_current",
+    "loaded",
+    "module",
+    "pool_stream",
+    "record_tensors",
+    "record_value",
+    "torch_tensors",
+    "wait_current",
+]
+
+#: Flags of :func:`cudafut._values.placements`: a device holds a torch CUDA
+#: tensor, or another GPU array.
+TORCH: Final = 2
+OTHER: Final = 1
+
+# (torch module, the same if it can use CUDA else None): known once per module.
+_known: tuple[Any, Any] = (None, None)
+# torch streams over cudafut's pool streams, which live as long as the process.
+_pool_streams: dict[tuple[int, int, int], Any] = {}
+
+
+def module() -> Any:
+    """The ``torch`` module if the program imported it (any build), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "futures"):
+        return None  # not imported, or still importing
+    return torch
+
+
+def loaded() -> Any:
+    """``torch`` if it is imported and can use CUDA here, else None.
+
+    Never imports torch. Once known for the imported module, costs a
+    dictionary lookup and a comparison.
+    """
+    global _known
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    known = _known
+    if known[0] is torch:
+        return known[1]
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not hasattr(torch, "Tensor"):
+        return None  # still importing: ask again next time
+    _known = known = (torch, torch if cuda.is_available() else None)
+    return known[1]
+
+
+def pool_stream(torch: Any, handle: int, device: int) -> Any:
+    """A ``torch.cuda.ExternalStream`` over one of cudafut's pool streams
+    (made once: pool streams live as long as the process)."""
+    key = (id(torch), handle, device)
+    stream = _pool_streams.get(key)
+    if stream is None:
+        stream = _pool_streams[key] = torch.cuda.ExternalStream(handle, device=device)
+    return stream
+
+
+def current_handle(torch: Any, device: int) -> int:
+    """The ``cudaStream_t`` of PyTorch's current stream of ``device``."""
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def torch_tensors(torch: Any, value: object) -> list[Any]:
+    """The torch CUDA tensors in ``value`` (containers walked as for
+    :func:`~cudafut._values.find_devices`)."""
+    tensor = torch.Tensor
+    return [a for a in gpu_arrays(value) if isinstance(a, tensor)]
+
+
+def record_tensors(tensors: Iterable[Any], streams: Mapping[int, Any]) -> None:
+    """``Tensor.record_stream(streams[device])`` for each tensor on one of
+    those devices: torch's allocator then keeps the tensor's memory from new
+    allocations until the work queued on that stream at the free is done."""
+    for tensor in tensors:
+        stream = streams.get(tensor.get_device())
+        if stream is not None:
+            tensor.record_stream(stream)
+
+
+def record_value(
+    torch: Any,
+    value: object,
+    given: tuple[int, ...] | None,
+    *,
+    skip: Iterable[int] = (),
+    on_torch: bool = False,
+) -> tuple[EventRecord, ...]:
+    """The events of ``set_result(value)``/``record(value)`` with torch imported.
+
+    Per device: on CuPy's current stream where ``value`` holds a GPU array
+    that is not a torch tensor (or, with ``given`` devices, on each of
+    them), on PyTorch's current stream where it holds a torch CUDA tensor;
+    each stream once. ``on_torch``: every device on PyTorch's current stream
+    only (a value that torch made ready on its streams: ``from_torch``).
+    ``skip``: devices recorded already (the pool streams of ``then()``).
+    """
+    found = placements(value, torch.Tensor)
+    wanted: dict[int, int] = {}
+    if given:
+        for device in given:
+            wanted[device] = TORCH if on_torch else OTHER | (found.get(device, 0) & TORCH)
+    else:
+        skipped = set(skip)
+        for device, kinds in found.items():
+            if device not in skipped:
+                wanted[device] = TORCH if on_torch else kinds
+    streams: dict[tuple[int, int], None] = {}
+    for device, kinds in wanted.items():
+        if kinds & OTHER:
+            streams[(device, int(_cuda.current_stream(device).ptr))] = None
+        if kinds & TORCH:
+            streams[(device, current_handle(torch, device))] = None
+    return tuple(_events.record(handle, device) for device, handle in streams)
+
+
+def call_on_streams(
+    torch: Any, streams: Mapping[int, Any], fn: Callable[..., Any], args: Any, kwargs: Any, reads: object
+) -> Any:
+    """:func:`cudafut._cuda.call_on_streams`, with each pool stream of
+    ``streams`` PyTorch's current stream of its device too while ``fn``
+    runs; the previous streams and device are restored however ``fn`` ends.
+    The torch CUDA tensors in ``reads`` are recorded on those streams first.
+    """
+    primary = next(iter(streams))
+    ours = {device: pool_stream(torch, int(stream.ptr), device) for device, stream in streams.items()}
+    record_tensors(torch_tensors(torch, reads), ours)
+    cuda = torch.cuda
+
+    def run() -> Any:
+        saved = []
+        try:
+            for device, stream in ours.items():
+                saved.append(cuda.current_stream(device))
+                cuda.set_stream(stream)  # makes the stream's device current
+            if len(ours) > 1:
+                cuda.set_device(primary)
+            return fn(*args, **kwargs)
+        finally:
+            # Each restores its device's stream (and makes that device
+            # current); _cuda.call_on_streams then restores the caller's device.
+            for stream in reversed(saved):
+                cuda.set_stream(stream)
+
+    return _cuda.call_on_streams(streams, primary, run, (), {})
+
+
+def follow_current(torch: Any, device: int, stream: int) -> None:
+    """For ``submit()``: ``stream`` (a pool stream of ``device``) waits for
+    what the caller enqueued on PyTorch's current stream, where that is not
+    CuPy's current stream (which ``stream`` waited for already)."""
+    handle = current_handle(torch, device)
+    if handle != int(_cuda.current_stream(device).ptr):
+        _events.record(handle, device).wait_on(stream, device)
+
+
+def wait_current(torch: Any, records: Iterable[EventRecord], value: object) -> None:
+    """For ``wait()``: PyTorch's current stream of each device of ``records``
+    waits on them too, where it is not CuPy's current stream (which waited
+    already), and the torch CUDA tensors of ``value`` are recorded on it."""
+    by_device: dict[int, list[EventRecord]] = {}
+    for rec in records:
+        by_device.setdefault(rec.device, []).append(rec)
+    consumers: dict[int, Any] = {}
+    for device, recs in by_device.items():
+        stream = torch.cuda.current_stream(device)
+        handle = int(stream.cuda_stream)
+        if handle == int(_cuda.current_stream(device).ptr):
+            continue
+        for rec in recs:
+            rec.wait_on(handle, device)
+        consumers[device] = stream
+    if consumers:
+        record_tensors(torch_tensors(torch, value), consumers)

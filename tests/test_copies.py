@@ -1,0 +1,94 @@
+"""Host logic of the copies, without a GPU: argument checks, the pinned
+pool's size classes, and the cutting of a transfer into chunks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cudafut
+from cudafut import _copies, _pinned
+
+
+def test_size_classes_are_pages_powers_of_two_then_multiples_of_16_mb() -> None:
+    assert _pinned.size_class(1) == 4096
+    assert _pinned.size_class(4096) == 4096
+    assert _pinned.size_class(4097) == 8192
+    assert _pinned.size_class(3 << 20) == 4 << 20
+    assert _pinned.size_class(16 << 20) == 16 << 20
+    assert _pinned.size_class((16 << 20) + 1) == 32 << 20
+    assert _pinned.size_class((100 << 20) + 1) == 112 << 20
+
+
+def test_argument_errors_need_no_gpu() -> None:
+    with pytest.raises(TypeError, match=r"numpy\.asarray"):
+        cudafut.to_device([1, 2, 3])
+    with pytest.raises(TypeError, match="dtype"):
+        cudafut.to_device(np.array([object()]))
+    with pytest.raises(TypeError, match="dtype"):
+        cudafut.to_device(np.array(["text"]))
+    with pytest.raises(TypeError, match="int"):
+        cudafut.to_device(np.zeros(3), device="0")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"negative|numbered from 0"):
+        cudafut.to_device(np.zeros(3), device=-1)
+    with pytest.raises(TypeError, match="NumPy array"):
+        cudafut.to_host(object(), out=[1])
+    with pytest.raises(TypeError, match="shape"):
+        cudafut.empty_pinned("3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative"):
+        cudafut.empty_pinned((2, -1))
+    with pytest.raises(TypeError, match="dtype"):
+        cudafut.empty_pinned(3, dtype="no such dtype")
+    with pytest.raises(TypeError, match="objects"):
+        cudafut.empty_pinned(3, dtype=object)
+    with pytest.raises(TypeError, match="int"):
+        cudafut.set_pinned_limit(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        cudafut.set_pinned_limit(-1)
+
+
+def _simulate(host: np.ndarray[Any, Any], chunk: int) -> bytes:
+    """What the copy threads would put in the device buffer, piece by piece."""
+    device = bytearray(host.nbytes)
+    pieces = _copies._pieces(host, chunk)
+    jobs = _copies._split(pieces)
+    assert [p for job in jobs for p in job] == pieces  # every piece once, in order
+    assert len(jobs) <= _copies.WORKERS
+    stage = np.empty(max(n for _, _, n in pieces), np.uint8)
+    for piece, offset, n in pieces:
+        view = _copies._view(stage, piece, n)
+        np.copyto(view, piece)
+        device[offset : offset + n] = stage[:n].tobytes()
+    return bytes(device)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    dtype=st.sampled_from([np.uint8, np.int16, np.float32, np.complex128]),
+    layout=st.sampled_from(["c", "f", "reversed", "strided"]),
+    chunk=st.sampled_from([1, 7, 64, 4096]),
+)
+def test_the_pieces_rebuild_the_array_in_c_order(
+    shape: list[int], dtype: Any, layout: str, chunk: int
+) -> None:
+    base = np.arange(int(np.prod(shape)), dtype=np.int64).astype(dtype).reshape(shape)
+    host = {
+        "c": base,
+        "f": np.asfortranarray(base),
+        "reversed": np.ascontiguousarray(base[::-1])[::-1],
+        "strided": np.repeat(base, 2, axis=-1)[..., ::2],
+    }[layout]
+    assert np.array_equal(host, base)
+    assert _simulate(host, chunk) == base.tobytes()
+
+
+def test_chunks_are_page_multiples_between_the_bounds() -> None:
+    for nbytes in (1, 1 << 20, 16 << 20, 1 << 30):
+        chunk = _copies._chunk_bytes(nbytes)
+        assert chunk % 4096 == 0
+        assert _copies.CHUNK_MIN <= chunk <= _copies.CHUNK_MAX

@@ -1,0 +1,203 @@
+"""Stream-safe frees (record_stream, and the consumers that call it) on a GPU.
+
+The hazard (docs/design.md, hazard 5): an array allocated on stream A, read
+on stream B by a slow kernel, dropped at once; CuPy's pool hands its block
+to the next allocation on A, which overwrites it while B has not read it
+yet. Each test has a control that shows the corruption without the
+protection, so that it can fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cudafut
+from cudafut import _cuda, _memory
+from tests.kernels import spin_copy
+
+pytestmark = pytest.mark.gpu
+
+N = 1 << 20
+SLOW_MS = 50.0
+_streams: list[Any] = []
+
+
+def stream() -> Any:
+    s = _cuda.cupy().cuda.Stream(non_blocking=True)
+    _streams.append(s)
+    return s
+
+
+def overwrite_on(a: Any, ptr: int) -> list[Any]:
+    """Allocate on ``a`` until CuPy's pool hands out the block at ``ptr``
+    (or 64 tries: the arena of a reused stream handle may hold other free
+    blocks of the size), each filled with twos at once."""
+    cp = _cuda.cupy()
+    taken = []
+    with a:
+        for _ in range(64):
+            y = cp.empty(N, dtype=cp.float32)
+            y.fill(2.0)
+            taken.append(y)
+            if y.data.ptr == ptr:
+                break
+    return taken
+
+
+@contextlib.contextmanager
+def fresh_pool() -> Iterator[None]:
+    """A new CuPy pool behind cudafut's wrapper, for this thread: its only
+    free blocks are the test's, so the reuse the controls need is certain
+    (the default pool, after the rest of the suite, holds other blocks)."""
+    cp = _cuda.cupy()
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(_memory._wrap(cp, pool.malloc)):
+        yield
+    pool.free_all_blocks()
+
+
+def race(protect: Callable[[Any, Any], None]) -> np.ndarray[Any, Any]:
+    """What B read of an array of ones that A's next allocation overwrites
+    with twos as soon as the array is dropped; ``protect(array, B)`` runs
+    after B's read is enqueued."""
+    with fresh_pool():
+        return _race(protect)
+
+
+def _race(protect: Callable[[Any, Any], None]) -> np.ndarray[Any, Any]:
+    cp = _cuda.cupy()
+    a, b = stream(), stream()
+    with a:
+        x = cp.ones(N, dtype=cp.float32)
+    a.synchronize()
+    with b:
+        out = cp.zeros(N, dtype=cp.float32)
+        spin_copy(x, out, SLOW_MS)  # B reads x after 50 ms
+    protect(x, b)
+    ptr = x.data.ptr
+    del x
+    gc.collect()
+    taken = overwrite_on(a, ptr)  # the pool's block of x comes back, unless protected
+    b.synchronize()
+    a.synchronize()
+    del taken
+    got: np.ndarray[Any, Any] = cp.asnumpy(out)
+    return got
+
+
+def test_the_allocator_is_wrapped() -> None:
+    assert cudafut.memory_statistics().allocator_wrapped
+
+
+def test_control_without_record_stream_the_block_is_reused_under_the_reader() -> None:
+    got = race(lambda x, b: None)
+    assert (got == 2.0).any(), "the pool did not reuse the block: the test below would prove nothing"
+
+
+def test_record_stream_keeps_the_block_until_the_reader_is_done() -> None:
+    before = cudafut.memory_statistics().frees_delayed
+    got = race(cudafut.record_stream)
+    assert np.all(got == 1.0)
+    assert cudafut.memory_statistics().frees_delayed == before + 1
+
+
+def test_record_stream_of_the_allocating_stream_does_nothing() -> None:
+    cp = _cuda.cupy()
+    a = stream()
+    with a:
+        x = cp.ones(16, dtype=cp.float32)
+    cudafut.record_stream(x, a)
+    block = _memory._block_of(x)
+    assert block is not None and block.readers is None
+
+
+def test_control_wait_without_the_mark_is_corrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_memory, "record_streams_of", lambda *args, **kwargs: None)
+    assert (_wait_race() == 2.0).any(), "the control must show the corruption"
+
+
+def _wait_race() -> np.ndarray[Any, Any]:
+    """What B read of a future's value, taken with wait() (no keep=) and
+    dropped at once, while A reallocates its block."""
+    with fresh_pool():
+        return _wait_race_in_pool()
+
+
+def _wait_race_in_pool() -> np.ndarray[Any, Any]:
+    cp = _cuda.cupy()
+    a, b = stream(), stream()
+    with a:
+        x = cp.ones(N, dtype=cp.float32)
+        fut = cudafut.record(x)
+    a.synchronize()
+    del x
+    with b:
+        v = fut.wait()
+        out = cp.zeros(N, dtype=cp.float32)
+        spin_copy(v, out, SLOW_MS)
+    ptr = v.data.ptr
+    del v, fut
+    gc.collect()
+    taken = overwrite_on(a, ptr)
+    b.synchronize()
+    a.synchronize()
+    del taken
+    got: np.ndarray[Any, Any] = cp.asnumpy(out)
+    return got
+
+
+def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> None:
+    assert np.all(_wait_race() == 1.0)
+
+
+def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
+    """Memory the wrapper did not allocate (another allocator): record_stream
+    keeps the array object itself until the work queued so far is done."""
+    cp = _cuda.cupy()
+    pool = cp.cuda.MemoryPool()
+    a, b = stream(), stream()
+    with cp.cuda.using_allocator(pool.malloc), a:
+        x = cp.ones(N, dtype=cp.float32)
+    assert _memory._block_of(x) is None
+    a.synchronize()
+    with b:
+        out = cp.zeros(N, dtype=cp.float32)
+        spin_copy(x, out, SLOW_MS)
+    before = cudafut.memory_statistics().untracked_holds
+    cudafut.record_stream(x, b)
+    assert cudafut.memory_statistics().untracked_holds == before + 1
+    del x
+    gc.collect()
+    with cp.cuda.using_allocator(pool.malloc), a:
+        y = cp.empty(N, dtype=cp.float32)
+        y.fill(2.0)
+    b.synchronize()
+    assert np.all(cp.asnumpy(out) == 1.0)
+    del y
+
+
+def test_then_and_submit_mark_their_pool_streams() -> None:
+    cp = _cuda.cupy()
+    a = stream()
+    with a:
+        x = cp.ones(N, dtype=cp.float32)
+        fut = cudafut.record(x)
+    child = fut.then(lambda v: v + 1)
+    block = _memory._block_of(x)
+    assert block is not None and block.readers, "then() did not mark its stream"
+    sub = cudafut.submit(lambda v: v * 2, x)
+    assert len(block.readers) >= 1
+    assert float(child.result()[0]) == 2.0 and float(sub.result()[0]) == 2.0
+
+
+def test_record_stream_argument_errors() -> None:
+    with pytest.raises(TypeError, match="GPU array"):
+        cudafut.record_stream(np.zeros(3), stream())
+    with pytest.raises(TypeError, match="stream"):
+        cudafut.record_stream(_cuda.cupy().zeros(3), "B")
