@@ -250,63 +250,70 @@ class _Transfer:
             self.fut.set_exception(error)
 
 
-def _stage_in(transfer: _Transfer, pieces: Sequence[Piece], dst: int, stream: int, device: int) -> None:
-    """A copy thread's share of a host-to-device copy through two staging blocks."""
+# A copy thread's share of a staged copy: (runtime, its pieces, its two
+# staging blocks (None past the pinned limit), stream, device, device pointer).
+Stager = Callable[[Any, Sequence[Piece], list[Any], int, int, int], None]
+
+
+def _run_share(
+    transfer: _Transfer, stager: Stager, pieces: Sequence[Piece], ptr: int, stream: int, device: int
+) -> None:
+    """Run one copy thread's share on ``device`` through two staging blocks
+    of its own, and report to the transfer however it ends."""
     error: BaseException | None = None
     try:
         with _cuda.on_device(device):
-            rt = _cuda.runtime()
             biggest = max(n for _, _, n in pieces)
             stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
-            last: list[EventRecord | None] = [None] * len(stages)
-            for i, (piece, offset, n) in enumerate(pieces):
-                b = i % len(stages)
-                stage = stages[b]
-                if stage is None:  # past the pinned limit: the driver stages it, blocking this thread
-                    src = np.ascontiguousarray(piece)
-                    rt.memcpyAsync(dst + offset, src.ctypes.data, n, _H2D, stream)
-                    continue
-                previous = last[b]
-                if previous is not None and previous.query() is None:
-                    rt.eventSynchronize(previous.handle)
-                np.copyto(_view(stage[0], piece, n), piece)
-                rt.memcpyAsync(dst + offset, stage[1].allocation.ptr, n, _H2D, stream)
-                last[b] = rec = _events.record(stream, device)
-                stage[1].guard = (rec,)  # the block returns to the pool after this DMA
+            stager(_cuda.runtime(), pieces, stages, stream, device, ptr)
     except BaseException as exc:  # noqa: BLE001 - handed to the future
         error = exc
     transfer.job_done(error)
 
 
-def _stage_out(transfer: _Transfer, pieces: Sequence[Piece], src: int, stream: int, device: int) -> None:
-    """A copy thread's share of a device-to-host copy into pageable memory."""
-    error: BaseException | None = None
-    try:
-        with _cuda.on_device(device):
-            rt = _cuda.runtime()
-            biggest = max(n for _, _, n in pieces)
-            stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
-            pending: tuple[EventRecord, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
-            for i, (piece, offset, n) in enumerate(pieces):
-                stage = stages[i % len(stages)]
-                if stage is None:  # past the pinned limit: the driver stages it
-                    tmp = np.empty(piece.shape, piece.dtype)
-                    rt.memcpyAsync(tmp.ctypes.data, src + offset, n, _D2H, stream)
-                    rt.streamSynchronize(stream)
-                    np.copyto(piece, tmp)
-                    continue
-                rt.memcpyAsync(stage[1].allocation.ptr, src + offset, n, _D2H, stream)
-                rec = _events.record(stream, device)
-                view = _view(stage[0], piece, n)
-                if pending is not None:
-                    _copy_out(rt, *pending)
-                pending = (rec, view, piece)
-                stage[1].guard = (rec,)
-            if pending is not None:
-                _copy_out(rt, *pending)
-    except BaseException as exc:  # noqa: BLE001 - handed to the future
-        error = exc
-    transfer.job_done(error)
+def _stage_in(
+    rt: Any, pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, dst: int
+) -> None:
+    """Host to device: the host copy of one piece overlaps the DMA of the other."""
+    last: list[EventRecord | None] = [None] * len(stages)
+    for i, (piece, offset, n) in enumerate(pieces):
+        b = i % len(stages)
+        stage = stages[b]
+        if stage is None:  # past the pinned limit: the driver stages it, blocking this thread
+            src = np.ascontiguousarray(piece)
+            rt.memcpyAsync(dst + offset, src.ctypes.data, n, _H2D, stream)
+            continue
+        previous = last[b]
+        if previous is not None and previous.query() is None:
+            rt.eventSynchronize(previous.handle)
+        np.copyto(_view(stage[0], piece, n), piece)
+        rt.memcpyAsync(dst + offset, stage[1].allocation.ptr, n, _H2D, stream)
+        last[b] = rec = _events.record(stream, device)
+        stage[1].guard = (rec,)  # the block returns to the pool after this DMA
+
+
+def _stage_out(
+    rt: Any, pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, src: int
+) -> None:
+    """Device to pageable host: the DMA of one piece overlaps the host copy of the other."""
+    pending: tuple[EventRecord, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
+    for i, (piece, offset, n) in enumerate(pieces):
+        stage = stages[i % len(stages)]
+        if stage is None:  # past the pinned limit: the driver stages it
+            tmp = np.empty(piece.shape, piece.dtype)
+            rt.memcpyAsync(tmp.ctypes.data, src + offset, n, _D2H, stream)
+            rt.streamSynchronize(stream)
+            np.copyto(piece, tmp)
+            continue
+        rt.memcpyAsync(stage[1].allocation.ptr, src + offset, n, _D2H, stream)
+        rec = _events.record(stream, device)
+        view = _view(stage[0], piece, n)
+        if pending is not None:
+            _copy_out(rt, *pending)
+        pending = (rec, view, piece)
+        stage[1].guard = (rec,)
+    if pending is not None:
+        _copy_out(rt, *pending)
 
 
 def _copy_out(rt: Any, rec: EventRecord, stage: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
@@ -379,7 +386,7 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
 
     transfer = _Transfer(fut, len(jobs), finish)
     for job in jobs:
-        _run_in_worker(_stage_in, transfer, job, int(dst.data.ptr), ptr, dev)
+        _run_in_worker(_run_share, transfer, _stage_in, job, int(dst.data.ptr), ptr, dev)
     return fut
 
 
@@ -505,7 +512,7 @@ def _to_host_on(array: Any, out: Any, stream: Any, *, follow: bool) -> CudaFutur
     transfer = _Transfer(fut, len(jobs), finish)
     base = int(src.data.ptr)
     for job in jobs:
-        _run_in_worker(_stage_out, transfer, job, base, ptr, device)
+        _run_in_worker(_run_share, transfer, _stage_out, job, base, ptr, device)
     return fut
 
 
