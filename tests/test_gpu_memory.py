@@ -24,7 +24,10 @@ from tests.kernels import spin_copy
 pytestmark = pytest.mark.gpu
 
 N = 1 << 20
-SLOW_MS = 50.0
+# Long enough that the reallocation comes well before the reader ends, even
+# when the host is slow after the rest of the suite (a full gc pass over its
+# heap took tens of ms).
+SLOW_MS = 300.0
 _streams: list[Any] = []
 
 
@@ -37,13 +40,22 @@ def stream() -> Any:
 def overwrite_on(a: Any, ptr: int) -> list[Any]:
     """Allocate on ``a`` until CuPy's pool hands out the block at ``ptr``
     (or 64 tries: the arena of a reused stream handle may hold other free
-    blocks of the size), each filled with twos at once."""
+    blocks of the size), each filled with twos at once.
+
+    The twos are written by a synchronous ``cudaMemcpy``, not by a kernel on
+    ``a``: once the suite has made many streams, ``a`` and the reader's
+    stream may share one of the device's hardware queues
+    (``CUDA_DEVICE_MAX_CONNECTIONS``), and a kernel on ``a`` would then wait
+    behind the reader's spin: the overwrite the controls need would never
+    come in time."""
     cp = _cuda.cupy()
+    twos = np.full(N, 2.0, dtype=np.float32)
+    rt = cp.cuda.runtime
     taken = []
     with a:
         for _ in range(64):
             y = cp.empty(N, dtype=cp.float32)
-            y.fill(2.0)
+            rt.memcpy(y.data.ptr, twos.ctypes.data, twos.nbytes, rt.memcpyHostToDevice)
             taken.append(y)
             if y.data.ptr == ptr:
                 break
@@ -62,15 +74,16 @@ def fresh_pool() -> Iterator[None]:
     pool.free_all_blocks()
 
 
-def race(protect: Callable[[Any, Any], None]) -> np.ndarray[Any, Any]:
+def race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], bool]:
     """What B read of an array of ones that A's next allocation overwrites
-    with twos as soon as the array is dropped; ``protect(array, B)`` runs
-    after B's read is enqueued."""
+        with twos as soon as the array is dropped; ``protect(array, B)`` runs
+        after B's read is enqueued. Also: whether A's allocations got the block
+    back before B was done."""
     with fresh_pool():
         return _race(protect)
 
 
-def _race(protect: Callable[[Any, Any], None]) -> np.ndarray[Any, Any]:
+def _race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], bool]:
     cp = _cuda.cupy()
     a, b = stream(), stream()
     with a:
@@ -84,11 +97,12 @@ def _race(protect: Callable[[Any, Any], None]) -> np.ndarray[Any, Any]:
     del x
     gc.collect()
     taken = overwrite_on(a, ptr)  # the pool's block of x comes back, unless protected
+    reused = taken[-1].data.ptr == ptr
     b.synchronize()
     a.synchronize()
     del taken
     got: np.ndarray[Any, Any] = cp.asnumpy(out)
-    return got
+    return got, reused
 
 
 def test_the_allocator_is_wrapped() -> None:
@@ -96,13 +110,15 @@ def test_the_allocator_is_wrapped() -> None:
 
 
 def test_control_without_record_stream_the_block_is_reused_under_the_reader() -> None:
-    got = race(lambda x, b: None)
-    assert (got == 2.0).any(), "the pool did not reuse the block: the test below would prove nothing"
+    got, reused = race(lambda x, b: None)
+    assert reused, "the pool did not hand the block back: the test below would prove nothing"
+    assert (got == 2.0).any(), "the block came back, but B's read was not overwritten"
 
 
 def test_record_stream_keeps_the_block_until_the_reader_is_done() -> None:
     before = cudafut.memory_statistics().frees_delayed
-    got = race(cudafut.record_stream)
+    got, reused = race(cudafut.record_stream)
+    assert not reused
     assert np.all(got == 1.0)
     assert cudafut.memory_statistics().frees_delayed == before + 1
 
@@ -119,17 +135,19 @@ def test_record_stream_of_the_allocating_stream_does_nothing() -> None:
 
 def test_control_wait_without_the_mark_is_corrupted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_memory, "record_streams_of", lambda *args, **kwargs: None)
-    assert (_wait_race() == 2.0).any(), "the control must show the corruption"
+    got, reused = _wait_race()
+    assert reused, "the pool did not hand the block back: the test below would prove nothing"
+    assert (got == 2.0).any(), "the block came back, but B's read was not overwritten"
 
 
-def _wait_race() -> np.ndarray[Any, Any]:
+def _wait_race() -> tuple[np.ndarray[Any, Any], bool]:
     """What B read of a future's value, taken with wait() (no keep=) and
     dropped at once, while A reallocates its block."""
     with fresh_pool():
         return _wait_race_in_pool()
 
 
-def _wait_race_in_pool() -> np.ndarray[Any, Any]:
+def _wait_race_in_pool() -> tuple[np.ndarray[Any, Any], bool]:
     cp = _cuda.cupy()
     a, b = stream(), stream()
     with a:
@@ -145,15 +163,18 @@ def _wait_race_in_pool() -> np.ndarray[Any, Any]:
     del v, fut
     gc.collect()
     taken = overwrite_on(a, ptr)
+    reused = taken[-1].data.ptr == ptr
     b.synchronize()
     a.synchronize()
     del taken
     got: np.ndarray[Any, Any] = cp.asnumpy(out)
-    return got
+    return got, reused
 
 
 def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> None:
-    assert np.all(_wait_race() == 1.0)
+    got, reused = _wait_race()
+    assert not reused
+    assert np.all(got == 1.0)
 
 
 def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
