@@ -11,11 +11,13 @@ records three things a user of cudafut meets:
 1. a pipeline: ``CHUNKS`` chunks, each ``submit(load).then(compute).then(store)``
    (three GPU stages of known durations), awaited together with ``gather``.
    Each chunk runs on its own pool stream, the chunks overlap;
-2. a late wake-up, then none: ``JOBS`` jobs of ``JOB_MS`` on one stream, each
-   awaited as soon as it is launched. The first is of a duration the waiter
-   has not seen: it spins 100 µs, then sleeps in growing steps and notices
-   the end up to a sleep late. From the third on it spins from just before
-   the learnt end and notices at once. The waiter's track shows both;
+2. how the waiter watches repeated work: ``JOBS`` jobs of ``JOB_MS`` on one
+   stream, each awaited as soon as it is launched. The first ones are of a
+   duration the waiter has not seen: it spins 100 µs, then sleeps in growing
+   steps and notices the end up to a sleep late. From the third on it may
+   sleep until just before the learnt end and spin there (docs/tracing.md
+   says what the committed trace shows: one such spin, a near miss). The
+   waiter's track shows each sleep and spin;
 3. a ``result()`` in a worker thread and a done callback on the loop.
 
 Every stage's result is checked, so the trace is of work that did what it

@@ -55,9 +55,9 @@ def _simulate(host: np.ndarray[Any, Any], chunk: int) -> bytes:
     """What the copy threads would put in the device buffer, piece by piece."""
     device = bytearray(host.nbytes)
     pieces = _copies._pieces(host, chunk)
-    jobs = _copies._split(pieces)
+    jobs = _copies._split(pieces, 3)
     assert [p for job in jobs for p in job] == pieces  # every piece once, in order
-    assert len(jobs) <= _copies.WORKERS
+    assert len(jobs) <= 3
     stage = np.empty(max(n for _, _, n in pieces), np.uint8)
     for piece, offset, n in pieces:
         view = _copies._view(stage, piece, n)
@@ -89,6 +89,14 @@ def test_the_pieces_rebuild_the_array_in_c_order(
 
 def test_chunks_are_page_multiples_between_the_bounds() -> None:
     for nbytes in (1, 1 << 20, 16 << 20, 1 << 30):
-        chunk = _copies._chunk_bytes(nbytes)
+        threads, chunk = _copies._plan(nbytes)
         assert chunk % 4096 == 0
         assert _copies.CHUNK_MIN <= chunk <= _copies.CHUNK_MAX
+        assert 1 <= threads <= _copies.WORKERS
+
+
+def test_a_copy_uses_one_thread_per_job_bytes() -> None:
+    # A thread's share costs a wake-up: small copies stay on few threads.
+    assert _copies._plan(4 << 20)[0] == 1
+    assert _copies._plan(16 << 20)[0] == min(2, _copies.WORKERS)
+    assert _copies._plan(1 << 30)[0] == _copies.WORKERS

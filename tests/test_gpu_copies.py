@@ -277,6 +277,10 @@ async def test_copies_on_every_loop_and_cancelling_an_awaiting_task_does_not_sto
     assert [float(v[0]) for v in values] == [float(i) for i in range(64)]
 
 
+def _other_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if not t.name.startswith("cudafut-copy")}
+
+
 def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     rng = np.random.default_rng(3)
     warm = [cudafut.to_device(np.zeros(1 << 21, np.uint8)), cudafut.to_host(_cuda.cupy().zeros(1 << 21))]
@@ -284,7 +288,7 @@ def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     del warm
     gc.collect()
     before = cudafut.memory_statistics()
-    threads = threading.active_count()
+    others = _other_threads()
     events_before = sum(_pools.statistics().events_in_use.values())
     for _ in range(20):
         futs = []
@@ -304,7 +308,9 @@ def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     assert after.pinned_in_use == before.pinned_in_use
     assert after.pinned_blocks_in_use == before.pinned_blocks_in_use
     assert after.held == 0
-    assert threading.active_count() <= max(threads, 1 + _copies.WORKERS + 1)
+    assert _other_threads() == others  # nothing started per copy
+    copy_threads = [t for t in threading.enumerate() if t.name.startswith("cudafut-copy")]
+    assert len(copy_threads) <= _copies.WORKERS
     assert sum(_pools.statistics().events_in_use.values()) <= events_before + 8
 
 

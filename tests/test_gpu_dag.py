@@ -89,11 +89,13 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(warm_kernels: None) -> Iterator[World]:
-    # Pageable copies of M floats staged by the copy threads, in two chunks
-    # (they would be copied inline otherwise); to_host is staged anyway.
+    # Pageable copies of M floats staged by several copy threads, in
+    # several chunks (they would be copied inline otherwise); to_host is
+    # staged anyway.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_copies, "INLINE_BYTES", 4096)
         patch.setattr(_copies, "CHUNK_MIN", 4096)
+        patch.setattr(_copies, "JOB_BYTES", 4096)
         yield World()
 
 
