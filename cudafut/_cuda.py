@@ -401,21 +401,6 @@ def event_query(event: int) -> int:
     return int(_rt.eventQuery(event))
 
 
-def stream_idle(stream: int, device: int) -> bool:
-    """Whether everything queued on ``stream`` so far is complete
-    (``cudaStreamQuery``: non-blocking, about a µs). False when unsure: the
-    per-thread default stream (handle 2) is another stream on each thread,
-    and an error is left for the event that follows to report."""
-    if stream == 2:
-        return False
-    status: list[int] = []
-    try:
-        _on_device_of(stream, device, lambda s, _: status.append(int(_rt.streamQuery(s))), stream, 0)
-    except Exception:  # noqa: BLE001 - CuPy raises for "not ready" in some versions
-        return False
-    return status == [0]
-
-
 def stream_wait(stream: int, event: int, device: int) -> None:
     """Make ``stream`` (on ``device``) wait for ``event``; the host does not wait."""
     _on_device_of(stream, device, _rt.streamWaitEvent, stream, event)

@@ -56,14 +56,10 @@ class _Block:
         if not readers:
             return  # back to CuPy's pool now, as without cudafut
         try:
-            # An idle stream has nothing queued that could still use the
-            # block: no event, and the block goes back now (an event on it,
-            # queried at once, would often still read "not ready").
-            records = [
-                _events.record(stream, device)
-                for stream, device in readers.items()
-                if not _cuda.stream_idle(stream, device)
-            ]
+            # No cudaStreamQuery shortcut for idle readers: a reader stream
+            # destroyed before the block is freed makes it crash (seen on
+            # the GPU), where an event record on it fails with an error.
+            records = [_events.record(stream, device) for stream, device in readers.items()]
             pending = [r for r in records if r.query() is None]
             if pending:
                 _state["frees_delayed"] += 1
@@ -135,12 +131,10 @@ def record_stream(array: Any, stream: Any) -> None:
     :meth:`CudaFuture.then` and :func:`submit` call it for the streams they
     order, so values taken from futures need no ``keep=``.
 
-    Cost: a few hundred ns now (nothing on the GPU); at the free, a
-    ``cudaStreamQuery`` per recorded stream (about a µs): an idle stream
-    lets the block go back to the pool at once; a busy one costs an event
-    record and a query more (about 3 µs), and the block stays out of the
-    pool until the stream passes that point (the watcher thread watches
-    it). Recording the stream the array was allocated on does
+    Cost: a few hundred ns now (nothing on the GPU); at the free, one event
+    record per recorded stream and a query (about 3 µs), and the block stays
+    out of the pool until the stream passes that point (the watcher thread
+    watches it). Recording the stream the array was allocated on does
     nothing. Memory from cudafut's wrapper around CuPy's allocator costs
     about a µs more per allocation than CuPy's pool alone (docs/memory.md).
 

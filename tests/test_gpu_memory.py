@@ -123,23 +123,6 @@ def test_record_stream_keeps_the_block_until_the_reader_is_done() -> None:
     assert cudafut.memory_statistics().frees_delayed == before + 1
 
 
-def test_record_stream_of_an_idle_stream_frees_at_once() -> None:
-    # Nothing queued on the reader can still use the block: no event, no hold.
-    cp = _cuda.cupy()
-    a, b = stream(), stream()
-    with a:
-        x = cp.ones(1 << 18, dtype=cp.float32)
-        a.synchronize()
-    ptr = x.data.ptr
-    cudafut.record_stream(x, b)
-    before = cudafut.memory_statistics().frees_delayed
-    del x
-    assert cudafut.memory_statistics().frees_delayed == before
-    with a:
-        y = cp.empty(1 << 18, dtype=cp.float32)
-    assert y.data.ptr == ptr
-
-
 def test_record_stream_of_the_allocating_stream_does_nothing() -> None:
     cp = _cuda.cupy()
     a = stream()
