@@ -859,13 +859,14 @@ class CudaFuture(Generic[T]):
                 _waiter.thread_waiter().hold(pending, (self._value, self._keep))
 
 
-def _record_consumers(value: object, streams: Mapping[int, int], *, untracked: bool) -> None:
+def _record_consumers(value: object, streams: Mapping[int, Any], *, untracked: bool) -> None:
     """Mark the GPU arrays of ``value`` used by ``streams`` (``{device:
-    stream handle}``), so that their memory outlives the work queued there
+    CuPy stream}``), so that their memory outlives the work queued there
     (:func:`cudafut.record_stream`)."""
     arrays = gpu_arrays(value)
     if arrays:
-        _memory.record_streams_of(arrays, [(s, d) for d, s in streams.items()], untracked=untracked)
+        triples = [(int(s.ptr), d, s) for d, s in streams.items()]
+        _memory.record_streams_of(arrays, triples, untracked=untracked)
 
 
 def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *, untracked: bool) -> None:
@@ -875,8 +876,8 @@ def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *
     arrays = gpu_arrays(value)
     if arrays:
         devices = dict.fromkeys(r.device for r in records)
-        streams = [(int(_cuda.current_stream(d).ptr), d) for d in devices]
-        _memory.record_streams_of(arrays, streams, untracked=untracked)
+        currents = [(d, _cuda.current_stream(d)) for d in devices]
+        _memory.record_streams_of(arrays, [(int(s.ptr), d, s) for d, s in currents], untracked=untracked)
 
 
 _WAITING: Final = 0
@@ -931,7 +932,7 @@ def _run_then(
         streams = _then_streams(parent, priority)
         # The child keeps the value until its own events complete; fn may also
         # queue work on these streams that outlives them.
-        _record_consumers(parent._value, {d: int(s.ptr) for d, s in streams.items()}, untracked=False)
+        _record_consumers(parent._value, streams, untracked=False)
         _settle(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
         child._try_fail(exc)
@@ -1097,7 +1098,7 @@ def submit(
     torch = _torch.loaded()
     if torch is not None:  # and for what it enqueued with torch
         _torch.follow_current(torch, dev, int(stream.ptr))
-    _record_consumers((args, kwargs), {dev: int(stream.ptr)}, untracked=False)
+    _record_consumers((args, kwargs), {dev: stream}, untracked=False)
     fut: CudaFuture[Any] = CudaFuture()
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut

@@ -48,22 +48,30 @@ class _Block:
         self.memory = memory
         self.device = device
         self.stream = stream
-        #: Other streams that used the block: ``{stream handle: device}``.
-        self.readers: dict[int, int] | None = None
+        #: Other streams that used the block: ``{stream handle: (device,
+        #: stream object)}``. The object is kept so that the stream outlives
+        #: the block: recording an event on a destroyed stream's handle at
+        #: the free crashes the process (seen on the GPU).
+        self.readers: dict[int, tuple[int, object]] | None = None
+
+    def add_reader(self, stream: int, device: int, owner: object) -> None:
+        if stream == self.stream:
+            return  # the allocating stream: CuPy's pool orders it already
+        if self.readers is None:
+            self.readers = {stream: (device, owner)}
+        else:
+            self.readers[stream] = (device, owner)
 
     def __del__(self) -> None:
         readers = self.readers
         if not readers:
             return  # back to CuPy's pool now, as without cudafut
         try:
-            # No cudaStreamQuery shortcut for idle readers: a reader stream
-            # destroyed before the block is freed makes it crash (seen on
-            # the GPU), where an event record on it fails with an error.
-            records = [_events.record(stream, device) for stream, device in readers.items()]
+            records = [_events.record(stream, device) for stream, (device, _) in readers.items()]
             pending = [r for r in records if r.query() is None]
             if pending:
                 _state["frees_delayed"] += 1
-                _waiter.thread_waiter().hold(pending, self.memory)
+                _waiter.thread_waiter().hold(pending, (self.memory, readers))
         except Exception:  # noqa: BLE001 - a finalizer must not raise (a dead device, shutdown)
             pass
 
@@ -147,7 +155,8 @@ def record_stream(array: Any, stream: Any) -> None:
     work you queue after this call is not covered: call it after enqueuing.
 
     ``stream``: a CuPy or PyTorch stream, or any object with
-    ``__cuda_stream__``.
+    ``__cuda_stream__``; it is kept alive until the array's memory is freed
+    (a stream destroyed before could not be recorded on).
 
     Raises:
         TypeError: ``array`` has no ``__cuda_array_interface__``, or
@@ -159,18 +168,13 @@ def record_stream(array: Any, stream: Any) -> None:
             f"__cuda_array_interface__ object), not {type(array).__name__}"
         )
     ptr, device = _cuda.stream_handle(stream)
-    _record(array, ptr, device)
+    _record(array, ptr, device, stream)
 
 
-def _record(array: Any, stream: int, device: int) -> None:
+def _record(array: Any, stream: int, device: int, owner: object) -> None:
     block = _block_of(array)
     if block is not None:
-        if stream != block.stream:
-            readers = block.readers
-            if readers is None:
-                block.readers = {stream: device}
-            else:
-                readers[stream] = device
+        block.add_reader(stream, device, owner)
         return
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(array, torch.Tensor):
@@ -184,25 +188,25 @@ def _record(array: Any, stream: int, device: int) -> None:
         _waiter.thread_waiter().hold([rec], array)
 
 
-def record_streams_of(arrays: Iterable[Any], streams: Iterable[tuple[int, int]], *, untracked: bool) -> None:
+def record_streams_of(
+    arrays: Iterable[Any], streams: Iterable[tuple[int, int, object]], *, untracked: bool
+) -> None:
     """:func:`record_stream` of each of ``arrays`` for each ``(stream handle,
-    device)`` on that array's device (no argument checks: for cudafut's own
-    consumers, which know their streams). ``untracked``: also keep alive
-    arrays the wrapper did not allocate (see :func:`record_stream`); off
-    where the consumer stream is a guess (``await``, ``result()``)."""
-    pairs = tuple(streams)
+    device, stream object)`` on that array's device (no argument checks: for
+    cudafut's own consumers, which know their streams; the object is kept
+    alive with the block). ``untracked``: also keep alive arrays the wrapper
+    did not allocate (see :func:`record_stream`); off where the consumer
+    stream is a guess (``await``, ``result()``)."""
+    triples = tuple(streams)
     for array in arrays:
         block = _block_of(array)
         if block is not None:
-            for stream, device in pairs:
-                if block.device == device and stream != block.stream:
-                    if block.readers is None:
-                        block.readers = {stream: device}
-                    else:
-                        block.readers[stream] = device
+            for stream, device, owner in triples:
+                if block.device == device:
+                    block.add_reader(stream, device, owner)
         elif untracked:
-            for stream, device in pairs:
-                _record(array, stream, device)
+            for stream, device, owner in triples:
+                _record(array, stream, device, owner)
 
 
 @dataclasses.dataclass(frozen=True)
