@@ -5,13 +5,13 @@ CuPy-free helpers are in ``common.py`` (re-exported here for convenience)."""
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 from typing import Any
 
 import cupy as cp
 
 from cudafut._kernels import GSLEEP
+from cudafut._selfcheck import nvidia_driver_version
 
 from .common import CpuMeter, quantiles, timed
 
@@ -89,33 +89,10 @@ class HostFunc:
 def environment() -> dict[str, Any]:
     props = cp.cuda.runtime.getDeviceProperties(0)
     driver = cp.cuda.runtime.driverGetVersion()
-    try:
-        pynvml = importlib.import_module("pynvml")  # optional
-
-        pynvml.nvmlInit()
-        driver_str = pynvml.nvmlSystemGetDriverVersion()
-    except Exception:  # noqa: BLE001 - optional
-        driver_str = None
     return {
         "gpu": props["name"].decode(),
         "cuda_driver_api": driver,
-        "nvidia_driver": driver_str or _nvidia_smi_driver(),
+        "nvidia_driver": nvidia_driver_version(),  # shared with `python -m cudafut`
         "cupy": cp.__version__,
         "cpu_count": os.cpu_count(),
     }
-
-
-def _nvidia_smi_driver() -> str | None:
-    try:
-        import subprocess
-
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return out.stdout.strip().splitlines()[0] or None
-    except Exception:  # noqa: BLE001 - optional
-        return None

@@ -117,6 +117,42 @@ KNOWN = [
         lambda out: out == "['#1 submit(arange)', '#2 then(<lambda>)']",
         "['#1 submit(arange)', '#2 then(<lambda>)']",
     ),
+    Known(
+        "index-await",
+        "docs/index.md",
+        "total = fut.then(lambda y: y.sum())  # chained on the GPU, the host does not wait",
+        # sum(sqrt(x * x + 1) for x in range(2**20)) = 549755289607.9 (float32 rounds)
+        lambda out: math.isclose(float(out), 549_755_289_608, rel_tol=1e-3),
+        "about 5.497553e11",
+    ),
+    Known(
+        "choose-service",
+        "docs/choose.md",
+        "n, m = await cudafut.gather(norms, means)  # both done on the GPU",
+        lambda out: out == "[0.0, 257.0, 1026.0]",
+        "[0.0, 257.0, 1026.0]",
+    ),
+    Known(
+        "choose-pipeline",
+        "docs/choose.md",
+        ".then(lambda a: a * 2)  # on a pool stream that waits for the copy",
+        lambda out: out == "[0.0, 131072.0, 262144.0, 393216.0]",
+        "[0.0, 131072.0, 262144.0, 393216.0]",
+    ),
+    Known(
+        "choose-wait",
+        "docs/choose.md",
+        "y = fut.wait() * 10  # the consumer stream waits on the GPU, the host does not",
+        lambda out: out == "[ 0. 10. 20. 30.]",
+        "[ 0. 10. 20. 30.]",
+    ),
+    Known(
+        "choose-result",
+        "docs/choose.md",
+        "futs = [cudafut.submit(lambda n: cp.full(1000, n, dtype=cp.int64).sum(), n) for n in (1, 2, 3)]",
+        lambda out: out == "[1000, 2000, 3000]",
+        "[1000, 2000, 3000]",
+    ),
 ]
 
 
@@ -162,6 +198,24 @@ def test_every_example_is_collected() -> None:
     ids = [param.id for param in examples()]
     assert {known.name for known in KNOWN} <= set(ids)
     assert len(ids) == len(set(ids)), ids
+
+
+def test_every_example_compiles() -> None:
+    # Without a GPU the examples do not run; they must still be Python.
+    for path in documented_files():
+        for i, code in enumerate(fences(path)):
+            compile(code, f"{path.name}, example {i}", "exec")
+
+
+def test_the_api_reference_has_every_public_name() -> None:
+    import cudafut.distributed
+
+    documented = set(re.findall(r"^::: (\S+)", (ROOT / "docs" / "api.md").read_text(), re.M))
+    names = {f"cudafut.{name}" for name in cudafut.__all__}
+    assert names <= documented, f"docs/api.md lacks {sorted(names - documented)}"
+    # cudafut.distributed is documented whole, with its members.
+    assert "cudafut.distributed" in documented
+    assert cudafut.distributed.__all__, "cudafut.distributed should export its API"
 
 
 @pytest.mark.gpu
