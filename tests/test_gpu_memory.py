@@ -95,13 +95,20 @@ def _race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], bo
     protect(x, b)
     ptr = x.data.ptr
     del x
+    return _reallocate_and_read(a, b, ptr, out)
+
+
+def _reallocate_and_read(a: Any, b: Any, ptr: int, out: Any) -> tuple[np.ndarray[Any, Any], bool]:
+    """After the last reference to the block at ``ptr`` is dropped: overwrite
+    what the pool hands back on ``a`` (the block itself, unless protected),
+    then B's result, and whether the block came back."""
     gc.collect()
-    taken = overwrite_on(a, ptr)  # the pool's block of x comes back, unless protected
+    taken = overwrite_on(a, ptr)
     reused = taken[-1].data.ptr == ptr
     b.synchronize()
     a.synchronize()
     del taken
-    got: np.ndarray[Any, Any] = cp.asnumpy(out)
+    got: np.ndarray[Any, Any] = _cuda.cupy().asnumpy(out)
     return got, reused
 
 
@@ -161,14 +168,7 @@ def _wait_race_in_pool() -> tuple[np.ndarray[Any, Any], bool]:
         spin_copy(v, out, SLOW_MS)
     ptr = v.data.ptr
     del v, fut
-    gc.collect()
-    taken = overwrite_on(a, ptr)
-    reused = taken[-1].data.ptr == ptr
-    b.synchronize()
-    a.synchronize()
-    del taken
-    got: np.ndarray[Any, Any] = cp.asnumpy(out)
-    return got, reused
+    return _reallocate_and_read(a, b, ptr, out)
 
 
 def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> None:
