@@ -39,31 +39,45 @@ _installed_over: Any = None  # the allocator we wrap, once installed
 _state = {"frees_delayed": 0, "untracked_holds": 0}
 
 
+# The reader streams of each live block that has any: ``{id(block): {stream
+# handle: (device, stream object)}}``. Kept here, reachable from this module,
+# and not on the block: a garbage collection that finds a block and its
+# reader stream in one unreachable cycle (a traceback's frame holding both,
+# say) runs the finalizers of the whole cycle in no set order, and CuPy's
+# ``Stream.__del__`` could destroy the stream before the block's ``__del__``
+# records an event on it: that crashed the process (the segfault seen during
+# a collection in the GPU suite). An object reachable from a module is never
+# part of such a cycle, so the stream outlives the block's finalizer.
+_readers: dict[int, dict[int, tuple[int, object]]] = {}
+
+
 class _Block:
     """Owns one allocation of the wrapped allocator (its ``MemoryPointer``)."""
 
-    __slots__ = ("device", "memory", "readers", "stream")
+    __slots__ = ("device", "memory", "stream")
 
     def __init__(self, memory: Any, device: int, stream: int) -> None:
         self.memory = memory
         self.device = device
         self.stream = stream
-        #: Other streams that used the block: ``{stream handle: (device,
-        #: stream object)}``. The object is kept so that the stream outlives
-        #: the block: recording an event on a destroyed stream's handle at
-        #: the free crashes the process (seen on the GPU).
-        self.readers: dict[int, tuple[int, object]] | None = None
 
     def add_reader(self, stream: int, device: int, owner: object) -> None:
+        """Record ``stream`` (of ``device``; ``owner`` its object, kept alive
+        until the free) as a user of the block; a dictionary update."""
         if stream == self.stream:
             return  # the allocating stream: CuPy's pool orders it already
-        if self.readers is None:
-            self.readers = {stream: (device, owner)}
-        else:
-            self.readers[stream] = (device, owner)
+        readers = _readers.get(id(self))
+        if readers is None:  # setdefault: two threads may add the first reader at once
+            readers = _readers.setdefault(id(self), {})
+        readers[stream] = (device, owner)
+
+    @property
+    def readers(self) -> dict[int, tuple[int, object]] | None:
+        """The streams recorded so far: ``{handle: (device, stream object)}``."""
+        return _readers.get(id(self))
 
     def __del__(self) -> None:
-        readers = self.readers
+        readers = _readers.pop(id(self), None)
         if not readers:
             return  # back to CuPy's pool now, as without cudafut
         try:

@@ -222,3 +222,53 @@ def test_record_stream_argument_errors() -> None:
         cudafut.record_stream(np.zeros(3), stream())
     with pytest.raises(TypeError, match="stream"):
         cudafut.record_stream(_cuda.cupy().zeros(3), "B")
+
+
+# A block and its reader stream garbage in one cycle: the collector runs the
+# finalizers of the whole cycle in an order of its own, so CuPy's
+# Stream.__del__ may destroy the stream before the block's free records on
+# it (a segfault in the suite, or an error the finalizer swallows, and the
+# block back in the pool under a running reader). Both creation orders, in a
+# fresh interpreter that the crash would kill.
+_CYCLE = """
+import gc, sys
+import cupy as cp
+import cudafut
+from tests.kernels import spin_fill
+
+cudafut.record(cp.zeros(1)).result()  # cudafut's first use of CUDA wraps the allocator
+gc.disable()
+for stream_first in (True, False):
+    before = cudafut.memory_statistics().frees_delayed
+
+    class Cycle:
+        pass
+
+    c = Cycle()
+    c.me = c
+    if stream_first:
+        c.stream = cp.cuda.Stream(non_blocking=True)
+    x = cp.zeros(1 << 20, dtype=cp.float32)
+    if not stream_first:
+        c.stream = cp.cuda.Stream(non_blocking=True)
+    with c.stream:
+        spin_fill(x, 1.0, 200.0)
+    cudafut.record_stream(x, c.stream)
+    c.x = x
+    del x, c
+    gc.collect()
+    delayed = cudafut.memory_statistics().frees_delayed - before
+    print(f"stream_first={stream_first} delayed={delayed}", flush=True)
+    assert delayed == 1, "the free did not wait for the reader stream"
+cp.cuda.Device().synchronize()
+print("ok")
+"""
+
+
+def test_a_block_freed_in_a_garbage_cycle_with_its_reader_stream() -> None:
+    from tests.subproc import run_python
+
+    done = run_python(_CYCLE)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    )
