@@ -22,7 +22,18 @@ from cudafut import WaitPolicy, set_wait_policy
 
 #: The sections, in the order in which they run and appear in the report: one
 #: module each, ``benchmarks/<name>.py``, with the interface of ``Section``.
-SECTIONS = ("wake", "sweep", "vary", "many", "host", "copies", "pipeline", "tracing", "collectives")
+SECTIONS = (
+    "wake",
+    "sweep",
+    "vary",
+    "many",
+    "host",
+    "copies",
+    "pipeline",
+    "tracing",
+    "tracking",
+    "collectives",
+)
 
 #: JSON keys older results used for a section, newest last: report.py reads
 #: committed JSON written before a section had its own module.

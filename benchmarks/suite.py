@@ -22,6 +22,12 @@ Sections (numbers as in the performance issue and docs/performance.md):
 6.   ``pipeline``: copy in / compute / copy out over N chunks: cudafut
      (``to_device().then().to_host()``), serial and hand-written
      multi-stream CuPy with events; pinned and pageable host chunks.
+     ``tracking``: one ``cudafut.Tracked`` ``read()`` / ``write()`` block
+     (host µs: nothing to wait for, one wait, tracking off) against raw CuPy
+     events; tasks on their own streams sharing arrays (Tracked +
+     ``@own_stream``, hand-written events, a CUDA.jl-style host wait, one
+     stream; checked against a NumPy replay); ``@own_stream`` per task step
+     (issue 11).
 7.   peers appear inside the sections: asyncio ``sleep(0)`` polling,
      ``run_in_executor(event.synchronize)``, a native host function closing a
      pipe, numba-cuda ``async_done()``, ``torch.futures``.

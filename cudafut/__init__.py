@@ -43,8 +43,15 @@ from ._pinned import set_pinned_limit as set_pinned_limit
 from ._policy import WaitPolicy as WaitPolicy
 from ._policy import get_wait_policy as get_wait_policy
 from ._policy import set_wait_policy as set_wait_policy
+from ._tasks import own_stream as own_stream
+from ._tasks import task_stream as task_stream
+from ._tasks import use_stream as use_stream
+from ._tasks import use_task_streams as use_task_streams
 from ._trace import Trace as Trace
 from ._trace import trace as trace
+from ._tracked import Tracked as Tracked
+from ._tracked import TrackingStatistics as TrackingStatistics
+from ._tracked import set_tracking as set_tracking
 
 __version__ = "0.1.0.dev0"
 
@@ -57,6 +64,8 @@ __all__ = [
     "MemoryStatistics",
     "TimeoutError",
     "Trace",
+    "Tracked",
+    "TrackingStatistics",
     "WaitPolicy",
     "__version__",
     "as_completed",
@@ -66,14 +75,19 @@ __all__ = [
     "gather",
     "get_wait_policy",
     "memory_statistics",
+    "own_stream",
     "record",
     "record_stream",
     "set_pinned_limit",
+    "set_tracking",
     "set_wait_policy",
     "submit",
+    "task_stream",
     "to_device",
     "to_host",
     "trace",
+    "use_stream",
+    "use_task_streams",
     "wait_all",
     "wrap_future",
 ]

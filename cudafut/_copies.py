@@ -41,7 +41,7 @@ from ._events import EventRecord
 from ._future import CudaFuture, complete_future, set_future
 from ._values import find_devices
 
-__all__ = ["to_device", "to_host"]
+__all__ = ["to_device", "to_host", "to_host_after"]
 
 #: Pageable copies up to this size are staged on the calling thread.
 INLINE_BYTES: Final = 256 << 10
@@ -160,29 +160,6 @@ def _is_pinned(array: np.ndarray[Any, Any]) -> bool:
         return int(_cuda.runtime().pointerGetAttributes(ptr).type) == _HOST_PINNED
     except Exception:  # noqa: BLE001 - unknown to CUDA: pageable
         return False
-
-
-def _cupy_stream(stream: object, ptr: int, device: int) -> Any:
-    """A CuPy stream object for ``stream`` (whose handle is ``ptr``), to make
-    it current."""
-    cp = _cuda.cupy()
-    if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
-        return stream
-    # CuPy 14 deprecates ExternalStream(ptr) for the stream protocol; the
-    # wrapper takes the current device, which the callers set.
-    return cp.cuda.Stream.from_external(_Handle(ptr))
-
-
-class _Handle:
-    """A bare stream handle, under the ``__cuda_stream__`` protocol."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
 
 
 # -- chunks -----------------------------------------------------------------------
@@ -376,7 +353,7 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
         ptr = int(copy_stream.ptr)
     else:
         ptr, dev = _stream_of(stream, dev if device is not None else None)
-        copy_stream = _cupy_stream(stream, ptr, dev)
+        copy_stream = _cuda.cupy_stream(stream, ptr, dev)
     nbytes = array.nbytes
     pinned = _is_pinned(array)
     if pinned or nbytes <= INLINE_BYTES:
@@ -475,22 +452,53 @@ def to_host(array_or_future: Any, /, *, out: Any = None, stream: Any = None) -> 
     return _to_host_on(array_or_future, out, stream, follow=False)
 
 
-def _to_host_on(array: Any, out: Any, stream: Any, *, follow: bool) -> CudaFuture[Any]:
+def to_host_after(
+    array: Any, order: Callable[[int], None], *, out: Any = None
+) -> tuple[CudaFuture[Any], EventRecord]:
+    """:func:`to_host` of a GPU array on a copy stream that waits for what
+    ``order`` says only, not for the caller's current stream (for
+    :class:`cudafut.Tracked`: its last writer).
+
+    ``order(stream handle)`` is called once the arguments are checked and
+    before anything is enqueued, to make the copy stream wait. Also returns
+    an event recorded on the copy stream once the copy has read ``array``:
+    a pageable destination is staged later by the copy threads, so they copy
+    a snapshot of ``array`` taken on the copy stream before that event."""
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array, not {type(out).__name__}")
+    _cuda.check_usable()
+    read: list[EventRecord] = []
+    fut = _to_host_on(array, out, None, follow=False, after=order, read=read)
+    return fut, read[0]
+
+
+def _to_host_on(
+    array: Any,
+    out: Any,
+    stream: Any,
+    *,
+    follow: bool,
+    after: Callable[[int], None] | None = None,
+    read: list[EventRecord] | None = None,
+) -> CudaFuture[Any]:
     """The copy, from the caller's current stream (``follow``: it already
-    waits for the producer, as in a then() callback) or a copy stream."""
+    waits for the producer, as in a then() callback) or a copy stream.
+    ``after``, ``read``: see :func:`to_host_after`."""
     device, shape, dtype = _device_array_info(array)
     if out is not None:
         out = _check_out(out, shape, dtype)
     current = _cuda.current_stream(device)
     if stream is not None:
         ptr, _ = _stream_of(stream, device)
-        copy_stream = _cupy_stream(stream, ptr, device)
+        copy_stream = _cuda.cupy_stream(stream, ptr, device)
     elif follow:
         copy_stream, ptr = current, int(current.ptr)
     else:
         copy_stream = _pools.copy_streams.get(device, 0)
         ptr = int(copy_stream.ptr)
-    if ptr != int(current.ptr):
+    if after is not None:
+        after(ptr)
+    elif ptr != int(current.ptr):
         _events.record(int(current.ptr), device).wait_on(ptr, device)
     cp = _cuda.cupy()
     with _cuda.on_device(device), copy_stream:
@@ -501,13 +509,24 @@ def _to_host_on(array: Any, out: Any, stream: Any, *, follow: bool) -> CudaFutur
         made = _pinned.host_array(shape, dtype)
         if made is not None:
             result, buffer = made
-            return _copy_to_pinned(src, result, buffer, nbytes, device, ptr, keep)
+            return _copy_to_pinned(src, result, buffer, nbytes, device, ptr, keep, read)
         out = np.empty(shape, dtype)
     if _is_pinned(out):
-        return _copy_to_pinned(src, out, None, nbytes, device, ptr, keep)
+        return _copy_to_pinned(src, out, None, nbytes, device, ptr, keep, read)
     if nbytes == 0:
         with _cuda.on_device(device):
-            return set_future(out, (_events.record(ptr, device),), keep)
+            rec = _events.record(ptr, device)
+            if read is not None:
+                read.append(rec)
+            return set_future(out, (rec,), keep)
+    if read is not None:
+        # The copy threads read src later, after an event recorded now has
+        # fired and a writer may have changed the array: they copy a snapshot.
+        with _cuda.on_device(device), copy_stream:
+            if src.data.ptr == cp.asarray(array).data.ptr:
+                src = src.copy()
+            read.append(_events.record(ptr, device))
+        keep = (array, src)
     fut: CudaFuture[Any] = CudaFuture()
     threads, chunk = _plan(nbytes)
     jobs = _split(_pieces(out, chunk), threads)
@@ -531,11 +550,14 @@ def _copy_to_pinned(
     device: int,
     ptr: int,
     keep: object,
+    read: list[EventRecord] | None = None,
 ) -> CudaFuture[Any]:
     with _cuda.on_device(device):
         if nbytes:
             _cuda.runtime().memcpyAsync(out.ctypes.data, int(src.data.ptr), nbytes, _D2H, ptr)
         rec = _events.record(ptr, device)
+    if read is not None:
+        read.append(rec)  # the DMA has read src once rec fires
     if buffer is not None:
         buffer.guard = (rec,)
     return set_future(out, (rec,), keep)

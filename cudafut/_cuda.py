@@ -337,6 +337,32 @@ def new_stream(device: int, priority: int) -> Any:
         return _cupy.cuda.Stream(non_blocking=True, priority=priority)
 
 
+def cupy_stream(stream: object, ptr: int, device: int) -> Any:
+    """A CuPy stream object for ``stream`` (whose handle is ``ptr``, on
+    ``device``), to make it CuPy's current stream: ``stream`` itself if it
+    is one, else a non-owning CuPy wrapper (the caller keeps ``stream``
+    alive)."""
+    cp = cupy()
+    if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+        return stream
+    # CuPy 14 deprecates ExternalStream(ptr) for the stream protocol;
+    # from_external takes the current device.
+    with on_device(device):
+        return cp.cuda.Stream.from_external(_Handle(ptr))
+
+
+class _Handle:
+    """A bare stream handle, under the ``__cuda_stream__`` protocol."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 def call_on_streams(
     streams: Mapping[int, Any], primary: int, fn: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:

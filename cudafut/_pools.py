@@ -30,6 +30,8 @@ PRIORITIES: Final = {"normal": 0, "high": -1024}
 
 STREAMS_PER_POOL: Final = 32
 COPY_STREAMS_PER_POOL: Final = 8
+#: Task streams (:func:`cudafut.task_stream`) per device before tasks share.
+TASK_STREAMS_PER_DEVICE: Final = 64
 
 # Free events kept per device; beyond this they are destroyed.
 _MAX_FREE_EVENTS: Final = 4096
@@ -57,12 +59,15 @@ class PoolStatistics:
             (created, neither free nor destroyed).
         streams: per ``(device, priority)``, pool streams created (at most
             32 each); ``priority`` is ``"normal"`` or ``"high"``.
+        task_streams: per device, ``(streams created, leases)``: the task
+            streams made so far (at most 64), and how many tasks hold one now.
     """
 
     events_created: int
     events_free: Mapping[int, int]
     events_in_use: Mapping[int, int]
     streams: Mapping[tuple[int, str], int]
+    task_streams: Mapping[int, tuple[int, int]]
 
 
 class EventPool:
@@ -162,12 +167,64 @@ class StreamPool:
             }
 
 
+class TaskStreamPool:
+    """Streams lent to tasks, per device: a free one if any, else a new one
+    up to ``cap``, else the one lent to the fewest tasks (those tasks then
+    share it: their work is ordered one after the other, never wrong).
+
+    Stream creation (a CUDA call, about 10 µs) happens outside the lock.
+    """
+
+    def __init__(self, cap: int = TASK_STREAMS_PER_DEVICE) -> None:
+        self._cap = cap
+        self._lock = threading.Lock()
+        self._streams: dict[int, list[Any]] = {}
+        self._free: dict[int, list[Any]] = {}
+        self._leases: dict[int, int] = {}  # by stream handle
+
+    def acquire(self, device: int) -> Any:
+        with self._lock:
+            streams = self._streams.setdefault(device, [])
+            free = self._free.setdefault(device, [])
+            if free:
+                stream = free.pop()
+                self._leases[int(stream.ptr)] = 1
+                return stream
+            if len(streams) >= self._cap:
+                stream = min(streams, key=lambda s: self._leases[int(s.ptr)])
+                self._leases[int(stream.ptr)] += 1
+                return stream
+        stream = _cuda.new_stream(device, 0)
+        with self._lock:
+            self._streams[device].append(stream)
+            self._leases[int(stream.ptr)] = 1
+        return stream
+
+    def release(self, device: int, stream: Any) -> None:
+        with self._lock:
+            handle = int(stream.ptr)
+            left = self._leases[handle] - 1
+            self._leases[handle] = left
+            if left == 0:
+                self._free[device].append(stream)
+
+    def counts(self) -> dict[int, tuple[int, int]]:
+        """Per device: (streams created, leases now)."""
+        with self._lock:
+            return {
+                device: (len(streams), sum(self._leases[int(s.ptr)] for s in streams))
+                for device, streams in self._streams.items()
+            }
+
+
 events: Final = EventPool()
 streams: Final = StreamPool()
 #: Streams of cudafut's copies (to_device, to_host) that name no stream: apart
 #: from the compute pool, so a copy never queues behind an unrelated kernel
 #: that round-robin put on the same stream.
 copy_streams: Final = StreamPool(COPY_STREAMS_PER_POOL)
+#: The streams of tasks (cudafut.task_stream(), @own_stream).
+task_streams: Final = TaskStreamPool()
 
 
 def statistics() -> PoolStatistics:
@@ -182,4 +239,5 @@ def statistics() -> PoolStatistics:
         events_free=free,
         events_in_use=in_use,
         streams=streams.counts(),
+        task_streams=task_streams.counts(),
     )

@@ -12,18 +12,25 @@ from __future__ import annotations
 from typing import Any
 
 import cudafut
-from cudafut import _cuda, _events, _future, _pools, _values, _waiter
+from cudafut import _cuda, _events, _future, _pools, _tasks, _tracked, _values, _waiter
 from cudafut._future import _SET, CudaFuture
 
 _idle: dict[int, Any] = {}
+_real_event_record = _events.record  # before any mutation replaces it
 
 
-def _idle_record(device: int) -> _events.EventRecord:
-    """An event recorded on a stream with no work: ordered after nothing."""
+def _idle_stream(device: int) -> int:
     stream = _idle.get(device)
     if stream is None:
         stream = _idle[device] = _cuda.new_stream(device, 0)
-    return _events.record(int(stream.ptr), device)
+    return int(stream.ptr)
+
+
+def _idle_record(device: int) -> _events.EventRecord:
+    """An event recorded on a stream with no work: ordered after nothing.
+    (The real ``_events.record``: a mutation may have replaced it with a
+    call to this function.)"""
+    return _real_event_record(_idle_stream(device), device)
 
 
 def _no_stream_wait(stream: int, event: int, device: int) -> None:
@@ -87,6 +94,32 @@ def _settle_without_keep(fut, fn, args, kwargs, streams, keep):
     _settle(fut, fn, args, kwargs, streams, None)
 
 
+def _tracked_no_wait(rec: _events.EventRecord, stream: int, device: int) -> int:
+    return _tracked._SAME_STREAM
+
+
+def _tracked_exit_recorded_early(leave: Any) -> Any:
+    def mutated(self: Any, *exc: Any) -> None:
+        real = _events.record
+        _events.record = lambda stream, device, confirm=None: _idle_record(device)
+        try:
+            leave(self, *exc)
+        finally:
+            _events.record = real
+
+    return mutated
+
+
+def _patch_tracked_record() -> None:
+    _tracked._Read.__exit__ = _tracked_exit_recorded_early(_tracked._Read.__exit__)  # type: ignore[method-assign]
+    _tracked._Write.__exit__ = _tracked_exit_recorded_early(_tracked._Write.__exit__)  # type: ignore[method-assign]
+
+
+def _patch_tracked_free() -> None:
+    _tracked._register = lambda tracked, stream, handle: None
+    _tracked.Tracked.__del__ = lambda self: None  # type: ignore[method-assign]
+
+
 def _patch_record(replacement: Any) -> None:
     _future.record = replacement
     cudafut.record = replacement
@@ -120,6 +153,16 @@ MUTATIONS = {
     "record_keep": lambda: _patch_record(_record_without_keep),
     # a dropped pending future's value is no longer held until its events complete
     "hold": lambda: setattr(_waiter.ThreadWaiter, "hold", lambda self, records, obj: None),
+    # own_stream: a finished task's work is no longer joined to its awaiter or parent
+    "task_join": lambda: setattr(_tasks, "_finish", lambda state, root: None),
+    # own_stream: the task's steps no longer run with its stream current
+    "task_switch": lambda: setattr(_tasks, "_switch", lambda streams: _tasks._NOTHING),
+    # Tracked: no block (nor to_host) waits for another stream's writer or readers
+    "tracked_wait": lambda: setattr(_tracked, "_wait_for", _tracked_no_wait),
+    # Tracked: a block's reader/writer event no longer follows the block's work
+    "tracked_record": _patch_tracked_record,
+    # Tracked: the streams that used the array are not recorded for its free
+    "tracked_free": _patch_tracked_free,
 }
 
 
