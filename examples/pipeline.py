@@ -11,9 +11,10 @@ The cudafut version enqueues every chunk at once and awaits them together::
     ...
     await cudafut.gather(*outs)
 
-Copies run on cudafut's copy streams, compute on its pool streams, each
-waiting only for what it needs, so chunk i + 1 is copied in while chunk i is
-computed and chunk i - 1 copied out. The host chunks are pinned
+Copies in run on cudafut's copy streams; each chunk's compute, and its copy
+out after it, on a pool stream (the pool hands them out in turn), each
+waiting only for what it needs, so chunk i + 1 is copied in while chunk i
+is computed and chunk i - 1 copied out. The host chunks are pinned
 (``cudafut.empty_pinned``), so every copy is one ``cudaMemcpyAsync``.
 
 It prints chunks/s of both and the speed-up, and checks that both computed

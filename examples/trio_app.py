@@ -33,6 +33,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "service"))
 
+from batcher import check_options
 from model import DIM, Model, matches
 
 import cudafut
@@ -56,6 +57,8 @@ class TrioBatcher(Generic[In, Out]):
 
     Start ``serve`` in a nursery (``await nursery.start(batcher.serve)``);
     ``await batcher.close()`` ends it once the running batches are done.
+    The options are the asyncio ``Batcher``'s (service/batcher.py), checked
+    the same way: ``TypeError`` or ``ValueError`` for a bad one.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class TrioBatcher(Generic[In, Out]):
         max_delay_s: float = 0.002,
         max_in_flight: int = 2,
     ) -> None:
+        check_options(run_batch, max_batch, max_delay_s, max_in_flight)
         self.run_batch = run_batch
         self.max_batch, self.max_delay_s = max_batch, max_delay_s
         self.batch_sizes: list[int] = []
@@ -76,7 +80,10 @@ class TrioBatcher(Generic[In, Out]):
 
     async def submit(self, value: In) -> Out:
         request: _Request[In, Out] = _Request(value, trio.current_time())
-        self._send.send_nowait(request)
+        try:
+            self._send.send_nowait(request)
+        except trio.ClosedResourceError:
+            raise RuntimeError("the batcher is closed") from None
         try:
             await request.done.wait()
         finally:

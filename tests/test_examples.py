@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.notebooks import REASON, execute_notebook, printed
 from tests.subproc import ROOT
 
 EXAMPLES = ROOT / "examples"
@@ -244,8 +247,43 @@ def test_the_trio_batcher_batches_and_checks_like_the_asyncio_one() -> None:
             with pytest.raises(ValueError, match="the model failed"):
                 await b.submit(1)
             await b.close()
+        with pytest.raises(RuntimeError, match="the batcher is closed"):
+            await b.submit(2)
 
     trio.run(fails)
+
+
+BAD_OPTIONS = [
+    pytest.param({"max_batch": 0}, ValueError, "max_batch must be at least 1, not 0", id="batch-0"),
+    pytest.param({"max_batch": 2.5}, TypeError, "max_batch must be an int, not float", id="batch-float"),
+    pytest.param({"max_batch": True}, TypeError, "max_batch must be an int, not bool", id="batch-bool"),
+    pytest.param({"max_in_flight": -1}, ValueError, "max_in_flight must be at least 1", id="in-flight"),
+    pytest.param({"max_delay_s": -0.001}, ValueError, "max_delay_s must be a finite", id="delay-neg"),
+    pytest.param({"max_delay_s": math.nan}, ValueError, "max_delay_s must be a finite", id="delay-nan"),
+    pytest.param({"max_delay_s": math.inf}, ValueError, "max_delay_s must be a finite", id="delay-inf"),
+    pytest.param({"max_delay_s": "2ms"}, TypeError, "max_delay_s must be a number", id="delay-str"),
+    pytest.param({"run_batch": None}, TypeError, "run_batch must be an async function", id="run-batch"),
+]
+
+
+@pytest.mark.parametrize("which", ["asyncio", "trio"])
+@pytest.mark.parametrize(("options", "error", "message"), BAD_OPTIONS)
+def test_both_batchers_refuse_bad_options(
+    batcher: ModuleType, which: str, options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    if which == "trio":
+        pytest.importorskip("trio")
+        make = load_example(EXAMPLES / "trio_app.py").TrioBatcher
+    else:
+        make = batcher.Batcher
+    kwargs = {"run_batch": FakeModel(), **options}
+    with pytest.raises(error, match=re.escape(message)):
+        make(kwargs.pop("run_batch"), **kwargs)
+
+
+def test_the_batchers_take_numpy_integers_and_a_zero_delay(batcher: ModuleType) -> None:
+    b = batcher.Batcher(FakeModel(), max_batch=np.int64(8), max_delay_s=0, max_in_flight=np.int32(1))
+    assert (b.max_batch, b.max_delay_s) == (8, 0)
 
 
 def test_the_model_reference_is_what_clients_check(model: ModuleType) -> None:
@@ -277,6 +315,54 @@ def test_the_load_generator_refuses_other_hosts() -> None:
     load = load_example(SERVICE / "load.py")
     with pytest.raises(SystemExit, match="only talks to loopback"):
         asyncio.run(load.run_load("http://example.com", clients=1, requests=1, duration=1, health_every_s=1))
+
+
+def test_a_notebook_awaits_a_future_on_the_kernels_loop(tmp_path: Path) -> None:
+    """How tests/test_gpu_examples.py runs examples/notebook.ipynb, here without
+    a GPU: the kernel imports this checkout's cudafut, and a cell's top-level
+    ``await`` of a CudaFuture (set with scripted events, completed 0.3 s
+    later) runs on the kernel's asyncio loop, which keeps running a ticker
+    meanwhile; ``as_completed`` yields in completion order there too."""
+    nbformat = pytest.importorskip("nbformat", reason=REASON)
+    cells = [
+        """
+import asyncio
+import time
+
+import cudafut
+from tests.fakes import FakeRecord, set_future
+
+print(cudafut.__file__)
+""",
+        """
+async def tick(ticks):
+    while True:
+        await asyncio.sleep(0.01)
+        ticks.append(time.perf_counter())
+
+
+ticks, record = [], FakeRecord()
+fut = set_future(42, [record])
+asyncio.get_running_loop().call_later(0.3, record.complete)
+ticker = asyncio.create_task(tick(ticks))
+value = await fut
+ticker.cancel()
+print(value, len(ticks))
+""",
+        """
+records = [FakeRecord() for _ in range(3)]
+futs = [set_future(i, [r]) for i, r in enumerate(records)]
+for i, r in enumerate(records):
+    asyncio.get_running_loop().call_later(0.05 * (3 - i), r.complete)
+print([await f async for f in cudafut.as_completed(futs)])
+""",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in cells])
+    out = printed(execute_notebook(nb, tmp_path)).splitlines()
+    assert out[0] == str(ROOT / "cudafut" / "__init__.py"), out
+    value, ticks = map(int, out[1].split())
+    assert value == 42 and ticks >= 5, out  # about 30 ticks: the loop ran while the cell awaited
+    assert out[2] == "[2, 1, 0]", out
 
 
 @pytest.mark.parametrize(

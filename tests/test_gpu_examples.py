@@ -1,19 +1,23 @@
 """The examples run as a user runs them, with ``--quick``, and check their own
 results: the aiohttp service in its four modes (examples/service/compare.py),
-the copy/compute pipeline (examples/pipeline.py, traced too) and the trio
-batcher (examples/trio_app.py). No timing is asserted: only that each exits
-0 having printed its ``results checked`` line."""
+the copy/compute pipeline (examples/pipeline.py, traced too), the trio
+batcher (examples/trio_app.py), and the notebook (examples/notebook.ipynb,
+executed by nbclient). No timing is asserted: only that each exits 0 having
+printed its ``results checked`` line, or, for the notebook, its values."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.notebooks import execute_notebook, printed
 from tests.subproc import ROOT
 
 pytestmark = pytest.mark.gpu
@@ -64,3 +68,20 @@ def test_trio_app_quick() -> None:
     assert proc.returncode == 0, _explain(proc)
     assert "results checked: all" in proc.stdout, _explain(proc)
     assert "| batched |" in proc.stdout and "| unbatched |" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.timeout(300)
+def test_notebook_runs(tmp_path: Path) -> None:
+    """Every cell of examples/notebook.ipynb, in order, in a fresh kernel
+    (tests/notebooks.py says which); skipped without nbclient and ipykernel."""
+    nb = execute_notebook(ROOT / "examples" / "notebook.ipynb", tmp_path, timeout=120)
+    out = printed(nb)
+    explain = f"the notebook printed:\n{out}"
+    # sum(sqrt(x * x + 1) for x in range(2**20)) = 549755289607.9 (float32 rounds)
+    total = re.search(r"^result\(\): ([0-9.e+]+)$", out, re.M)
+    assert total is not None and math.isclose(float(total[1]), 549_755_289_608, rel_tol=1e-3), explain
+    # ~50 ticks of 10 ms during 0.5 s of GPU work when awaited; none when blocked in result()
+    ticked = re.search(r"^await: the loop ticked (\d+) times", out, re.M)
+    assert ticked is not None and int(ticked[1]) >= 10, explain
+    assert "result(): the loop ticked 0 times" in out, explain
+    assert "as_completed: 16 jobs, total 136000" in out, explain

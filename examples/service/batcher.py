@@ -17,12 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
+import numbers
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+def check_options(run_batch: object, max_batch: object, max_delay_s: object, max_in_flight: object) -> None:
+    """Refuse what no batcher can run with: a ``TypeError`` for the wrong kind
+    of value, a ``ValueError`` for a value out of range. Shared by
+    :class:`Batcher` and examples/trio_app.py's ``TrioBatcher``."""
+    if not callable(run_batch):
+        raise TypeError(f"run_batch must be an async function of a list, not {type(run_batch).__name__}")
+    for name, value in (("max_batch", max_batch), ("max_in_flight", max_in_flight)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, not {value}")
+    if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, numbers.Real):
+        raise TypeError(f"max_delay_s must be a number of seconds, not {type(max_delay_s).__name__}")
+    if not 0 <= max_delay_s < math.inf:  # NaN fails too
+        raise ValueError(f"max_delay_s must be a finite number of seconds >= 0, not {max_delay_s}")
 
 
 @dataclass
@@ -60,8 +79,7 @@ class Batcher(Generic[In, Out]):
         max_delay_s: float = 0.002,
         max_in_flight: int = 2,
     ) -> None:
-        if max_batch < 1 or max_in_flight < 1 or max_delay_s < 0:
-            raise ValueError("max_batch and max_in_flight must be >= 1, max_delay_s >= 0")
+        check_options(run_batch, max_batch, max_delay_s, max_in_flight)
         self.run_batch = run_batch
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
