@@ -305,14 +305,17 @@ def use_stream(stream: Any) -> Iterator[Any]:
 # What a switch replaced: CuPy's streams, and PyTorch's (with the device
 # that torch.cuda.set_stream made current) when torch is imported.
 _Saved = tuple[list[Any], list[Any], int]
-_NOTHING: Final[_Saved] = ([], [], -1)
+_NO_TORCH: Final[list[Any]] = []
+_NOTHING: Final[_Saved] = ([], _NO_TORCH, -1)
 
 
 def _switch(streams: dict[int, Any]) -> _Saved:
     """Make each of ``streams`` current for its device (for CuPy, and for
     PyTorch when it is imported); return what was current."""
-    get = _cuda.cupy().cuda.get_current_stream
-    cupy_before = []
+    get = _get_current_stream
+    if get is None:
+        get = _bind()
+    cupy_before: list[Any] = []
     for device, stream in streams.items():
         before = get(device)
         if before is not stream:
@@ -320,7 +323,7 @@ def _switch(streams: dict[int, Any]) -> _Saved:
             cupy_before.append(before)
     torch = _torch.loaded()
     if torch is None:
-        return (cupy_before, [], -1) if cupy_before else _NOTHING
+        return (cupy_before, _NO_TORCH, -1) if cupy_before else _NOTHING
     torch_before = []
     device_before = torch.cuda.current_device()
     for device, stream in streams.items():
@@ -331,6 +334,16 @@ def _switch(streams: dict[int, Any]) -> _Saved:
     if torch_before and torch.cuda.current_device() != device_before:
         torch.cuda.set_device(device_before)  # set_stream made the stream's device current
     return cupy_before, torch_before, device_before
+
+
+_get_current_stream: Callable[[int], Any] | None = None
+
+
+def _bind() -> Callable[[int], Any]:
+    global _get_current_stream
+    get: Callable[[int], Any] = _cuda.cupy().cuda.get_current_stream
+    _get_current_stream = get
+    return get
 
 
 def _restore(saved: _Saved) -> None:
@@ -358,8 +371,29 @@ def _steps(coro: Coroutine[Any, Any, T], *, root: bool) -> Generator[Any, Any, T
     state = _state_of_task(owner)
     state.stream(_cuda.current_device())
     state.depth += 1
+    # One generator drives the coroutine (no inner `yield from`): each layer
+    # costs every step of the task a frame resumption.
+    value: Any = None
+    error: BaseException | None = None
     try:
-        result: T = yield from _drive(coro, state)
+        while True:
+            saved = _switch(state.current)
+            try:
+                if state.joins:
+                    _join(state.joins, state.current)
+                yielded = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                result: T = stop.value
+                break
+            finally:
+                _restore(saved)
+            try:
+                value, error = (yield yielded), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - cancellation or an error thrown in: the coroutine's
+                value, error = None, exc
     except BaseException:
         state.depth -= 1
         if state.depth == 0:
@@ -372,29 +406,6 @@ def _steps(coro: Coroutine[Any, Any, T], *, root: bool) -> Generator[Any, Any, T
     if state.depth == 0:
         _finish(state, root=root)
     return result
-
-
-def _drive(coro: Coroutine[Any, Any, T], state: _TaskStreams) -> Generator[Any, Any, T]:
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        saved = _switch(state.current)
-        try:
-            if state.joins:
-                _join(state.joins, state.current)
-            yielded = coro.send(value) if error is None else coro.throw(error)
-        except StopIteration as stop:
-            result: T = stop.value
-            return result
-        finally:
-            _restore(saved)
-        try:
-            value, error = (yield yielded), None
-        except GeneratorExit:
-            coro.close()
-            raise
-        except BaseException as exc:  # noqa: BLE001 - cancellation or an error thrown in: the coroutine's
-            value, error = None, exc
 
 
 def _join(joins: list[EventRecord], streams: dict[int, Any]) -> None:
