@@ -354,90 +354,59 @@ def _b_with_floor(env: _BlockEnv, n: int) -> _Batch:
     return out, 0, {}, None
 
 
-def _b_off(env: _BlockEnv, n: int, write: bool, globally: bool) -> _Batch:
+def _time_blocks(block: Callable[[], Any], n: int) -> list[int]:
+    """ns of each of ``n`` empty ``with block():`` (the timer included)."""
     pc, out = time.perf_counter_ns, [0] * n
+    for i in range(n):
+        t0 = pc()
+        with block():
+            pass
+        out[i] = pc() - t0
+    return out
+
+
+def _b_off(env: _BlockEnv, n: int, write: bool, globally: bool) -> _Batch:
     t = cf.Tracked(env.a) if globally else cf.Tracked(env.a, enabled=False)
     before = _stats(t)
     previous = cf.set_tracking(False) if globally else None
     try:
         with env.s_a:
-            if write:
-                for i in range(n):
-                    t0 = pc()
-                    with t.write():
-                        pass
-                    out[i] = pc() - t0
-            else:
-                for i in range(n):
-                    t0 = pc()
-                    with t.read():
-                        pass
-                    out[i] = pc() - t0
+            out = _time_blocks(t.write if write else t.read, n)
     finally:
         if globally:
             cf.set_tracking(previous)
     return out, n, _delta(before, _stats(t)), None
 
 
-def _b_read_same(env: _BlockEnv, n: int) -> _Batch:
-    pc, out = time.perf_counter_ns, [0] * n
+def _b_same(env: _BlockEnv, n: int, write: bool) -> _Batch:
     t = cf.Tracked(env.a)
     with env.s_a:
         with t.write():
             pass
         before = _stats(t)
-        for i in range(n):
-            t0 = pc()
-            with t.read():
-                pass
-            out[i] = pc() - t0
-    return out, n, _delta(before, _stats(t)), None
-
-
-def _b_write_same(env: _BlockEnv, n: int) -> _Batch:
-    pc, out = time.perf_counter_ns, [0] * n
-    t = cf.Tracked(env.a)
-    with env.s_a:
-        with t.write():
-            pass
-        before = _stats(t)
-        for i in range(n):
-            t0 = pc()
-            with t.write():
-                pass
-            out[i] = pc() - t0
+        out = _time_blocks(t.write if write else t.read, n)
     return out, n, _delta(before, _stats(t)), None
 
 
 def _b_read_done(env: _BlockEnv, n: int) -> _Batch:
-    pc, out = time.perf_counter_ns, [0] * n
     t = cf.Tracked(env.a)
     with env.s_b, t.write():
         pass
     env.s_b.synchronize()
     before = _stats(t)
     with env.s_a:
-        for i in range(n):
-            t0 = pc()
-            with t.read():
-                pass
-            out[i] = pc() - t0
+        out = _time_blocks(t.read, n)
     return out, n, _delta(before, _stats(t)), None
 
 
 def _b_read_wait(env: _BlockEnv, n: int) -> _Batch:
-    pc, out = time.perf_counter_ns, [0] * n
     t = cf.Tracked(env.a)
     busy = _busy(env)
     with env.s_c, t.write():  # the last writer: queued behind the spin
         pass
     before = _stats(t)
     with env.s_a:
-        for i in range(n):
-            t0 = pc()
-            with t.read():
-                pass
-            out[i] = pc() - t0
+        out = _time_blocks(t.read, n)
     running = not busy.done
     return out, n, _delta(before, _stats(t)), running
 
@@ -514,8 +483,8 @@ _BLOCK_FUNCS: dict[str, Callable[[_BlockEnv, int], _Batch]] = {
     OFF_WRITE: lambda env, n: _b_off(env, n, write=True, globally=False),
     OFF_GLOBAL_READ: lambda env, n: _b_off(env, n, write=False, globally=True),
     OFF_GLOBAL_WRITE: lambda env, n: _b_off(env, n, write=True, globally=True),
-    READ_SAME: _b_read_same,
-    WRITE_SAME: _b_write_same,
+    READ_SAME: lambda env, n: _b_same(env, n, write=False),
+    WRITE_SAME: lambda env, n: _b_same(env, n, write=True),
     READ_DONE: _b_read_done,
     READ_WAIT: _b_read_wait,
     WRITE_WAIT: _b_write_wait,

@@ -117,10 +117,9 @@ def _state_of_task(owner: object | None = None) -> _TaskStreams:
     return state
 
 
-def _root_frame(frame: types.FrameType | None) -> bool:
-    """Whether ``frame`` is the frame of the running task's own coroutine
-    (the task's root), not of one awaited inside the task."""
-    task = _current_task()
+def _root_frame(frame: types.FrameType | None, task: object) -> bool:
+    """Whether ``frame`` is the frame of ``task``'s own coroutine (the
+    task's root), not of one awaited inside the task."""
     coro = getattr(task, "get_coro", None)
     coro = coro() if coro is not None else getattr(task, "coro", None)
     return frame is not None and getattr(coro, "cr_frame", None) is frame
@@ -191,8 +190,9 @@ def own_stream(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine
 
     @functools.wraps(fn)
     async def run_on_own_stream(*args: P.args, **kwargs: P.kwargs) -> T:
-        root = _root_frame(sys._getframe())
-        result: T = await _steps(fn(*args, **kwargs), root=root)
+        owner = _current_task()
+        root = _root_frame(sys._getframe(), owner)
+        result: T = await _steps(fn(*args, **kwargs), root=root, owner=owner)
         return result
 
     return run_on_own_stream
@@ -242,7 +242,7 @@ async def _task_root(coro: Coroutine[Any, Any, T]) -> T:
         # Without CUDA the task runs as it would without the factory: every
         # task of the loop comes here, asyncio's own and GPU-free ones too.
         return await coro
-    return await _steps(coro, root=True)
+    return await _steps(coro, root=True, owner=_current_task())
 
 
 @contextmanager
@@ -359,10 +359,10 @@ def _restore(saved: _Saved) -> None:
 
 
 @types.coroutine
-def _steps(coro: Coroutine[Any, Any, T], *, root: bool) -> Generator[Any, Any, T]:
+def _steps(coro: Coroutine[Any, Any, T], *, root: bool, owner: object) -> Generator[Any, Any, T]:
     """Drive ``coro`` step by step on its task's streams (see the module
-    docstring); ``root``: ``coro`` is its task's own coroutine."""
-    owner = _current_task()
+    docstring); ``root``: ``coro`` is its task's own coroutine; ``owner``:
+    the running task (:func:`_current_task`)."""
     state = _state.get()
     if not root and state is not None and state.owner is owner and state.depth > 0:
         # Inline in a task that runs on its own stream already: its steps
@@ -435,11 +435,11 @@ def _finish(state: _TaskStreams, *, root: bool) -> None:
         parent.joins.extend(records)
         if root:
             return
+    torch = _torch.loaded()
     for rec in records:
         current = int(_cuda.current_stream(rec.device).ptr)
         if current != rec.stream:
             rec.wait_on(current, rec.device)
-        torch = _torch.loaded()
         if torch is not None:
             handle = _torch.current_handle(torch, rec.device)
             if handle not in (current, rec.stream):
