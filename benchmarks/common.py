@@ -33,6 +33,7 @@ SECTIONS = (
     "tracing",
     "tracking",
     "collectives",
+    "serve",
 )
 
 #: JSON keys older results used for a section, newest last: report.py reads

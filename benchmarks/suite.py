@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--name", default=None, help="result file stem (default: bench-<gpu>)")
     args = parser.parse_args(argv)
+    # Without a usable GPU: python -m cudafut's message and status 1, not
+    # CuPy's traceback from the first measurement.
+    from cudafut._selfcheck import require_gpu
+
+    require_gpu()
     # Every section module is imported before anything runs (a missing one
     # fails now, not after minutes of measuring); none needs CuPy to import.
     sections = [section(name) for name in SECTIONS if name in (args.only or SECTIONS)]

@@ -19,6 +19,8 @@ docs/performance.md for the CPU measured.
 :class:`CudaUnavailableError` if CUDA cannot be used.
 """
 
+from ._batcher import Batcher as Batcher
+from ._batcher import BatcherStatistics as BatcherStatistics
 from ._bridges import from_torch as from_torch
 from ._bridges import wrap_future as wrap_future
 from ._combinators import as_completed as as_completed
@@ -35,6 +37,9 @@ from ._errors import TimeoutError as TimeoutError
 from ._future import CudaFuture as CudaFuture
 from ._future import record as record
 from ._future import submit as submit
+from ._graphs import Graphed as Graphed
+from ._graphs import graphed as graphed
+from ._launch import launch as launch
 from ._memory import MemoryStatistics as MemoryStatistics
 from ._memory import memory_statistics as memory_statistics
 from ._memory import record_stream as record_stream
@@ -56,10 +61,13 @@ from ._tracked import set_tracking as set_tracking
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "Batcher",
+    "BatcherStatistics",
     "CancelledError",
     "CudaError",
     "CudaFuture",
     "CudaUnavailableError",
+    "Graphed",
     "InvalidStateError",
     "MemoryStatistics",
     "TimeoutError",
@@ -74,6 +82,8 @@ __all__ = [
     "from_torch",
     "gather",
     "get_wait_policy",
+    "graphed",
+    "launch",
     "memory_statistics",
     "own_stream",
     "record",

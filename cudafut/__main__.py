@@ -95,19 +95,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+_REPOSITORY = "https://github.com/cudafut/cudafut"
+
+_NO_CHECKOUT = f"""\
+python -m cudafut bench runs the full benchmark suite, which is not installed
+with the package: it lives in benchmarks/ of a source checkout (this cudafut
+is installed at {{where}}, with no benchmarks/ beside it).
+To run it, run from a source checkout:
+
+  git clone {_REPOSITORY}
+  cd cudafut && pip install -e '.[cli]'
+  python -m cudafut bench --help
+
+`python -m cudafut` (no `bench`) works from any install: a self-check and a
+20-second benchmark of this GPU.
+"""
+
+
 def _bench(argv: list[str]) -> int:
+    """``python -m cudafut bench``: the suite of a source checkout (a
+    message and status 2 without one; the self-check's message and status
+    1 without a usable GPU, ``--help`` aside)."""
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "suite.py").is_file():
-        print(
-            "python -m cudafut bench runs the suite in benchmarks/ of a source checkout "
-            f"(not found next to {Path(__file__).parent}); clone the repository and "
-            "`pip install -e .` it",
-            file=sys.stderr,
-        )
+        print(_NO_CHECKOUT.format(where=Path(__file__).parent), file=sys.stderr, end="")
         return 2
     sys.path.insert(0, str(root))
     suite = importlib.import_module("benchmarks.suite")  # not a part of the package
-    return int(suite.main(argv))
+    try:
+        return int(suite.main(argv))
+    except SystemExit as exc:  # argparse (--help, bad options) and require_gpu()
+        return exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
 
 
 def _have(module: str) -> bool:
@@ -184,11 +202,9 @@ def _fail(doc: dict[str, Any], as_json: bool, reason: str, fix: list[str]) -> in
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
-        print(f"\ncudafut cannot use a GPU here: {reason}", file=sys.stderr)
-        if fix:
-            print("To fix it:", file=sys.stderr)
-            for line in fix:
-                print(f"  - {line}", file=sys.stderr)
+        from . import _selfcheck
+
+        print("\n" + "\n".join(_selfcheck.failure_lines(reason, fix)), file=sys.stderr)
     return 1
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from ._errors import TimeoutError
-from ._future import CudaFuture, check_timeout, remaining
+from ._future import CudaFuture, Pending, check_timeout, remaining
 from ._loops import current_driver, require_driver
 from ._waiter import Driver, thread_waiter
 
@@ -76,20 +76,23 @@ def gather(*futs: CudaFuture[Any]) -> CudaFuture[list[Any]]:
     items = list(futs)
     out: CudaFuture[list[Any]] = CudaFuture()
     if not items:
-        out._take_outcome((), gather=True)
+        out._take_outcome((), gather=True)  # nothing waits on it yet: nothing to run
         return out
+    out._wait_for(items)  # a then() fn returning it may not close a cycle
     lock = threading.Lock()
     left = [len(items)]
 
-    def one_completed(fut: CudaFuture[Any]) -> None:
+    # A listener: it hands what it completes back to the loop that runs it
+    # (no recursion through long chains of gathers).
+    def one_completed(fut: CudaFuture[Any]) -> Pending | None:
         if not fut._succeeded():
-            out._take_outcome((fut,))  # the first failure or cancellation decides
-            return
+            return out._take_outcome((fut,))  # the first failure or cancellation decides
         with lock:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            out._take_outcome(items, gather=True)
+            return out._take_outcome(items, gather=True)
+        return None
 
     for fut in items:
         fut._on_set(lambda fut=fut: one_completed(fut))  # type: ignore[misc]

@@ -35,11 +35,11 @@ from typing import Any, Final
 
 import numpy as np
 
-from . import _cuda, _events, _pinned, _pools
+from . import _cuda, _events, _pinned, _pools, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture, complete_future, set_future
-from ._values import find_devices
+from ._values import find_devices, order_foreign
 
 __all__ = ["to_device", "to_host", "to_host_after"]
 
@@ -64,6 +64,66 @@ _SUPPORTED_KINDS: Final = "biufc"
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock: Final = threading.Lock()
+
+
+# Under cudafut.testing's fake CUDA, whose device arrays are NumPy arrays:
+# copies are NumPy copies, made at the call, with an event on the stream
+# the real copy would use. One test per copy, off the µs paths.
+_faked = False
+
+
+def _swap_copies(backend: object) -> Callable[[], None]:
+    global _faked
+    _faked = True
+
+    def restore() -> None:
+        global _faked
+        _faked = False
+
+    return restore
+
+
+_cuda.on_swap(_swap_copies)
+
+
+def _fake_to_device(array: np.ndarray[Any, Any], device: int, ptr: int) -> CudaFuture[Any]:
+    return set_future(np.array(array, order="C"), (_events.record(ptr, device),), array)
+
+
+def _fake_to_host(
+    array: Any,
+    out: Any,
+    stream: Any,
+    *,
+    follow: bool,
+    after: Callable[[int], None] | None,
+    read: list[EventRecord] | None,
+) -> CudaFuture[Any]:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(
+            "to_host() under cudafut.testing's fake CUDA needs a NumPy array (the fake's device "
+            f"arrays) or a CudaFuture of one, not {type(array).__name__}"
+        )
+    device = _cuda.current_device()
+    if out is not None:
+        out = _check_out(out, array.shape, array.dtype)
+    current = int(_cuda.current_stream(device).ptr)
+    if stream is not None:
+        ptr, _ = _stream_of(stream, device)
+    elif follow:
+        ptr = current
+    else:
+        ptr = int(_pools.copy_streams.get(device, 0).ptr)
+    if after is not None:
+        after(ptr)
+    elif ptr != current:
+        _events.record(current, device).wait_on(ptr, device)
+    result = np.empty(array.shape, array.dtype) if out is None else out
+    np.copyto(result, array)
+    rec = _events.record(ptr, device)
+    if read is not None:
+        read.append(rec)
+    return set_future(result, (rec,), array)
 
 
 def _run_in_worker(fn: Callable[..., None], *args: Any) -> None:
@@ -142,7 +202,37 @@ def _check_out(out: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.
         raise ValueError(
             "out has a zero stride (a broadcast view), so its elements overlap: pass a real array"
         )
+    if _overlaps(out):
+        raise ValueError(
+            f"out's elements overlap (strides {out.strides} for shape {out.shape} and "
+            f"{out.itemsize}-byte items, as np.lib.stride_tricks.as_strided can make): two elements "
+            "would receive one byte; pass an array whose elements are distinct"
+        )
     return out
+
+
+def _overlaps(array: np.ndarray[Any, Any]) -> bool:
+    """Whether two elements of ``array`` share a byte.
+
+    Costs a few µs for any array NumPy makes (contiguous, transposed,
+    sliced: sorted by stride, each stride spans every smaller one); only a
+    layout that fails that test has every element's offset computed (memory
+    and time in proportion to its size)."""
+    if array.size <= 1 or array.flags.c_contiguous or array.flags.f_contiguous:
+        return False
+    dims = sorted((abs(st), n) for st, n in zip(array.strides, array.shape, strict=True) if n > 1)
+    span = array.itemsize
+    for stride, n in dims:
+        if stride < span:
+            break
+        span = stride * (n - 1) + span
+    else:
+        return False
+    offsets = np.zeros(1, dtype=np.int64)
+    for stride, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+    offsets.sort()
+    return bool(np.any(np.diff(offsets) < array.itemsize))
 
 
 def _stream_of(stream: object, device: int | None) -> tuple[int, int]:
@@ -354,6 +444,8 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
     else:
         ptr, dev = _stream_of(stream, dev if device is not None else None)
         copy_stream = _cuda.cupy_stream(stream, ptr, dev)
+    if _faked:
+        return _fake_to_device(array, dev, ptr)
     nbytes = array.nbytes
     pinned = _is_pinned(array)
     if pinned or nbytes <= INLINE_BYTES:
@@ -411,10 +503,12 @@ def to_host(array_or_future: Any, /, *, out: Any = None, stream: Any = None) -> 
 
     ``array_or_future``: a CuPy array (or any ``__cuda_array_interface__``
     object), copied after the work queued so far on the caller's current
-    stream of its device; or a :class:`CudaFuture` of one, copied once the
-    future is set, after its events, on the device (the host never waits
-    for the producer: the copy continues on the stream :meth:`~CudaFuture.then`
-    picks).
+    stream of its device (and, for another library's array, after the work
+    that library queued on it: a torch tensor's current PyTorch stream,
+    JAX's streams by DLPack, a Numba array's stream; docs/interop.md); or
+    a :class:`CudaFuture` of one, copied once the future is set, after its
+    events, on the device (the host never waits for the producer: the copy
+    continues on the stream :meth:`~CudaFuture.then` picks).
 
     ``out``: where to copy, a NumPy array of the same shape and dtype, any
     layout. Without it, the result is a C-contiguous array in pinned memory
@@ -437,7 +531,8 @@ def to_host(array_or_future: Any, /, *, out: Any = None, stream: Any = None) -> 
         TypeError: not a GPU array or future; ``out`` not a NumPy array;
             ``stream`` not a stream.
         ValueError: ``out`` of another shape or dtype, read-only or
-            overlapping, or ``stream`` on another device. For a future not
+            overlapping, ``stream`` on another device, or an array whose
+            producer cannot be ordered (docs/interop.md). For a future not
             set yet these are found when it is set, and the returned future
             fails with them.
         CudaUnavailableError: CUDA cannot be used here.
@@ -484,6 +579,8 @@ def _to_host_on(
     """The copy, from the caller's current stream (``follow``: it already
     waits for the producer, as in a then() callback) or a copy stream.
     ``after``, ``read``: see :func:`to_host_after`."""
+    if _faked:
+        return _fake_to_host(array, out, stream, follow=follow, after=after, read=read)
     device, shape, dtype = _device_array_info(array)
     if out is not None:
         out = _check_out(out, shape, dtype)
@@ -498,8 +595,11 @@ def _to_host_on(
         ptr = int(copy_stream.ptr)
     if after is not None:
         after(ptr)
-    elif ptr != int(current.ptr):
-        _events.record(int(current.ptr), device).wait_on(ptr, device)
+    else:
+        if ptr != int(current.ptr):
+            _events.record(int(current.ptr), device).wait_on(ptr, device)
+        if not follow:  # a future's value was ordered when it was set
+            _order_producer(array, device, ptr)
     cp = _cuda.cupy()
     with _cuda.on_device(device), copy_stream:
         src = cp.ascontiguousarray(cp.asarray(array))
@@ -540,6 +640,17 @@ def _to_host_on(
     for job in jobs:
         _run_in_worker(_run_share, transfer, _stage_out, job, base, ptr, device)
     return fut
+
+
+def _order_producer(array: Any, device: int, ptr: int) -> None:
+    """The copy stream ``ptr`` waits for the work of the library that made
+    ``array`` where that is not CuPy's current stream: a torch tensor's
+    current torch stream; JAX's and Numba's streams (docs/design.md, hazard 9)."""
+    torch = _torch.loaded()
+    if torch is not None and isinstance(array, torch.Tensor):
+        _torch.follow_current(torch, device, ptr)
+    else:
+        order_foreign(array, lambda _d: (ptr, device))
 
 
 def _copy_to_pinned(

@@ -13,11 +13,13 @@ under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
 from ._errors import CudaError, CudaUnavailableError
 
@@ -234,20 +236,31 @@ def stream_handle(stream: object) -> tuple[int, int]:
 
     The kind of object is checked before CUDA is touched.
 
+    What can be checked of the handle is, before CUDA sees it: CUDA does not
+    validate stream handles (a stream is a pointer to the driver's own
+    structure, which it reads: an unknown one crashes the process), so a
+    handle that is not even an address of this process's memory (``0x1234``,
+    a number from elsewhere) is a ``ValueError`` (Linux: ``mincore``, about
+    a µs). A handle that points into mapped memory but at no live stream (a
+    stream already destroyed, a pointer to something else) cannot be told
+    apart without the risk of the crash; CUDA may then crash the process,
+    or fail a later call with a :class:`CudaError`.
+
     Raises:
         TypeError: ``stream`` is none of these, or its ``__cuda_stream__``
             does not give a ``(version, handle)`` pair of ints.
         ValueError: a protocol version other than 0, a negative handle, or
-            a handle CUDA does not know.
+            a handle that is no address of this process (see above), or
+            one CUDA says it does not know.
     """
     cuda = getattr(sys.modules.get("cupy"), "cuda", None)  # no import: not a CuPy stream then
     if cuda is not None and isinstance(stream, (cuda.Stream, cuda.ExternalStream)):
-        handle, device_id = int(stream.ptr), int(stream.device_id)
+        handle, device_id = check_stream_address(int(stream.ptr), stream), int(stream.device_id)
         return handle, device_id if device_id >= 0 else stream_device(handle)
     ptr = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
     device = getattr(stream, "device_index", None)
     if isinstance(ptr, int) and isinstance(device, int):
-        return ptr, device
+        return check_stream_address(ptr, stream), device
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is None:
         raise TypeError(
@@ -278,6 +291,73 @@ def _protocol_handle(info: object, stream: object) -> int:
         raise TypeError(f"{name}.__cuda_stream__ must give an int handle, not {handle!r}") from None
     if handle < 0:
         raise ValueError(f"{name}.__cuda_stream__ gives a negative handle ({handle})")
+    return check_stream_address(handle, stream)
+
+
+_PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_mincore: Any = None
+
+
+#: Pages seen mapped (a stream's structure lives in the driver's heap, which
+#: is seldom unmapped): a handle on one of them costs a set lookup.
+_mapped_pages: set[int] = set()
+_MAPPED_PAGES_KEPT: Final = 1024
+# mincore's output, one byte per page (its value is not used).
+_page_state = ctypes.c_ubyte()
+
+
+def _load_mincore() -> Any:
+    """libc's ``mincore``, or False where it cannot be had (not Linux)."""
+    global _mincore
+    fn: Any = False
+    if sys.platform.startswith("linux"):
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = False
+    _mincore = fn
+    return fn
+
+
+def check_stream_address(handle: int, stream: object) -> int:
+    """``handle``, if it may be a stream of this process: one of the default
+    streams (0, 1, 2), or an address in memory this process has mapped.
+
+    A stream handle is the address of the driver's structure for it, and
+    CUDA reads that structure without checking it first: an address nothing
+    is mapped at crashes the process. ``mincore`` on its page says whether
+    it is mapped, about a µs, without reading it (Linux; elsewhere nothing
+    is checked).
+
+    Raises:
+        ValueError: ``handle`` is out of the address space, or nothing is
+            mapped at it.
+    """
+    if handle in _SPECIAL_STREAMS:
+        return handle
+    name = type(stream).__name__
+    if not 0 <= handle < 1 << 64:
+        raise ValueError(f"{name} gives the stream handle {handle}, which is not an address")
+    page = handle - handle % _PAGE_SIZE
+    if page in _mapped_pages:
+        return handle
+    mincore = _mincore
+    if mincore is None:
+        mincore = _load_mincore()
+    if mincore is False:
+        return handle
+    if mincore(page, _PAGE_SIZE, ctypes.byref(_page_state)) == 0:
+        if len(_mapped_pages) >= _MAPPED_PAGES_KEPT:
+            _mapped_pages.clear()
+        _mapped_pages.add(page)
+    elif ctypes.get_errno() in (errno.ENOMEM, errno.EINVAL):
+        raise ValueError(
+            f"{name} gives the stream handle {handle:#x}, which is not a CUDA stream of this "
+            "process (nothing is mapped at that address; CUDA would crash reading it): pass the "
+            "stream object itself, or the handle of a live stream (cudaStream_t)"
+        )
     return handle
 
 
@@ -455,3 +535,116 @@ def cuda_error(code: int, device: int | None = None) -> CudaError:
         # CuPy formats the message as "<name>: <description>".
         name, _, description = str(rt.CUDARuntimeError(code)).partition(": ")
     return CudaError(code, name, description, device=device)
+
+
+def initialised() -> bool:
+    """Whether CUDA is initialised in this process (and usable: not in a
+    forked child); never initialises it."""
+    return _rt is not None and not forked
+
+
+def devices_of_host_value() -> tuple[int, ...]:
+    """The devices a value holding no GPU array is recorded on, where the
+    caller named none: none with CUDA (``set_result()`` refuses it); the
+    current device under :mod:`cudafut.testing`'s fake, whose device arrays
+    are NumPy arrays. Called only on that refusal's path."""
+    return ()
+
+
+# -- the swap (cudafut.testing) ------------------------------------------------------
+# cudafut.testing replaces the functions above by a fake GPU's. They are
+# rebound here, in this module's namespace, and every caller looks them up
+# as ``_cuda.name`` at each call: the real functions run as they are, with no
+# flag tested and no indirection added.
+
+#: The functions a backend replaces, by name.
+SEAM: Final = (
+    "call_on_streams",
+    "cupy",
+    "cupy_stream",
+    "current_device",
+    "current_stream",
+    "device_count",
+    "devices_of_host_value",
+    "event_create",
+    "event_destroy",
+    "event_record",
+    "initialised",
+    "new_stream",
+    "on_device",
+    "pointer_device",
+    "runtime",
+    "stream_device",
+    "stream_wait",
+)
+
+#: Modules holding objects of the backend (pools of streams and events,
+#: threads owning streams) and the record type: see on_swap().
+_swap_hooks: list[Callable[[Any], Callable[[], None]]] = []
+# The backend installed and the restore functions of its hooks; None: CUDA.
+_swapped: tuple[Any, list[Callable[[], None]]] | None = None
+_swap_lock = threading.RLock()  # a hook may import a module that registers one
+
+
+def on_swap(hook: Callable[[Any], Callable[[], None]]) -> None:
+    """Register ``hook(backend)``, called when :func:`swap` installs a
+    backend: it sets aside what the module holds of the previous backend
+    (streams, events, threads that own them) so that no object of one
+    backend reaches the other, and returns the function that puts it back.
+    A hook registered while a backend is installed is called at once."""
+    with _swap_lock:
+        _swap_hooks.append(hook)
+        if _swapped is not None:
+            _swapped[1].append(hook(_swapped[0]))
+
+
+def swap(backend: Any) -> Callable[[], None]:
+    """Install ``backend`` (an object with a method for each name of
+    :data:`SEAM`) in place of CUDA; return the function that removes it.
+
+    Costs the real functions nothing: they are rebound, never wrapped. The
+    hooks of :func:`on_swap` run after the functions are installed; on
+    removal they run first, in reverse order, then the functions return.
+
+    Raises:
+        RuntimeError: a backend is installed already.
+    """
+    global _swapped, _count
+    with _swap_lock:
+        if _swapped is not None:
+            raise RuntimeError(
+                "a fake CUDA (cudafut.testing.fake_cuda) is installed already; leave it before "
+                "installing another"
+            )
+        namespace = globals()
+        saved = {name: namespace[name] for name in SEAM}
+        saved_count = _count
+        namespace.update({name: getattr(backend, name) for name in SEAM})
+        _count = backend.device_count()
+        restores: list[Callable[[], None]] = []
+        _swapped = (backend, restores)
+        try:
+            for hook in _swap_hooks:
+                restores.append(hook(backend))
+        except BaseException:
+            _unswap(restores, saved, saved_count)
+            raise
+
+    def restore() -> None:
+        with _swap_lock:
+            if _swapped is None or _swapped[0] is not backend:
+                return  # removed already
+            _unswap(restores, saved, saved_count)
+
+    return restore
+
+
+def _unswap(restores: list[Callable[[], None]], saved: dict[str, Any], count: int) -> None:
+    global _swapped, _count
+    try:
+        for undo in reversed(restores):
+            undo()
+    finally:
+        globals().update(saved)
+        _count = count
+        _swapped = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from . import _cuda, _pools
 from ._errors import CudaError
@@ -127,6 +127,25 @@ class EventRecord:
             pass
 
 
+#: What record() makes: EventRecord, or the record type of cudafut.testing's
+#: fake (its records ask the fake, never CUDA, even after it is removed).
+_record_type: type[EventRecord] = EventRecord
+
+
+def _swap_record_type(backend: Any) -> Callable[[], None]:
+    global _record_type
+    saved, _record_type = _record_type, backend.record_type
+
+    def restore() -> None:
+        global _record_type
+        _record_type = saved
+
+    return restore
+
+
+_cuda.on_swap(_swap_record_type)
+
+
 def _stream_key(stream: int, device: int) -> tuple[int, ...]:
     if stream == 2:  # cudaStreamPerThread is one stream per thread
         return (device, stream, threading.get_ident())
@@ -149,7 +168,7 @@ def record(stream: int, device: int, confirm: Callable[[], CudaError | None] | N
     with _record_lock:
         seq = _sequence.get(key, 0) + 1
         _sequence[key] = seq
-    rec = EventRecord(handle, device, stream, key, seq, time.perf_counter())
+    rec = _record_type(handle, device, stream, key, seq, time.perf_counter())
     rec.confirm = confirm
     return rec
 

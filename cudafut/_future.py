@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio.base_futures as _asyncio_base_futures
 import asyncio.futures as _asyncio_futures
 import enum
-import math
 import sys
 import threading
 import time
@@ -21,11 +20,11 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _cuda, _events, _loops, _memory, _pools, _torch, _trace, _waiter
+from . import _checks, _cuda, _events, _loops, _memory, _pools, _torch, _trace, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._log import logger
-from ._values import find_devices, gpu_arrays, normalize_devices
+from ._values import current_consumer, find_devices, gpu_arrays, normalize_devices, order_foreign
 
 if TYPE_CHECKING:
     import asyncio
@@ -57,7 +56,13 @@ _CANCELLED: Final = _State.CANCELLED
 # limit": threading refuses them (OverflowError).
 _NO_LIMIT: Final = threading.TIMEOUT_MAX
 
-Listener = Callable[[], None]
+#: What runs once a future leaves the pending state. A listener that
+#: completes another future returns that future's listeners instead of
+#: running them (see ``_run_listeners``): a chain of any length completes in
+#: a loop, not by recursion.
+Listener = Callable[[], "Pending | None"]
+#: A future just completed, and its listeners still to run.
+Pending = tuple["CudaFuture[Any]", "list[Listener]"]
 #: Which stream pool ``then()`` and ``submit()`` take their streams from.
 Priority = Literal["normal", "high"]
 
@@ -65,8 +70,9 @@ Priority = Literal["normal", "high"]
 def check_timeout(timeout: float | None) -> float | None:
     """Validate a timeout and turn it into a ``perf_counter`` deadline.
 
+    Any real number (NumPy scalars and ``Fraction`` included, bools not);
     ``None``, ``math.inf`` and any timeout of ``threading.TIMEOUT_MAX``
-    seconds or more give ``None``: no limit.
+    seconds or more (``10**400`` too) give ``None``: no limit.
 
     Raises:
         TypeError: ``timeout`` is not a number.
@@ -74,13 +80,10 @@ def check_timeout(timeout: float | None) -> float | None:
     """
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be a non-negative number of seconds or None, not {timeout!r}")
-    if timeout >= _NO_LIMIT:
+    seconds = _checks.timeout_seconds(timeout)
+    if seconds >= _NO_LIMIT:
         return None
-    return time.perf_counter() + timeout
+    return time.perf_counter() + seconds
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -145,6 +148,8 @@ class CudaFuture(Generic[T]):
         self._traceback: TracebackType | None = None
         self._records: tuple[EventRecord, ...] = ()
         # Objects other streams may still read; kept until our events complete.
+        # While pending: what this future waits for (a then() parent, a
+        # followed future, gather() inputs), to refuse a wait on itself.
         self._keep: object = None
         self._listeners: list[Listener] | None = None
         self._set_event: threading.Event | None = None
@@ -171,20 +176,30 @@ class CudaFuture(Generic[T]):
         children that this completes. ``set_result()`` therefore blocks the
         calling thread for as long as those callbacks take. Awaiting tasks and
         :meth:`add_done_callback` callbacks are only handed to their loop or
-        thread (a ``call_soon_threadsafe`` each); they run there.
+        thread (a ``call_soon_threadsafe`` each); they run there. Chains of
+        any length complete in a loop, without recursion. If a ``then()``
+        callback raises ``KeyboardInterrupt`` or ``SystemExit``, its child
+        fails with it and ``set_result()`` raises it once everything else
+        waiting has run (docs/semantics.md, "Exceptions in callbacks").
 
         With PyTorch imported, the events of the torch CUDA tensors in
         ``value`` are recorded on PyTorch's current stream of their device
-        instead (a few µs more; docs/interop.md).
+        instead (a few µs more; docs/interop.md). Arrays of other libraries
+        are ordered before those streams first (JAX's by DLPack, Numba's by
+        their stream: docs/interop.md, "Work queued by other libraries").
 
         Raises:
             InvalidStateError: the future was already set or cancelled.
             ValueError: ``value`` holds no GPU array and no ``devices`` were
-                given, so there would be nothing to order against.
+                given, so there would be nothing to order against; or it
+                holds an array whose producer cannot be ordered.
         """
         if self._state is not _PENDING:
             self._check_pending()
         _cuda.check_usable()
+        # Other libraries' work (JAX's streams) before the streams recorded on
+        # (docs/design.md, hazard 9); nothing for CuPy arrays and torch tensors.
+        order_foreign(value, current_consumer if self._devices is None else _onto(self._devices))
         torch = _torch.loaded()
         if torch is not None:  # torch tensors are recorded on PyTorch's current streams
             records: tuple[EventRecord, ...] = _torch.record_value(torch, value, self._devices)
@@ -194,6 +209,8 @@ class CudaFuture(Generic[T]):
                 records = (_events.record_current(devices[0]),)
             else:
                 records = tuple(_events.record_current(d) for d in devices)
+        if not records:  # under cudafut.testing's fake: its current device
+            records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
         if not records:
             raise ValueError(
                 f"set_result() got a value on no GPU ({type(value).__name__}); "
@@ -237,6 +254,7 @@ class CudaFuture(Generic[T]):
                 return True
             if self._state is not _PENDING:
                 return False
+            self._keep = None  # what it waited for (see __init__)
             self._state = _CANCELLED
             listeners, self._listeners = self._listeners, None
             event = self._set_event
@@ -245,6 +263,18 @@ class CudaFuture(Generic[T]):
         else:
             self._notify(event, listeners)
         return True
+
+    def _cancel_later(self) -> Pending | None:
+        """:meth:`cancel` for a pending future, leaving its listeners to the
+        caller (see ``_run_listeners``)."""
+        with self._lock:
+            if self._state is not _PENDING:
+                return None
+            self._keep = None
+            self._state = _CANCELLED
+            listeners, self._listeners = self._listeners, None
+            event = self._set_event
+        return self._announce(event, listeners)
 
     # -- queries -----------------------------------------------------------
 
@@ -452,9 +482,16 @@ class CudaFuture(Generic[T]):
 
         If this future failed, ``fn`` is not called and the child fails with
         the same exception object; if it was cancelled, the child is
-        cancelled; if ``fn`` raises, the child fails with that exception; if
-        ``fn`` returns a CudaFuture, the child follows it. The child keeps
-        this future's value alive until its own events complete.
+        cancelled; if ``fn`` raises, the child fails with that exception
+        (any ``BaseException``, its type kept; the other callbacks waiting on
+        this future still run, and ``KeyboardInterrupt`` or ``SystemExit``
+        is then raised again in the thread that ran ``fn``: docs/semantics.md,
+        "Exceptions in callbacks"); if ``fn`` returns a CudaFuture, the child
+        follows it, or fails with :class:`InvalidStateError` if that future
+        is the child or waits on it (it would wait on itself). The child
+        keeps this future's value alive until its own events complete.
+        Chains of any length work: completing one runs a loop, not a
+        recursion.
 
         Args:
             fn: called with the value; returns the child's value or a future.
@@ -466,11 +503,14 @@ class CudaFuture(Generic[T]):
         Raises:
             TypeError: ``fn`` is not callable.
             ValueError: ``priority`` is neither ``"normal"`` nor ``"high"``.
+            KeyboardInterrupt: (or ``SystemExit``) this future is set and
+                ``fn``, run at once, raised it; the child failed with it.
         """
         _check_callable(fn, "then()")
         prio = _pools.check_priority(priority)
         _cuda.check_usable()
         child: CudaFuture[Any] = CudaFuture()
+        child._keep = self  # what it waits for (see __init__)
         if _trace.active is not None:
             _trace.chained(self, child, fn)
         self._on_set(lambda: _run_then(self, fn, prio, child))
@@ -482,7 +522,10 @@ class CudaFuture(Generic[T]):
         ``fn`` runs on the event loop that is running in the calling thread,
         or, without one, on cudafut's watcher thread. An exception raised by
         ``fn`` goes to the loop's exception handler or to the ``cudafut``
-        logger; it is never lost. Never blocks the loop; while waiting, the
+        logger; it is never lost. ``KeyboardInterrupt`` and ``SystemExit``
+        too: they are reported, not raised, so that they stop neither the
+        loop's waiter nor the watcher thread, and every other callback still
+        runs (docs/semantics.md, "Exceptions in callbacks"). Never blocks the loop; while waiting, the
         loop's waiter polls as for ``await`` (one ``cudaEventQuery``, about
         2 µs, per loop iteration while the wait policy says spin, otherwise
         one per sleep of at most ``max_sleep_s``).
@@ -648,9 +691,15 @@ class CudaFuture(Generic[T]):
         records: tuple[EventRecord, ...],
         keep: object = None,
         traceback: TracebackType | None = None,
-    ) -> None:
+        later: bool = False,
+    ) -> Pending | None:
         """Leave the pending state for ``state``; ``traceback`` goes with
-        ``exception`` (its traceback when it was first stored)."""
+        ``exception`` (its traceback when it was first stored).
+
+        Runs the listeners before returning; with ``later``, returns them
+        instead (with this future), for the caller's loop to run: internal
+        completions, made by a listener, use it (see ``_run_listeners``).
+        """
         with self._lock:
             self._check_pending()
             self._value = value
@@ -661,10 +710,22 @@ class CudaFuture(Generic[T]):
             self._state = state  # last: readers that see it see the rest
             listeners, self._listeners = self._listeners, None
             event = self._set_event
+        if later:
+            return self._announce(event, listeners)
         if _trace.active is not None:
             _trace.completed(self, event, listeners)  # runs _notify, timed
         else:
             self._notify(event, listeners)
+        return None
+
+    def _announce(self, event: threading.Event | None, listeners: list[Listener] | None) -> Pending | None:
+        """Wake the threads blocked on this just-completed future; return its
+        listeners to run (see ``_run_listeners``)."""
+        if _trace.active is not None:
+            _trace.completed(self, event, None)
+        elif event is not None:
+            event.set()
+        return None if listeners is None else (self, listeners)
 
     def _try_complete(
         self,
@@ -674,16 +735,21 @@ class CudaFuture(Generic[T]):
         records: tuple[EventRecord, ...] = (),
         keep: object = None,
         traceback: TracebackType | None = None,
-    ) -> None:
+        later: bool = False,
+    ) -> Pending | None:
         """Complete unless already completed (a consumer may cancel a child)."""
-        try:  # noqa: SIM105 - contextlib.suppress costs a µs on this hot path
-            self._complete(state, value, exception, records, keep, traceback)
+        try:
+            return self._complete(state, value, exception, records, keep, traceback, later)
         except InvalidStateError:
-            pass
+            return None
 
     def _try_fail(self, exception: BaseException) -> None:
         """Fail with an exception just caught (its traceback is its own)."""
         self._try_complete(_FAILED, None, exception, (), None, exception.__traceback__)
+
+    def _fail_later(self, exception: BaseException) -> Pending | None:
+        """:meth:`_try_fail`, leaving the listeners to the caller."""
+        return self._try_complete(_FAILED, None, exception, (), None, exception.__traceback__, True)
 
     def _succeeded(self) -> bool:
         """Set, and none of its events has reported an error so far."""
@@ -696,7 +762,7 @@ class CudaFuture(Generic[T]):
         keep: object = None,
         *,
         gather: bool = False,
-    ) -> None:
+    ) -> Pending | None:
         """Complete this future with what its completed ``parents`` came to.
 
         The one way a future takes another's outcome (a ``then()`` child, a
@@ -716,41 +782,82 @@ class CudaFuture(Generic[T]):
         it keeps ``keep`` and the parents (so what they keep) alive until its
         events complete. A future already completed (a consumer cancelled it)
         stays as it is.
+
+        Returns this future's listeners, for the caller to run (see
+        ``_run_listeners``): it is called by listeners.
         """
         for parent in parents:
             state = parent._state
             assert state is not _PENDING, "a parent must be completed first"
             if state is _CANCELLED:
-                self.cancel()
-                return
+                return self._cancel_later()
             if state is _FAILED:
                 parent._retrieved = True
-                self._try_complete(_FAILED, None, parent._exception, (), None, parent._traceback)
-                return
+                return self._try_complete(_FAILED, None, parent._exception, (), None, parent._traceback, True)
             error = first_error(parent._records)
             if error is not None:
-                self._try_complete(_FAILED, None, error)
-                return
+                return self._try_complete(_FAILED, None, error, (), None, None, True)
         if not gather:
             (parent,) = parents
-            self._try_complete(_SET, parent._value, None, parent._records + records, (keep, parent))
-            return
+            return self._try_complete(
+                _SET, parent._value, None, parent._records + records, (keep, parent), None, True
+            )
         # The same record may be shared (a future gathered twice, followers).
         shared = tuple({id(r): r for p in parents for r in p._records}.values())
         value = [p._value for p in parents]
-        self._try_complete(_SET, value, None, shared + records, (keep, tuple(parents)))
+        return self._try_complete(_SET, value, None, shared + records, (keep, tuple(parents)), None, True)
 
     def _follow(
         self, other: CudaFuture[Any], records: tuple[EventRecord, ...] = (), keep: object = None
-    ) -> None:
-        """Complete this future like ``other`` once it is set, plus ``records``."""
-        other._on_set(lambda: self._take_outcome((other,), records, keep))
+    ) -> Pending | None:
+        """Complete this future like ``other`` once it is set, plus ``records``.
+
+        Fails it with :class:`InvalidStateError` instead if ``other`` is this
+        future or waits on it: it would wait on itself for ever. Returns what
+        is left to run if ``other`` is completed already (see
+        ``_run_listeners``).
+        """
+        with _follow_lock:  # two follows closing one cycle cannot both miss it
+            if _waits_on(other, self):
+                error = InvalidStateError(
+                    "fn returned a CudaFuture that is, or waits on (through then() parents, "
+                    "followed futures or gather() inputs), the very future fn's result "
+                    "completes (its then() child): that future would wait on itself for ever; "
+                    "return a value, or a future that does not depend on it"
+                )
+                return self._fail_later(error)
+            with self._lock:
+                if self._state is _PENDING:
+                    self._keep = other  # what it waits for (see __init__)
+
+        def take() -> Pending | None:
+            return self._take_outcome((other,), records, keep)
+
+        if other._listen(take):
+            return None
+        return take()  # completed already: the caller's loop runs what follows
+
+    def _wait_for(self, upstream: Sequence[CudaFuture[Any]]) -> None:
+        """Note, for a pending future made here, what it waits for (a
+        ``gather()``'s inputs; see ``_follow``)."""
+        self._keep = tuple(upstream)
 
     def _notify(self, event: threading.Event | None, listeners: list[Listener] | None) -> None:
         if event is not None:
             event.set()
-        for listener in listeners or ():
-            _call_listener(listener, self)
+        if listeners is not None:
+            _run_listeners(self, listeners)
+
+    def _listen(self, listener: Listener) -> bool:
+        """Add ``listener`` if this future is pending; False if it is completed."""
+        with self._lock:
+            if self._state is _PENDING:
+                if self._listeners is None:
+                    self._listeners = [listener]
+                else:
+                    self._listeners.append(listener)
+                return True
+        return False
 
     def _on_set(self, listener: Listener) -> None:
         """Run ``listener`` once set (or failed/cancelled): now, or in the
@@ -758,8 +865,9 @@ class CudaFuture(Generic[T]):
         with self._lock:
             if self._state is _PENDING:
                 if self._listeners is None:
-                    self._listeners = []
-                self._listeners.append(listener)
+                    self._listeners = [listener]
+                else:
+                    self._listeners.append(listener)
                 return
         _call_listener(listener, self)
 
@@ -835,7 +943,10 @@ class CudaFuture(Generic[T]):
     def __del__(self) -> None:
         if sys.is_finalizing():
             return
-        state = self._state
+        try:
+            state = self._state
+        except AttributeError:  # __init__ never ran: CudaFuture(...) refused its arguments
+            return
         if state is _FAILED and not self._retrieved:
             exc = self._exception
             assert exc is not None
@@ -910,32 +1021,127 @@ def _short(value: object) -> str:
         shape, dtype = getattr(value, "shape", "?"), getattr(value, "dtype", "?")
         text = f"{type(value).__name__}(shape={shape}, dtype={dtype})"
     else:
-        text = repr(value)
+        try:
+            text = repr(value)
+        except RecursionError:  # a value nested thousands deep: repr() recurses
+            text = f"<{type(value).__name__} nested too deep to show>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+#: What a callback may raise that must reach the user, not a log.
+_INTERRUPTS: Final = (KeyboardInterrupt, SystemExit)
+
+
+def _run_listeners(future: CudaFuture[Any], listeners: list[Listener]) -> None:
+    """Run the listeners of a just-completed ``future``, and, in a loop, the
+    listeners of every future they complete, depth first: the order the
+    calls would nest in, without the recursion (a chain of any length).
+
+    No listener's exception stops the others. ``KeyboardInterrupt`` and
+    ``SystemExit`` (the first one) are raised again once all have run, in
+    this thread; any other exception is logged (a then() ``fn``'s own
+    exceptions never come here: its child stores them).
+    """
+    interrupt: BaseException | None = None
+    for listener in listeners:
+        try:
+            more = listener()
+        except BaseException as exc:  # noqa: BLE001 - no listener may strand the others
+            interrupt = _listener_raised(future, exc, interrupt)
+            continue
+        if more is not None:
+            interrupt = _run_pending(more, interrupt)
+    if interrupt is not None:
+        raise interrupt
+
+
+def _run_pending(pending: Pending, interrupt: BaseException | None) -> BaseException | None:
+    """The loop of :func:`_run_listeners`, for what a listener handed back."""
+    stack = [(pending[0], iter(pending[1]))]
+    while stack:
+        future, listeners = stack[-1]
+        for listener in listeners:
+            try:
+                more = listener()
+            except BaseException as exc:  # noqa: BLE001 - see _run_listeners
+                interrupt = _listener_raised(future, exc, interrupt)
+                continue
+            if more is not None:
+                stack.append((more[0], iter(more[1])))
+                break
+        else:
+            stack.pop()
+    return interrupt
+
+
+def _listener_raised(
+    future: CudaFuture[Any], exc: BaseException, interrupt: BaseException | None
+) -> BaseException | None:
+    """The interrupt to raise once every listener ran: the first one."""
+    if interrupt is None and isinstance(exc, _INTERRUPTS):
+        return exc
+    logger.error("cudafut: exception while completing %r", future, exc_info=exc)
+    return interrupt
+
+
 def _call_listener(listener: Listener, future: CudaFuture[Any]) -> None:
+    """Run one listener of a completed future now (and what it hands back)."""
     try:
-        listener()
+        more = listener()
+    except _INTERRUPTS:
+        raise  # in the thread of the call that added it: the user's
     except Exception as exc:  # noqa: BLE001 - reported, not swallowed
         logger.error("cudafut: exception while completing %r", future, exc_info=exc)
+        return
+    if more is not None:
+        _run_listeners(*more)
+
+
+#: Held while a follow is checked and noted, so that two follows closing one
+#: cycle in two threads cannot both miss it.
+_follow_lock: Final = threading.Lock()
+
+
+def _waits_on(start: CudaFuture[Any], target: CudaFuture[Any]) -> bool:
+    """Whether ``start`` is ``target`` or waits on it: through the pending
+    futures' ``then()`` parents, followed futures and ``gather()`` inputs
+    (see ``CudaFuture.__init__``). Costs a lock per pending future passed:
+    nothing but one lock when ``start`` is completed already."""
+    todo = [start]
+    seen: set[int] = set()
+    while todo:
+        fut = todo.pop()
+        if fut is target:
+            return True
+        if id(fut) in seen:
+            continue
+        seen.add(id(fut))
+        with fut._lock:
+            if fut._state is not _PENDING:
+                continue
+            upstream = fut._keep
+        if isinstance(upstream, CudaFuture):
+            todo.append(upstream)
+        elif isinstance(upstream, tuple):
+            todo.extend(up for up in upstream if isinstance(up, CudaFuture))
+    return False
 
 
 def _run_then(
     parent: CudaFuture[Any], fn: Callable[[Any], Any], priority: int, child: CudaFuture[Any]
-) -> None:
-    """Run a then() callback; called once ``parent`` is completed, in any thread."""
+) -> Pending | None:
+    """Run a then() callback; called once ``parent`` is completed, in any
+    thread. Returns the child's listeners, for the caller's loop."""
     if not parent._succeeded():
-        child._take_outcome((parent,))  # cancelled or failed: fn is not called
-        return
+        return child._take_outcome((parent,))  # cancelled or failed: fn is not called
     try:
         streams = _then_streams(parent, priority)
         # The child keeps the value until its own events complete; fn may also
         # queue work on these streams that outlives them.
         _record_consumers(parent._value, streams, untracked=False)
-        _settle(child, fn, (parent._value,), {}, streams, parent._value)
+        return _settle_later(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
-        child._try_fail(exc)
+        return child._fail_later(exc)
 
 
 def _then_streams(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:
@@ -972,7 +1178,23 @@ def _settle(
     keep: object,
 ) -> None:
     """Run ``fn`` with ``streams`` current (the first one's device current
-    too), then complete ``fut`` from what it returned."""
+    too), then complete ``fut`` from what it returned, and run what waits on
+    ``fut``. ``KeyboardInterrupt`` and ``SystemExit`` from ``fn`` fail
+    ``fut`` and are raised again."""
+    more = _settle_later(fut, fn, args, kwargs, streams, keep)
+    if more is not None:
+        _run_listeners(*more)
+
+
+def _settle_later(
+    fut: CudaFuture[Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    streams: Mapping[int, Any],
+    keep: object,
+) -> Pending | None:
+    """:func:`_settle`, returning ``fut``'s listeners for the caller's loop."""
     if _trace.active is not None:
         fn = _trace.timed_fn(fut, fn, streams)
     torch = _torch.loaded()
@@ -983,19 +1205,41 @@ def _settle(
             out = _cuda.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
         else:  # the pool streams are PyTorch's current streams too
             out = _torch.call_on_streams(torch, streams, fn, args, kwargs, keep)
-    except Exception as exc:  # noqa: BLE001 - the future carries it
+    except _INTERRUPTS as exc:
+        # The child's consumers must not wait for ever: fail it (and run what
+        # waits on it) now; the interrupt then goes on up to the thread's
+        # caller, after the other listeners (_run_listeners), as asyncio's
+        # tasks do. Raised to the user: not logged again as unretrieved.
         fut._try_fail(exc)
-        return
+        fut._retrieved = True
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the future carries it, type kept
+        return fut._fail_later(exc)
+    if not isinstance(out, CudaFuture):
+        try:  # arrays fn made with other libraries (JAX): docs/design.md, hazard 9
+            order_foreign(out, lambda d: (int(streams[d].ptr), d) if d in streams else current_consumer(d))
+        except ValueError as exc:
+            return fut._fail_later(exc)
     records = tuple(_events.record(int(s.ptr), d) for d, s in streams.items())
     if isinstance(out, CudaFuture):
-        fut._follow(out, records, keep)
-        return
+        return fut._follow(out, records, keep)
     # Arrays fn placed on other devices were made on those devices' streams.
     if torch is None:
         records += tuple(_events.record_current(d) for d in find_devices(out) if d not in streams)
     else:
         records += _torch.record_value(torch, out, None, skip=streams)
-    fut._try_complete(_SET, out, None, records, keep)
+    return fut._try_complete(_SET, out, None, records, keep, None, True)
+
+
+def _onto(devices: tuple[int, ...]) -> Callable[[int], tuple[int, int]]:
+    """For ``set_result()`` with ``devices`` given: an array is ordered
+    before the current stream of its device if that is one of them, else
+    of the first (the only streams recorded on)."""
+
+    def consumer(device: int) -> tuple[int, int]:
+        return current_consumer(device if device in devices else devices[0])
+
+    return consumer
 
 
 def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T]:
@@ -1018,16 +1262,24 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         out = cudafut.record(v + 1)  # v may be dropped now
         out2 = cudafut.record(torch_op(t), keep=t)  # keep a torch input alive
 
+    Arrays of other libraries in ``value`` are ordered before the stream
+    recorded on first (JAX's by DLPack, Numba's by their stream:
+    docs/interop.md, "Work queued by other libraries").
+
     Raises:
-        ValueError: no ``stream`` and ``value`` holds no GPU array.
+        ValueError: no ``stream`` and ``value`` holds no GPU array; or
+            ``value`` holds an array whose producer cannot be ordered.
     """
     _cuda.check_usable()
     if stream is None:
+        order_foreign(value)  # docs/design.md, hazard 9
         torch = _torch.loaded()
         if torch is None:
             records = tuple(_events.record_current(d) for d in find_devices(value))
         else:  # torch tensors are recorded on PyTorch's current streams
             records = _torch.record_value(torch, value, None)
+        if not records:  # under cudafut.testing's fake: its current device
+            records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
         if not records:
             raise ValueError(
                 f"record() got a value on no GPU ({type(value).__name__}); pass "
@@ -1035,6 +1287,7 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
             )
     else:
         ptr, device = _cuda.stream_handle(stream)
+        order_foreign(value, lambda _d: (ptr, device))
         records = (_events.record(ptr, device),)
     return set_future(value, records, keep)
 
@@ -1046,6 +1299,18 @@ def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) 
     fut: CudaFuture[T] = CudaFuture()
     fut._complete(_SET, value, None, records, keep)
     return fut
+
+
+def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
+    """The event records of a set future (none while pending, failed or
+    cancelled): for cudafut.testing, which completes them."""
+    return fut._records
+
+
+def when_set(fut: CudaFuture[Any], fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once ``fut`` is set, failed or cancelled: now, or in the
+    thread that completes it (an exception from ``fn`` is logged)."""
+    fut._on_set(fn)
 
 
 def complete_future(
@@ -1083,7 +1348,8 @@ def submit(
     ``fn`` runs synchronously in the calling thread with a pool stream of
     ``device`` (default: the current device) made current. That stream first
     waits for the work already enqueued on the caller's current stream, so
-    ``fn`` sees inputs the caller produced. The future's events are recorded
+    ``fn`` sees inputs the caller produced (other libraries' arrays among
+    ``args`` are ordered before it as :func:`record` orders them). The future's events are recorded
     on the pool stream after ``fn`` returns; an exception from ``fn`` is
     stored in the future. The future keeps ``args`` and ``kwargs`` alive until
     its events complete. Host cost: ``fn`` plus a few µs; the GPU is not
@@ -1095,6 +1361,7 @@ def submit(
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
     _events.record_current(dev).wait_on(int(stream.ptr), dev)
+    order_foreign((args, kwargs), lambda _d: (int(stream.ptr), dev))  # and for JAX's streams
     torch = _torch.loaded()
     if torch is not None:  # and for what it enqueued with torch
         _torch.follow_current(torch, dev, int(stream.ptr))
@@ -1102,3 +1369,30 @@ def submit(
     fut: CudaFuture[Any] = CudaFuture()
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut
+
+
+def settle_launched(
+    fut: CudaFuture[Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    streams: Mapping[int, Any],
+) -> None:
+    """For :func:`cudafut.launch`, on a launcher thread: run ``fn`` with
+    ``streams`` current and complete ``fut`` from it, as :func:`submit`
+    does; ``args`` and ``kwargs`` are consumed on ``streams`` and kept alive
+    until ``fut``'s events complete."""
+    keep = (args, kwargs)
+    try:  # other libraries' arrays among the arguments, as submit() orders them
+        order_foreign(keep, lambda d: (int(streams[d].ptr), d) if d in streams else current_consumer(d))
+    except Exception as exc:  # noqa: BLE001 - the future carries it
+        fut._try_fail(exc)
+        return
+    _record_consumers(keep, streams, untracked=False)
+    _settle(fut, fn, args, kwargs, streams, keep)
+
+
+def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
+    """Fail a pending future with an exception just caught (a producer
+    outside this module: a launcher thread); a completed one stays as is."""
+    fut._try_fail(exception)

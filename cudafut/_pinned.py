@@ -21,6 +21,7 @@ copy into it is still running cannot hand its memory to someone else.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import sys
@@ -39,6 +40,12 @@ _PAGE: Final = 4096
 _LARGE: Final = 16 << 20
 # cudaHostAllocPortable: pinned for every CUDA context, so any device can use it.
 _PORTABLE: Final = 1
+# cudaErrorMemoryAllocation: cudaHostAlloc could not pin that much.
+_OUT_OF_MEMORY: Final = 2
+#: The most dimensions a NumPy array may have (64 in NumPy 2, 32 before).
+_MAX_DIMS: Final = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+#: The largest array, in bytes, that NumPy (and the address space) allows.
+_MAX_BYTES: Final = int(np.iinfo(np.intp).max)
 
 
 def size_class(nbytes: int) -> int:
@@ -135,7 +142,8 @@ class PinnedPool:
         self.cached = 0  # bytes of blocks waiting in the free lists
         self.blocks_in_use = 0
         self.host_allocs = 0  # cudaHostAlloc calls since the start
-        self.failures = 0  # requests refused for the limit
+        self.failures = 0  # requests refused: the limit, or CUDA could not pin more
+        self.pin_failures = 0  # ... of them, cudaHostAlloc out of memory
 
     @property
     def limit(self) -> int:
@@ -149,7 +157,12 @@ class PinnedPool:
             self._trim(nbytes - self.in_use)
 
     def take(self, nbytes: int) -> Allocation | None:
-        """A block of at least ``nbytes``, or None past the limit."""
+        """A block of at least ``nbytes``, or None past the limit or when
+        CUDA cannot pin that much more (``cudaErrorMemoryAllocation``).
+
+        Raises:
+            CudaError: ``cudaHostAlloc`` failed otherwise.
+        """
         size = size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
@@ -168,10 +181,19 @@ class PinnedPool:
         if ptr == 0:
             try:
                 ptr = int(_cuda.runtime().hostAlloc(size, _PORTABLE))
-            except BaseException:
+            except BaseException as exc:
                 with self._lock:
                     self.in_use -= size
                     self.blocks_in_use -= 1
+                    if getattr(exc, "status", None) == _OUT_OF_MEMORY:
+                        # The machine cannot pin that much: refused as past
+                        # the limit (to_host then copies into pageable memory).
+                        self.failures += 1
+                        self.pin_failures += 1
+                        return None
+                status = getattr(exc, "status", None)
+                if isinstance(status, int):
+                    raise _cuda.cuda_error(status) from exc
                 raise
             with self._lock:
                 self.host_allocs += 1
@@ -266,15 +288,38 @@ def check_shape(shape: object) -> tuple[int, ...]:
         if d < 0:
             raise ValueError(f"shape must not have negative dimensions: {shape!r}")
         out.append(operator.index(d))
+    if len(out) > _MAX_DIMS:
+        raise ValueError(f"a NumPy array has at most {_MAX_DIMS} dimensions, not {len(out)}")
     return tuple(out)
+
+
+def check_size(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+    """The bytes an array of ``shape`` and ``dtype`` takes, computed exactly.
+
+    Raises:
+        ValueError: more than any array can hold (the address space: about
+            9.2e18 bytes on 64-bit machines), whatever memory is free.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _MAX_BYTES or (dtype.itemsize == 0 and math.prod(shape) > _MAX_BYTES):
+        raise ValueError(
+            f"an array of shape {shape} and dtype {dtype} would take {nbytes} bytes, more than any "
+            f"array can hold ({_MAX_BYTES} bytes); check the shape"
+        )
+    return nbytes
 
 
 def host_array(
     shape: tuple[int, ...], dtype: np.dtype[Any]
 ) -> tuple[np.ndarray[Any, Any], HostBuffer] | None:
     """A C-contiguous array in pinned memory from the pool, and its buffer
-    (to set the guard on); None past the pool's limit."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    (to set the guard on); None past the pool's limit, or when CUDA cannot
+    pin that much.
+
+    Raises:
+        ValueError: larger than any array can be (:func:`check_size`).
+    """
+    nbytes = check_size(shape, dtype)
     allocation = pool.take(max(nbytes, 1))
     if allocation is None:
         return None
@@ -299,9 +344,14 @@ def empty_pinned(shape: int | Sequence[int], dtype: Any = float) -> np.ndarray[A
     Raises:
         TypeError: ``shape`` is not an int or a sequence of ints, or
             ``dtype`` is not a NumPy dtype.
-        ValueError: a negative dimension.
-        MemoryError: the pool's limit (:func:`set_pinned_limit`) would be
-            exceeded; drop arrays you no longer need, or raise the limit.
+        ValueError: a negative dimension, more than NumPy's 64 dimensions,
+            or a size no array can have (over 2**63 bytes), checked before
+            CUDA is touched.
+        MemoryError: the array would not fit: the pool's limit
+            (:func:`set_pinned_limit`) would be exceeded, or CUDA cannot pin
+            that much memory (``cudaHostAlloc`` out of memory); drop pinned
+            arrays you no longer need, or raise the limit.
+        CudaError: ``cudaHostAlloc`` failed otherwise.
         CudaUnavailableError: CUDA cannot be used here.
     """
     dims = check_shape(shape)
@@ -309,15 +359,25 @@ def empty_pinned(shape: int | Sequence[int], dtype: Any = float) -> np.ndarray[A
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"dtype must be a NumPy dtype, not {dtype!r}") from exc
+    except ValueError as exc:
+        raise ValueError(f"dtype {dtype!r} is not a valid NumPy dtype: {exc}") from exc
     if dt.hasobject:
         raise TypeError("pinned memory cannot hold Python objects (dtype=object)")
+    nbytes = check_size(dims, dt)
     _cuda.check_usable()
+    pin_failures = pool.pin_failures
     made = host_array(dims, dt)
     if made is None:
         limit, in_use, *_ = pool.counts()
+        if pool.pin_failures != pin_failures:
+            raise MemoryError(
+                f"CUDA could not pin {nbytes} bytes of host memory (cudaHostAlloc: out of memory; "
+                f"cudafut holds {in_use} bytes pinned): drop pinned arrays you no longer need, or "
+                "lower the size"
+            )
         raise MemoryError(
-            f"cudafut's pinned memory limit ({limit} bytes) would be exceeded: {in_use} bytes are in "
-            "use; drop pinned arrays you no longer need, or raise the limit with "
-            "cudafut.set_pinned_limit()"
+            f"{nbytes} bytes of pinned memory would exceed cudafut's pinned memory limit ({limit} "
+            f"bytes): {in_use} bytes are in use; drop pinned arrays you no longer need, or raise the "
+            "limit with cudafut.set_pinned_limit()"
         )
     return made[0]

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
+from . import _checks
 from ._log import logger
 
 if TYPE_CHECKING:
@@ -85,14 +86,9 @@ _WARM_S: Final = 200e-6
 _MAX_STREAMS: Final = 4096
 
 
-def _number(owner: str, name: str, value: object) -> float:
-    """The one rule for numeric arguments: a real number (``TypeError``
-    otherwise, bools included), never NaN (``ValueError``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}{name} must be a number, not {value!r}")
-    if math.isnan(value):
-        raise ValueError(f"{owner}{name} must be a number, not NaN")
-    return float(value)
+#: The longest sleep a waiter can take: ``threading`` refuses longer waits
+#: (``OverflowError``), and a timerfd takes nanoseconds in 64 bits.
+MAX_SLEEP_LIMIT_S: Final = _checks.NO_LIMIT
 
 
 @dataclass(frozen=True)
@@ -123,11 +119,16 @@ class WaitPolicy:
         cpu_budget: for predicted work, the largest share of the wait that
             may be spent spinning before the expected end (0 to 1).
 
+    Every number may be any real number (NumPy scalars and ``Fraction``
+    included, bools not).
+
     Raises:
         TypeError: a field that is not a number (``predict``: not a bool).
-        ValueError: a negative or NaN number, ``first_sleep_s`` not in
-            ``(0, max_sleep_s]``, an infinite ``max_sleep_s``, or a
-            ``cpu_budget`` over 1.
+        ValueError: a negative or NaN number, one too large for a float (an
+            ``int`` beyond 1.8e308: use ``math.inf`` for ``spin_s``),
+            ``first_sleep_s`` not in ``(0, max_sleep_s]``, a ``max_sleep_s``
+            longer than a thread can sleep (``threading.TIMEOUT_MAX``, about
+            292 years; infinite included), or a ``cpu_budget`` over 1.
     """
 
     spin_s: float = 100e-6
@@ -137,18 +138,29 @@ class WaitPolicy:
     cpu_budget: float = 0.05
 
     def __post_init__(self) -> None:
+        values = {}
         for name in ("spin_s", "first_sleep_s", "max_sleep_s", "cpu_budget"):
-            value = _number("WaitPolicy.", name, getattr(self, name))
+            value = values[name] = _checks.real_number(getattr(self, name), f"WaitPolicy.{name}")
             if value < 0:
-                raise ValueError(f"WaitPolicy.{name} must not be negative, not {value!r}")
+                raise ValueError(f"WaitPolicy.{name} must not be negative, not {getattr(self, name)!r}")
+            # Plain floats for the waiters' arithmetic (a Fraction or NumPy
+            # scalar would slow every plan down, or change its types).
+            object.__setattr__(self, name, value)
         if not isinstance(self.predict, bool):
             raise TypeError(f"WaitPolicy.predict must be True or False, not {self.predict!r}")
-        if not 0 < self.first_sleep_s <= self.max_sleep_s < math.inf:
+        first, most = values["first_sleep_s"], values["max_sleep_s"]
+        if not 0 < first <= most < math.inf:
             raise ValueError(
                 "WaitPolicy needs 0 < first_sleep_s <= max_sleep_s < inf, got "
                 f"first_sleep_s={self.first_sleep_s!r}, max_sleep_s={self.max_sleep_s!r}"
             )
-        if self.cpu_budget > 1:
+        if most > MAX_SLEEP_LIMIT_S:
+            raise ValueError(
+                f"WaitPolicy.max_sleep_s={self.max_sleep_s!r} is longer than a thread can sleep "
+                f"({MAX_SLEEP_LIMIT_S:g} s, threading.TIMEOUT_MAX); it bounds how late a completion "
+                "is noticed: a few ms is usual"
+            )
+        if values["cpu_budget"] > 1:
             raise ValueError(f"WaitPolicy.cpu_budget is a share of the wait, 0 to 1, not {self.cpu_budget!r}")
 
 

@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from . import _cuda
@@ -217,14 +217,34 @@ class TaskStreamPool:
             }
 
 
-events: Final = EventPool()
-streams: Final = StreamPool()
+# Not Final: cudafut.testing's fake CUDA gets pools of its own (_swap_pools).
+events = EventPool()
+streams = StreamPool()
 #: Streams of cudafut's copies (to_device, to_host) that name no stream: apart
 #: from the compute pool, so a copy never queues behind an unrelated kernel
 #: that round-robin put on the same stream.
-copy_streams: Final = StreamPool(COPY_STREAMS_PER_POOL)
+copy_streams = StreamPool(COPY_STREAMS_PER_POOL)
 #: The streams of tasks (cudafut.task_stream(), @own_stream).
-task_streams: Final = TaskStreamPool()
+task_streams = TaskStreamPool()
+
+
+def _swap_pools(backend: object) -> Callable[[], None]:
+    """Fresh pools while another backend (cudafut.testing's fake) is
+    installed: a stream or event of one backend is meaningless to the
+    other. The previous pools come back with the previous backend."""
+    global events, streams, copy_streams, task_streams
+    saved = (events, streams, copy_streams, task_streams)
+    events, streams = EventPool(), StreamPool()
+    copy_streams, task_streams = StreamPool(COPY_STREAMS_PER_POOL), TaskStreamPool()
+
+    def restore() -> None:
+        global events, streams, copy_streams, task_streams
+        events, streams, copy_streams, task_streams = saved
+
+    return restore
+
+
+_cuda.on_swap(_swap_pools)
 
 
 def statistics() -> PoolStatistics:

@@ -7,7 +7,8 @@ CuPy, nvtx), whether event-loop waiters can sleep on a timerfd, and the wait
 policy in force; and, when CUDA cannot be used, why and how to fix it.
 
 Nothing here is imported by ``import cudafut``; the benchmarks reuse
-:func:`nvidia_driver_version` for their metadata.
+:func:`nvidia_driver_version` for their metadata, and the examples and
+``python -m cudafut bench`` start with :func:`require_gpu`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -259,3 +261,49 @@ def lines(check: dict[str, Any]) -> list[str]:
     pol = check["policy"]
     row("wait policy", (f"{pol['name']}: " if pol["name"] else "custom: ") + pol["repr"])
     return out
+
+
+def failure_lines(problem: str, fix: list[str]) -> list[str]:
+    """What ``python -m cudafut`` prints when no GPU is usable: the reason,
+    then what to do."""
+    out = [f"cudafut cannot use a GPU here: {problem}"]
+    if fix:
+        out.append("To fix it:")
+        out.extend(f"  - {line}" for line in fix)
+    return out
+
+
+def unusable() -> list[str] | None:
+    """None when cudafut can use CUDA here (a flag test once CUDA is
+    initialised); otherwise the lines :func:`failure_lines` makes of the
+    self-check (which takes up to a few seconds: it asks the driver, CuPy,
+    and perhaps ``nvidia-smi``)."""
+    try:
+        _cuda.device_count()
+    except CudaUnavailableError:
+        pass
+    except Exception:  # noqa: BLE001 - a broken CuPy install: the self-check says what
+        pass
+    else:
+        return None
+    check = gather()
+    if check["usable"]:
+        return None
+    return failure_lines(check["problem"] or "CUDA is unusable", check["fix"])
+
+
+def require_gpu() -> None:
+    """Exit with status 1 and the self-check's reason and fix (what
+    ``python -m cudafut`` says), without a traceback, unless cudafut can use
+    CUDA here; return at once (a flag test) when it can.
+
+    For scripts that need a GPU (the examples, ``python -m cudafut bench``):
+    call it first, before CuPy is used, so that a machine without a GPU gets
+    a message instead of CuPy's traceback.
+    """
+    lines = unusable()
+    if lines is None:
+        return
+    print("\n".join(lines), file=sys.stderr)
+    print("(python -m cudafut checks this machine and says more)", file=sys.stderr)
+    raise SystemExit(1)

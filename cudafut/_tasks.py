@@ -147,10 +147,11 @@ def task_stream(device: int | None = None) -> Any:
     started from it, are gone.
 
     Raises:
-        ValueError, TypeError: ``device`` is not a device index.
+        TypeError: ``device`` is not an int.
+        ValueError: ``device`` is negative, or not below the device count.
         CudaUnavailableError: CUDA cannot be used here.
     """
-    device = _cuda.current_device() if device is None else _cuda.check_device_argument(device)
+    device = _cuda.current_device() if device is None else _cuda.check_device(device)
     return _state_of_task().stream(device)
 
 
@@ -265,6 +266,10 @@ def use_stream(stream: Any) -> Iterator[Any]:
 
     Raises:
         TypeError: ``stream`` is not a stream.
+        ValueError: its handle is at an address where nothing is mapped
+            (not a stream of this process: CUDA would crash on it; a
+            handle into mapped memory that is no live stream cannot be
+            checked, docs/interop.md).
         RuntimeError: called in a task that does not run on its own stream:
             CuPy's current stream belongs to the thread, and could not follow
             the task across an ``await``. Decorate the coroutine with
@@ -344,6 +349,22 @@ def _bind() -> Callable[[int], Any]:
     get: Callable[[int], Any] = _cuda.cupy().cuda.get_current_stream
     _get_current_stream = get
     return get
+
+
+def _swap_binding(backend: object) -> Callable[[], None]:
+    """Under cudafut.testing's fake CUDA, own_stream binds again (and
+    fails: the fake has no CuPy) instead of using CuPy's real streams."""
+    global _get_current_stream
+    saved, _get_current_stream = _get_current_stream, None
+
+    def restore() -> None:
+        global _get_current_stream
+        _get_current_stream = saved
+
+    return restore
+
+
+_cuda.on_swap(_swap_binding)
 
 
 def _restore(saved: _Saved) -> None:

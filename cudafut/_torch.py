@@ -87,6 +87,26 @@ def loaded() -> Any:
     return known[1]
 
 
+def _not_loaded() -> Any:
+    return None
+
+
+def _swap_loaded(backend: object) -> Callable[[], None]:
+    """Under cudafut.testing's fake CUDA, PyTorch's streams are not the
+    fake's: cudafut leaves torch alone (``loaded()`` says None)."""
+    global loaded
+    saved, loaded = loaded, _not_loaded
+
+    def restore() -> None:
+        global loaded
+        loaded = saved
+
+    return restore
+
+
+_cuda.on_swap(_swap_loaded)
+
+
 def pool_stream(torch: Any, handle: int, device: int) -> Any:
     """A ``torch.cuda.ExternalStream`` over one of cudafut's pool streams
     (made once: pool streams live as long as the process)."""
@@ -187,9 +207,10 @@ def call_on_streams(
 
 
 def follow_current(torch: Any, device: int, stream: int) -> None:
-    """For ``submit()``: ``stream`` (a pool stream of ``device``) waits for
-    what the caller enqueued on PyTorch's current stream, where that is not
-    CuPy's current stream (which ``stream`` waited for already)."""
+    """For ``submit()`` and ``to_host(tensor)``: ``stream`` (a pool or copy
+    stream of ``device``) waits for what the caller enqueued on PyTorch's
+    current stream, where that is not CuPy's current stream (which
+    ``stream`` waited for already)."""
     handle = current_handle(torch, device)
     if handle != int(_cuda.current_stream(device).ptr):
         _events.record(handle, device).wait_on(stream, device)

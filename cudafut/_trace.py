@@ -24,6 +24,7 @@ library runs them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import itertools
 import json
@@ -38,7 +39,7 @@ from pathlib import Path
 from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-from . import _cuda, _events, _pools
+from . import _checks, _cuda, _events, _pools
 from ._log import logger
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class _CudaTiming:
 
     def usable(self) -> bool:
         """Whether CUDA is initialised in this process (records exist only then)."""
-        return _cuda._rt is not None and not _cuda.forked
+        return _cuda.initialised()
 
     def acquire(self, device: int) -> int:
         try:
@@ -972,8 +973,14 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     text = '{"traceEvents":[\n' + ",\n".join(lines) + "\n],\n"
     text += json.dumps(rest, ensure_ascii=False, indent=1)[1:].lstrip("\n") + "\n"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk, a directory at ``path``, Ctrl-C: leave nothing behind.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 # -- the public face ---------------------------------------------------------------------------
@@ -995,8 +1002,8 @@ class Trace:
 
     Raises:
         TypeError: ``path`` is neither a path nor None; ``nvtx`` or
-            ``gpu_timing`` neither None nor a bool.
-        ValueError: ``timeout`` is negative or not a number.
+            ``gpu_timing`` neither None nor a bool; ``timeout`` not a real number.
+        ValueError: ``timeout`` is negative or NaN (huge means no limit).
     """
 
     def __init__(
@@ -1009,8 +1016,7 @@ class Trace:
     ) -> None:
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"trace() needs a file path (str or os.PathLike) or None, not {path!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise ValueError(f"trace(timeout=...) must be a non-negative number of seconds, not {timeout!r}")
+        seconds = _checks.timeout_seconds(timeout, "trace(timeout=...)")
         if nvtx is not None and not isinstance(nvtx, bool):
             raise TypeError(f"trace(nvtx=...) must be None, True or False, not {nvtx!r}")
         if gpu_timing is not None and not isinstance(gpu_timing, bool):
@@ -1018,7 +1024,7 @@ class Trace:
         #: Where the file is written (None: no file, :attr:`events` only).
         self.path: Path | None = None if path is None else Path(path)
         #: Seconds the exit waits at most for the traced GPU work.
-        self.timeout = float(timeout)
+        self.timeout = seconds
         #: The trace events, once written (a list of dicts, as in the file).
         self.events: list[dict[str, Any]] | None = None
         self._nvtx = nvtx
@@ -1201,8 +1207,8 @@ def trace(
 
     Raises:
         TypeError: ``path`` is neither a path nor None; ``nvtx`` or
-            ``gpu_timing`` not None or a bool.
-        ValueError: ``timeout`` is negative or not a number.
+            ``gpu_timing`` not None or a bool; ``timeout`` not a real number.
+        ValueError: ``timeout`` is negative or NaN (huge means no limit).
     """
     return Trace(path, timeout=timeout, nvtx=nvtx, gpu_timing=gpu_timing)
 

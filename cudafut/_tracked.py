@@ -29,7 +29,7 @@ from typing import Any, Final, Generic, TypeVar
 from . import _copies, _cuda, _events, _memory
 from ._events import EventRecord
 from ._future import CudaFuture
-from ._values import find_devices, gpu_arrays
+from ._values import find_devices, gpu_arrays, order_foreign
 
 __all__ = ["Tracked", "TrackingStatistics", "set_tracking"]
 
@@ -237,6 +237,7 @@ class Tracked(Generic[A]):
         if enabled and _tracking:
             # The work that made the array, queued on the current stream so
             # far, is its first writer: a block on another stream waits for it.
+            order_foreign(array)  # another library's work first (docs/design.md, hazard 9)
             self._writer = _events.record(_cuda.current_stream(self._device).ptr, self._device)
             self._counts[_RECORDED] = 1
 

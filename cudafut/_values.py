@@ -9,6 +9,10 @@ whose ``__dlpack_device__()`` names CUDA memory (``kDLCUDA`` = 2 or
 ``kDLCUDAManaged`` = 13; JAX arrays, recent NumPy-likes), on the device it
 names. Other leaves (numbers, strings, NumPy arrays, CPU tensors, None) live
 on no device.
+
+:func:`order_foreign` orders the work other libraries queued for a value's
+arrays (JAX's and Numba's streams) before the stream cudafut records on
+(docs/design.md, hazard 9).
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from . import _cuda
+from . import _cuda, _events
 
-__all__ = ["find_devices", "gpu_arrays", "normalize_devices", "placements"]
+__all__ = [
+    "current_consumer",
+    "find_devices",
+    "gpu_arrays",
+    "normalize_devices",
+    "order_foreign",
+    "placements",
+]
 
 #: DLPack device types of memory on a CUDA device: kDLCUDA, kDLCUDAManaged.
 DLPACK_CUDA: Final = (2, 13)
@@ -29,6 +40,13 @@ DLPACK_CUDA: Final = (2, 13)
 #: itself once known (a torch tensor, a DLPack device).
 Where = dict[str, object] | int
 Visit = Callable[[object, Where], object]
+#: The stream that will use a device's arrays: ``consumer(device)`` gives
+#: ``(cudaStream_t, the device of that stream)``.
+Consumer = Callable[[int], tuple[int, int]]
+
+#: The legacy default stream in the DLPack and CUDA array interface
+#: protocols, which do not allow 0 (CuPy's null stream is 0).
+_LEGACY: Final = 1
 
 
 def _tensor_type() -> type | None:
@@ -99,44 +117,72 @@ def gpu_arrays(value: object) -> list[object]:
 
 
 def _walk(value: object, visit: Visit, seen: set[int], tensor: type | None) -> None:
-    if isinstance(value, (list, tuple, dict)):  # named tuples included
-        if id(value) in seen:  # a container that holds itself
-            return
-        seen.add(id(value))
-        items = value.values() if isinstance(value, dict) else value
-        for item in items:
-            _walk(item, visit, seen, tensor)
-        return
-    if isinstance(value, (str, bytes, int, float, complex)) or value is None:
-        return
-    if type(value) is _ndarray:  # a CuPy array: no __cuda_array_interface__ dict
+    """Call ``visit(array, where)`` for every GPU array in ``value``, in order
+    of appearance, each container once (``seen``: their ids).
+
+    A loop over a stack of iterators, not a recursion: containers nested any
+    depth deep (thousands of lists in lists) cost memory, not the Python
+    stack. A lone CuPy array costs no stack at all.
+    """
+    if type(value) is _ndarray:  # the common case
         visit(value, value.data.device_id)  # type: ignore[attr-defined]
         return
+    items = _visit(value, visit, seen, tensor)
+    if items is None:
+        return
+    stack = [iter(items)]
+    while stack:
+        for item in stack[-1]:
+            items = _visit(item, visit, seen, tensor)
+            if items is not None:  # a container: its items first, then the rest
+                stack.append(iter(items))
+                break
+        else:
+            stack.pop()
+
+
+def _visit(value: object, visit: Visit, seen: set[int], tensor: type | None) -> Iterable[object] | None:
+    """Visit ``value`` if it is a GPU array; return its items if it is a
+    container not seen yet (list, tuple, dict, dataclass instance)."""
+    if isinstance(value, (list, tuple, dict)):  # named tuples included
+        if id(value) in seen:  # a container that holds itself
+            return None
+        seen.add(id(value))
+        return value.values() if isinstance(value, dict) else value
+    if isinstance(value, (str, bytes, int, float, complex)) or value is None:
+        return None
+    if type(value) is _ndarray:  # a CuPy array: no __cuda_array_interface__ dict
+        visit(value, value.data.device_id)  # type: ignore[attr-defined]
+        return None
     if tensor is not None and isinstance(value, tensor):
         # Before __cuda_array_interface__, which raises for a tensor that
         # requires grad (and costs a dict).
         if value.is_cuda:  # type: ignore[attr-defined]
             visit(value, value.get_device())  # type: ignore[attr-defined]
-        return
+        return None
     try:
         interface = value.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError:
         pass
     else:
+        if not isinstance(interface, dict):
+            raise TypeError(
+                f"{type(value).__name__}.__cuda_array_interface__ must be a dict (the CUDA Array "
+                f"Interface), not {type(interface).__name__}"
+            )
         visit(value, interface)
-        return
+        return None
     if hasattr(type(value), "__dataclass_fields__"):  # a dataclass instance
         if id(value) in seen:
-            return
+            return None
         seen.add(id(value))
-        for field in dataclasses.fields(value):  # type: ignore[arg-type]
-            _walk(getattr(value, field.name, None), visit, seen, tensor)
-        return
+        return [getattr(value, field.name, None) for field in dataclasses.fields(value)]  # type: ignore[arg-type]
     dlpack_device = getattr(value, "__dlpack_device__", None)
     if dlpack_device is not None:
         kind, index = dlpack_device()
         if kind in DLPACK_CUDA:
             visit(value, int(index))
+    return None
 
 
 def _device_of(value: object, where: Where) -> int:
@@ -153,6 +199,89 @@ def _device_of(value: object, where: Where) -> int:
     if not isinstance(ptr, int) or ptr == 0:  # an empty array owns no memory
         return _cuda.current_device()
     return _cuda.pointer_device(ptr)
+
+
+def current_consumer(device: int) -> tuple[int, int]:
+    """CuPy's current stream of ``device`` in the calling thread, as a
+    :data:`Consumer`: where ``set_result()`` and ``record()`` record."""
+    return int(_cuda.current_stream(device).ptr), device
+
+
+def order_foreign(value: object, consumer: Consumer = current_consumer) -> None:
+    """Order other libraries' work on the GPU arrays of ``value`` before the
+    stream ``consumer(device)`` of each array's device, so that an event
+    recorded there next, or a copy enqueued there, comes after that work
+    (docs/design.md, hazard 9).
+
+    CuPy arrays and torch tensors are skipped: cudafut records them on the
+    current streams their work was queued on (a type check; no walk for a
+    lone one). Every other GPU array is ordered by what it exports:
+
+    - a ``__cuda_array_interface__`` that names a ``stream`` (version 3:
+      Numba device arrays): an event recorded on that stream, which the
+      consumer stream waits on (``cudaStreamWaitEvent``; a few µs, nothing
+      if it is the consumer stream);
+    - else ``__dlpack__``: ``__dlpack__(stream=consumer stream)``, with which
+      the producer makes the consumer stream wait for its work, as the
+      DLPack protocol asks (JAX: a ``cudaStreamWaitEvent`` on the buffer's
+      definition events, no host wait); the capsule is dropped unused;
+    - else a ``__cuda_array_interface__`` without a stream: by that
+      protocol, its data may be used on any stream: nothing to do.
+
+    Blocks neither the GPU nor, for JAX, the host (a producer may wait for
+    its own work to be enqueued).
+
+    Raises:
+        ValueError: an array that cannot be ordered: its ``__dlpack__``
+            refused the stream (a producer without stream support, a JAX
+            array sharded over several devices, a deleted one), or it has
+            ``__dlpack_device__`` without ``__dlpack__``.
+    """
+    ndarray = _ndarray if _ndarray is not _Never else _cupy_ndarray()
+    if type(value) is ndarray:  # the common case: nothing to walk
+        return
+    tensor = _tensor_type()
+    if tensor is not None and isinstance(value, tensor):
+        return
+
+    def visit(array: object, where: Where) -> None:
+        if isinstance(array, ndarray) or (tensor is not None and isinstance(array, tensor)):
+            return
+        _order_one(array, where, consumer)
+
+    _walk(value, visit, set(), tensor)
+
+
+def _same_stream(a: int, b: int) -> bool:
+    return a == b or (a in (0, _LEGACY) and b in (0, _LEGACY))
+
+
+def _order_one(array: object, where: Where, consumer: Consumer) -> None:
+    device = _device_of(array, where)
+    stream, stream_device = consumer(device)
+    producer = where.get("stream") if isinstance(where, dict) else None
+    if isinstance(producer, int):
+        if not _same_stream(producer, stream):
+            _events.record(producer or _LEGACY, device).wait_on(stream, stream_device)
+        return
+    export = getattr(array, "__dlpack__", None)
+    if export is None:
+        if isinstance(where, dict):
+            return  # no stream named: ready for any stream, by the array interface's rules
+        raise ValueError(
+            f"cannot order the GPU work that produced a {type(array).__name__}: it has "
+            "__dlpack_device__() but no __dlpack__(stream=...) to order it by; wait for it "
+            "on the host first and pass a CuPy view of it (cupy.asarray or cupy.from_dlpack)"
+        )
+    try:
+        export(stream=stream or _LEGACY)
+    except Exception as exc:  # any refusal: cannot order, so never a value that may be stale
+        raise ValueError(
+            f"cannot order the GPU work that produced a {type(array).__name__} before "
+            f"stream {stream:#x} of device {stream_device}: its __dlpack__(stream=...) "
+            f"failed ({type(exc).__name__}: {exc}); wait for it on the host first (JAX: "
+            "x.block_until_ready()) and pass cupy.asarray(x) instead"
+        ) from exc
 
 
 def normalize_devices(devices: int | Iterable[int]) -> tuple[int, ...]:

@@ -300,7 +300,7 @@ class Driver(abc.ABC):
         for callback, record in fired:
             try:
                 callback(record)
-            except Exception as exc:  # noqa: BLE001 - internal callbacks must not kill the poller
+            except BaseException as exc:  # noqa: BLE001 - no callback may kill the poller or strand the rest
                 self.report("cudafut: exception in an internal wake-up callback", exc)
 
     @abc.abstractmethod
@@ -317,12 +317,26 @@ class Driver(abc.ABC):
         logger.error("%s%s", message, extra, exc_info=exc)
 
     def run_callback(self, fn: Callable[[Any], object], future: object) -> None:
+        """Run a user's done callback; whatever it raises is reported.
+
+        ``KeyboardInterrupt`` and ``SystemExit`` included: raised here they
+        would stop this driver's loop or thread in the middle of its
+        wake-ups, stranding every other waiter (docs/semantics.md,
+        "Exceptions in callbacks").
+        """
         if _trace.active is not None:
             fn = _trace.timed_callback(fn, future)
         try:
             fn(future)
         except Exception as exc:  # noqa: BLE001 - reported, not swallowed
             self.report("cudafut: exception in a done callback", exc, future)
+        except BaseException as exc:  # noqa: BLE001 - see above
+            self.report(
+                f"cudafut: {type(exc).__name__} in a done callback, reported here and not "
+                f"raised: it would stop the {self.name} that runs every other callback",
+                exc,
+                future,
+            )
 
 
 #: The watcher thread never spins: a spinning thread would hold the GIL and
@@ -338,6 +352,11 @@ class ThreadWaiter(Driver):
     alive the values of futures dropped while their GPU work is pending. It
     sleeps on a condition variable when it has nothing to watch (no CPU),
     and between polls otherwise (never spins, see ``THREAD_MIN_SLEEP_S``).
+
+    Nothing a callback raises stops it (``KeyboardInterrupt`` and
+    ``SystemExit`` are logged like the rest). Should it die anyway (a bug),
+    the death is logged once and the next use (a call handed over, a value
+    to hold) starts a new thread, which takes over the pending watches.
     """
 
     name = "watcher thread"
@@ -356,6 +375,8 @@ class ThreadWaiter(Driver):
         self._idle = True
         self._thread: threading.Thread | None = None
         self._started = False
+        #: How many times the thread died (a bug) and was replaced.
+        self.deaths = 0
 
     def ensure_polling(self) -> None:
         pass  # only called from the watcher thread, which polls next anyway
@@ -376,6 +397,29 @@ class ThreadWaiter(Driver):
         self._cond.notify()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug: logged, and the next use starts a new thread
+            self._died(exc)
+
+    def _died(self, exc: BaseException) -> None:
+        """The thread is dying of ``exc``: the next use starts another one
+        (at once if uses came meanwhile); the death is logged once."""
+        with self._cond:
+            self.deaths += 1
+            self._started = False
+            self._thread = None
+            self._idle = True
+            if self._calls or self._holds:
+                self._start_or_notify()  # uses that came while it was dying
+        logger.error(
+            "cudafut: the watcher thread (cudafut-watcher) died of %r; cudafut starts a new "
+            "one at its next use (please report this: it is a bug)",
+            exc,
+            exc_info=exc,
+        )
+
+    def _serve(self) -> None:
         next_poll: float | None = None
         while True:
             timer_fired = False
@@ -408,7 +452,7 @@ class ThreadWaiter(Driver):
         for fn in calls:
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - the watcher never dies of a callback
                 self.report("cudafut: exception in the watcher thread", exc)
         calls.clear()
 

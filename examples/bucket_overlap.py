@@ -34,6 +34,7 @@ import cupy as cp
 
 import cudafut
 import cudafut.distributed as dist
+from cudafut._selfcheck import require_gpu
 
 #: How long any wait here may take, in seconds (a dead peer fails, not hangs).
 TIMEOUT_S = 120.0
@@ -205,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=64, help="MB per bucket (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each variant (default 5)")
     args = parser.parse_args(argv)
+    require_gpu()  # without one: what `python -m cudafut` says, and status 1
 
     dist.init_process_group(timeout=TIMEOUT_S)  # torchrun's or mpirun's environment
     try:

@@ -40,6 +40,7 @@ import cupy as cp
 import numpy as np
 
 import cudafut
+from cudafut._selfcheck import require_gpu
 
 A, B = 1.0001, 0.5
 
@@ -151,6 +152,7 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="16 chunks, 2 repeats: a few seconds")
     parser.add_argument("--trace", type=Path, default=None, help="record one cudafut run here (JSON)")
     args = parser.parse_args()
+    require_gpu()  # without one: what `python -m cudafut` says, and status 1
     if args.quick:
         args.chunks, args.repeats = min(args.chunks, 16), min(args.repeats, 2)
     asyncio.run(main(args))

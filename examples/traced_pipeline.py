@@ -36,6 +36,7 @@ from typing import Any
 import cupy as cp
 
 import cudafut
+from cudafut._selfcheck import require_gpu
 
 CHUNKS = 4
 LOAD_MS, COMPUTE_MS, STORE_MS = 1.0, 2.0, 0.5
@@ -121,5 +122,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/trace-pipeline.json"), help="the trace file")
     args = parser.parse_args()
+    require_gpu()  # without one: what `python -m cudafut` says, and status 1
     asyncio.run(main(args.out))
     print(f"render it: python docs/render_trace.py {args.out}", file=sys.stderr)

@@ -1,16 +1,17 @@
-"""Dynamic batching under trio: N client tasks, one batcher, one cudafut.submit per batch.
+"""Dynamic batching under trio: N client tasks, one cudafut.Batcher, one launch per batch.
 
-The same service idea as examples/service/, in one trio program: ``--clients``
-tasks each send ``--requests`` inputs through a memory channel to a batcher
-task, which forms batches (up to ``--max-batch`` requests, or whatever has
-arrived ``--max-delay-ms`` after the first), runs each with one
-``cudafut.submit(model.forward, batch)`` copied back with ``cudafut.to_host``,
-and ``await``\\ s it: ``await`` on a CudaFuture works in trio as in asyncio,
-without blocking the run. Each client checks its answers against the model's
-NumPy reference (examples/service/model.py).
+The same service idea as examples/service/, in one trio program without
+HTTP: ``--clients`` tasks each ``await batcher.submit(x)`` for ``--requests``
+inputs; :class:`cudafut.Batcher` gathers the requests that arrive together
+into batches (up to ``--max-batch`` requests, or whatever has arrived
+``--max-delay-ms`` after the first) and runs each as one
+``cudafut.launch(model.forward, batch)`` copied back with one
+``cudafut.to_host``. The Batcher runs on trio as on asyncio, and ``await``
+on a CudaFuture does not block trio's run. Each client checks its answers
+against the toy model's NumPy reference (examples/toy_model.py).
 
 For comparison it runs the same clients unbatched (each ``await``\\ s its own
-``submit``), and a ticker that sleeps 1 ms at a time shows how late trio's
+``launch``), and a ticker that sleeps 1 ms at a time shows how late trio's
 run gets under the load. From the repository root, on a machine with a GPU::
 
     python examples/trio_app.py            # 64 clients x 100 requests
@@ -23,127 +24,19 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "service"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batcher import check_options
-from model import DIM, Model, matches
+from toy_model import DIM, Model, matches
 
 import cudafut
-
-In = TypeVar("In")
-Out = TypeVar("Out")
-
-
-@dataclass
-class _Request(Generic[In, Out]):
-    value: In
-    arrived: float
-    done: trio.Event = field(default_factory=trio.Event)
-    result: Out | None = None
-    error: BaseException | None = None
-    abandoned: bool = False  # the client was cancelled: do not compute it
-
-
-class TrioBatcher(Generic[In, Out]):
-    """Collect concurrent ``submit(value)`` calls into batches for ``run_batch``.
-
-    Start ``serve`` in a nursery (``await nursery.start(batcher.serve)``);
-    ``await batcher.close()`` ends it once the running batches are done.
-    The options are the asyncio ``Batcher``'s (service/batcher.py), checked
-    the same way: ``TypeError`` or ``ValueError`` for a bad one.
-    """
-
-    def __init__(
-        self,
-        run_batch: Callable[[list[In]], Awaitable[Sequence[Out]]],
-        *,
-        max_batch: int = 64,
-        max_delay_s: float = 0.002,
-        max_in_flight: int = 2,
-    ) -> None:
-        check_options(run_batch, max_batch, max_delay_s, max_in_flight)
-        self.run_batch = run_batch
-        self.max_batch, self.max_delay_s = max_batch, max_delay_s
-        self.batch_sizes: list[int] = []
-        self._slots = trio.Semaphore(max_in_flight)
-        self._send: trio.MemorySendChannel[_Request[In, Out]]
-        self._recv: trio.MemoryReceiveChannel[_Request[In, Out]]
-        self._send, self._recv = trio.open_memory_channel(math.inf)
-
-    async def submit(self, value: In) -> Out:
-        request: _Request[In, Out] = _Request(value, trio.current_time())
-        try:
-            self._send.send_nowait(request)
-        except trio.ClosedResourceError:
-            raise RuntimeError("the batcher is closed") from None
-        try:
-            await request.done.wait()
-        finally:
-            request.abandoned = not request.done.is_set()
-        if request.error is not None:
-            raise request.error
-        return request.result  # type: ignore[return-value]
-
-    async def close(self) -> None:
-        await self._send.aclose()
-
-    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as running:
-            task_status.started()
-            while True:
-                await self._slots.acquire()  # at most max_in_flight batches at once
-                try:
-                    first = await self._recv.receive()
-                except trio.EndOfChannel:
-                    self._slots.release()
-                    return  # closed; the nursery waits for the running batches
-                batch = [first]
-                deadline = first.arrived + self.max_delay_s
-                while len(batch) < self.max_batch:
-                    try:
-                        batch.append(self._recv.receive_nowait())
-                        continue
-                    except trio.WouldBlock:
-                        pass
-                    except trio.EndOfChannel:
-                        break
-                    try:
-                        with trio.move_on_at(deadline):  # a cancelled receive loses nothing
-                            batch.append(await self._recv.receive())
-                            continue
-                    except trio.EndOfChannel:
-                        pass
-                    break
-                running.start_soon(self._run, batch)
-
-    async def _run(self, batch: list[_Request[In, Out]]) -> None:
-        try:
-            batch = [r for r in batch if not r.abandoned]
-            if not batch:
-                return
-            self.batch_sizes.append(len(batch))
-            try:
-                results = await self.run_batch([r.value for r in batch])
-                if len(results) != len(batch):
-                    raise ValueError(f"run_batch returned {len(results)} results for {len(batch)} items")
-            except Exception as exc:  # noqa: BLE001 (each caller gets it)
-                for r in batch:
-                    r.error = exc
-                    r.done.set()
-                return
-            for r, result in zip(batch, results, strict=True):
-                r.result = result
-                r.done.set()
-        finally:
-            self._slots.release()
+from cudafut._selfcheck import require_gpu
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -154,7 +47,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run_clients(
-    infer: Callable[[np.ndarray[Any, Any]], Awaitable[list[float]]],
+    infer: Callable[[np.ndarray[Any, Any]], Awaitable[Any]],
     clients: int,
     requests: int,
     duration: float,
@@ -203,31 +96,37 @@ async def run_clients(
     }
 
 
+def forward_batch(model: Model, xs: list[np.ndarray[Any, Any]]) -> Any:
+    """One launch for the whole batch: the stacking and the enqueue run on
+    a launcher thread of cudafut.launch, not on trio's thread."""
+    return model.forward(np.stack(xs))
+
+
 async def main(args: argparse.Namespace) -> None:
     model = Model(args.fixed_us, args.per_item_us)
-    model.warm_up(args.max_batch)
-    await cudafut.to_host(cudafut.submit(model.forward, np.zeros((1, DIM), np.float32)))
+    model.warm_up(args.max_batch)  # compiles the kernels (once per process)
+    # Each launcher thread creates its own cuBLAS handle on its first call: do
+    # that now, not during the first timed batches.
+    for warm in [cudafut.launch(model.warm_up, args.max_batch) for _ in range(4)]:
+        await warm
+    await cudafut.to_host(cudafut.launch(model.forward, np.zeros((1, DIM), np.float32)))
 
-    async def run_batch(xs: list[np.ndarray[Any, Any]]) -> list[list[float]]:
-        out = await cudafut.to_host(cudafut.submit(model.forward, np.stack(xs)))  # one launch per batch
-        rows: list[list[float]] = out.tolist()
-        return rows
+    async def run_batch(xs: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+        # One copy back per batch; the Batcher hands each client its row.
+        out: np.ndarray[Any, Any] = await cudafut.to_host(cudafut.launch(forward_batch, model, xs))
+        return out
 
-    async def unbatched(x: np.ndarray[Any, Any]) -> list[float]:
-        out = await cudafut.to_host(cudafut.submit(model.forward, x[None]))  # one launch per request
-        row: list[float] = out[0].tolist()
+    async def unbatched(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        out = await cudafut.to_host(cudafut.launch(model.forward, x[None]))  # one launch per request
+        row: np.ndarray[Any, Any] = out[0]
         return row
 
     rows = []
-    batcher: TrioBatcher[np.ndarray[Any, Any], list[float]] = TrioBatcher(
+    async with cudafut.Batcher(
         run_batch, max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1e3
-    )
-    async with trio.open_nursery() as nursery:
-        await nursery.start(batcher.serve)
+    ) as batcher:
         row = await run_clients(batcher.submit, args.clients, args.requests, args.duration)
-        await batcher.close()
-    sizes = batcher.batch_sizes
-    rows.append({"mode": "batched", **row, "mean_batch": sum(sizes) / max(1, len(sizes))})
+    rows.append({"mode": "batched", **row, "mean_batch": batcher.statistics().mean_batch})
     row = await run_clients(unbatched, args.clients, args.requests, args.duration)
     rows.append({"mode": "unbatched", **row, "mean_batch": 1.0})
 
@@ -257,6 +156,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-delay-ms", type=float, default=2.0)
     parser.add_argument("--quick", action="store_true", help="32 clients x 40 requests")
     args = parser.parse_args()
+    require_gpu()  # without one: what `python -m cudafut` says, and status 1
     if args.quick:
         args.clients, args.requests, args.duration = 32, 40, 5.0
     trio.run(main, args)

@@ -130,6 +130,17 @@ def _patch_submit(replacement: Any) -> None:
     cudafut.submit = replacement
 
 
+def _patch_launch_wait() -> None:
+    """launch(): the launcher's stream no longer waits for the caller's streams."""
+    import types
+
+    from cudafut import _launch
+
+    _launch._events = types.SimpleNamespace(  # type: ignore[attr-defined,assignment]
+        record_current=_idle_record, record=lambda handle, device: _idle_record(device)
+    )
+
+
 MUTATIONS = {
     # every cudaStreamWaitEvent becomes a no-op
     "stream_wait": lambda: setattr(_cuda, "stream_wait", _no_stream_wait),
@@ -139,6 +150,8 @@ MUTATIONS = {
     "then_stream_wait": lambda: setattr(_future, "_then_streams", _then_streams_without_wait),
     # submit(): the pool stream no longer waits on the caller's current stream
     "submit_stream_wait": lambda: _patch_submit(_submit_without_wait),
+    # launch(): the launcher's stream no longer waits on the caller's current streams
+    "launch_stream_wait": _patch_launch_wait,
     # set_result(): the event no longer follows the producer's work
     "set_result_record": lambda: setattr(CudaFuture, "set_result", _set_result_recorded_early),
     # record(): likewise

@@ -13,6 +13,10 @@ import pytest
 
 from cudafut import CudaUnavailableError, _cuda
 
+# cudafut.testing's fixture (the plugin's own, where the entry point is not
+# installed: a source checkout run without `pip install -e .`).
+from cudafut._pytest_plugin import fake_cuda as fake_cuda
+
 
 def _gpu_missing() -> str | None:
     try:

@@ -1,4 +1,7 @@
-"""Scripted stand-ins for recorded CUDA events, for host-side tests."""
+"""Scripted stand-ins for recorded CUDA events, for host-side tests of the
+waiter's internals: one record's status at a time, and how often it was
+queried. Tests of the public behaviour use cudafut.testing's fake GPU (the
+``fake_cuda`` fixture) instead, as users do."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _loops
+from cudafut import _loops, testing
 from tests.fakes import FakeRecord, set_future, stream_records
 
 pytestmark = pytest.mark.anyio
@@ -55,23 +55,16 @@ async def test_await_resolves_once_every_event_completed() -> None:
         assert a.status == 0 and b.status == 0
 
 
-async def test_await_on_an_already_done_future_returns_at_once() -> None:
-    rec = FakeRecord()
-    rec.complete()
-    assert await set_future(7, [rec]) == 7
+async def test_await_on_an_already_done_future_returns_at_once(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(7)
+    fake_cuda.complete(fut)
+    assert await fut == 7
 
 
-async def test_await_an_unset_future_set_from_another_thread() -> None:
+async def test_await_an_unset_future_set_from_another_thread(fake_cuda: testing.FakeCuda) -> None:
     fut: cudafut.CudaFuture[object] = cudafut.CudaFuture()
-    rec = FakeRecord()
-    rec.complete()
-
-    def produce() -> None:
-        from cudafut._future import _SET
-
-        fut._complete(_SET, "late", None, (rec,))
-
-    threading.Timer(0.01, produce).start()
+    fake_cuda.complete(fut)  # its events, once it is set
+    threading.Timer(0.01, fut.set_result, ("late",)).start()
     assert await fut == "late"
 
 
@@ -121,9 +114,9 @@ async def test_await_a_cancelled_future(anyio_backend: tuple[str, dict[str, obje
         await fut
 
 
-async def test_cancelling_awaiting_tasks_leaves_nothing_pending() -> None:
+async def test_cancelling_awaiting_tasks_leaves_nothing_pending(fake_cuda: testing.FakeCuda) -> None:
     unset: cudafut.CudaFuture[object] = cudafut.CudaFuture()
-    running = set_future("v", [FakeRecord()])
+    running = cudafut.record("v")
     for fut in (unset, running) * 50:
         with anyio.move_on_after(0.001):
             await fut

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import cudafut
+from cudafut import testing
 from cudafut._future import _State
 from tests.fakes import FakeRecord, set_future
 
@@ -99,12 +100,11 @@ def test_result_times_out_on_an_unset_future() -> None:
     assert not fut.done()
 
 
-def test_result_times_out_while_gpu_work_runs_then_succeeds() -> None:
-    rec = FakeRecord()
-    fut = set_future("value", [rec])
+def test_result_times_out_while_gpu_work_runs_then_succeeds(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record("value")
     with pytest.raises(cudafut.TimeoutError, match="still running"):
         fut.result(timeout=0.01)
-    rec.complete()
+    fake_cuda.complete(fut)
     assert fut.result(timeout=1) == "value"
 
 
@@ -115,15 +115,14 @@ def test_result_blocks_until_set_from_another_thread() -> None:
     assert fut.exception(timeout=5) is exc
 
 
-def test_result_from_many_threads() -> None:
-    rec = FakeRecord()
-    fut = set_future("v", [rec])
+def test_result_from_many_threads(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record("v")
     results: list[object] = []
     threads = [threading.Thread(target=lambda: results.append(fut.result(5))) for _ in range(16)]
     for t in threads:
         t.start()
     time.sleep(0.01)
-    rec.complete()
+    fake_cuda.complete(fut)
     for t in threads:
         t.join()
     assert results == ["v"] * 16

@@ -57,13 +57,19 @@ def _complete_every_record() -> Iterator[None]:
 
 
 class DLPackOnly:
-    """Exposes only the DLPack protocol, as a JAX array would."""
+    """Exposes only the DLPack protocol, as a JAX array would. cudafut
+    exports it only to order its producer, always with a stream; the
+    streams are kept in ``exported``."""
 
     def __init__(self, device_type: int, device_id: int) -> None:
         self.where = (device_type, device_id)
+        self.exported: list[object] = []
 
     def __dlpack__(self, stream: object = None) -> object:
-        raise AssertionError("finding the device must not export the array")
+        if stream is None:
+            raise AssertionError("an export without a stream orders nothing")
+        self.exported.append(stream)
+        return object()  # the capsule, dropped unused
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self.where
@@ -81,6 +87,7 @@ def test_dlpack_objects_on_cuda_devices_are_found() -> None:
     assert _values.find_devices(DLPackOnly(DLDeviceType.CUDA, 3)) == (3,)
     assert _values.find_devices([DLPackOnly(1, 0), DLPackOnly(3, 0)]) == ()  # CPU, pinned host
     assert _values.gpu_arrays([DLPackOnly(1, 0), a := DLPackOnly(2, 0)]) == [a]
+    assert a.exported == []  # finding devices never exports
 
 
 @dataclasses.dataclass
@@ -226,6 +233,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(_cuda, "stream_wait", env.stream_wait)
     monkeypatch.setattr(_events, "record", env.record)
     monkeypatch.setattr(_pools, "streams", _pools.StreamPool())
+    # Its stream handles are made up: no memory behind them to check.
+    monkeypatch.setattr(_cuda, "check_stream_address", lambda handle, stream: handle)
     return env
 
 
@@ -234,6 +243,153 @@ def test_without_torch_set_result_records_on_cupys_current_stream(fake_cuda: Fak
     fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
     fut.set_result([DLPackOnly(2, 0), DLPackOnly(2, 1)])
     assert fake_cuda.recorded() == [(0x100, 0), (0x101, 1)]
+
+
+# -- other libraries' work ordered before cudafut's streams (docs/design.md, hazard 9) ----------
+
+
+class JaxLike:
+    """A JAX array: a ``__cuda_array_interface__`` with no stream (version
+    2), and DLPack; exporting it with a stream logs ("export", stream,
+    device) where CUDA calls are logged (the producer's wait)."""
+
+    def __init__(self, log: list[tuple[Any, ...]], device: int = 0, fail: Exception | None = None) -> None:
+        self.log, self.fail = log, fail
+        self.device = types.SimpleNamespace(id=device)
+        self.__cuda_array_interface__ = {"data": (0xA000, 1), "shape": (4,), "typestr": "<f4", "version": 2}
+
+    def __dlpack__(self, *, stream: object = None) -> object:
+        if self.fail is not None:
+            raise self.fail
+        self.log.append(("export", stream, self.device.id))
+        return object()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self.device.id)
+
+
+def test_set_result_and_record_export_a_jax_array_to_the_stream_before_recording_there(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails without hazard 9's fix: only ("record", ...) is logged, and the
+    event is recorded on a stream that JAX's work is not ordered before."""
+    x = JaxLike(fake_cuda.log, device=1)
+    fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
+    fut.set_result({"x": x, "n": 3})
+    assert fake_cuda.log == [("export", 0x101, 1), ("record", 0x101, 1)]
+    fake_cuda.log.clear()
+    cudafut.record(x)
+    assert fake_cuda.log == [("export", 0x101, 1), ("record", 0x101, 1)]
+    fake_cuda.log.clear()
+    monkeypatch.setattr(_cuda, "stream_handle", lambda stream: (0x4321, 1))
+    cudafut.record([x], stream="a stream of device 1")
+    assert fake_cuda.log == [("export", 0x4321, 1), ("record", 0x4321, 1)]
+
+
+def test_the_null_stream_is_passed_as_the_legacy_default_stream(fake_cuda: FakeCuda) -> None:
+    fake_cuda.cupy_current[0] = 0  # CuPy's null stream: DLPack does not allow 0
+    cudafut.record(JaxLike(fake_cuda.log))
+    assert fake_cuda.log == [("export", 1, 0), ("record", 0, 0)]
+
+
+def test_given_devices_order_an_array_before_the_streams_recorded_on(fake_cuda: FakeCuda) -> None:
+    fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture(devices=[0])
+    fut.set_result(JaxLike(fake_cuda.log, device=1))  # not a device given: before device 0's stream
+    assert fake_cuda.log == [("export", 0x100, 1), ("record", 0x100, 0)]
+
+
+def test_then_orders_a_jax_array_fn_returns_before_the_childs_event(fake_cuda: FakeCuda) -> None:
+    value = DLPackOnly(2, 0)
+    parent = set_future(value, [Rec(device=0)])
+    seen: list[int] = []
+
+    def fn(value: Any) -> Any:
+        seen.append(int(_cuda.current_stream(0).ptr))
+        return JaxLike(fake_cuda.log, device=0)
+
+    parent.then(fn)
+    (pool,) = seen
+    assert value.exported == []  # the parent's value was ordered when it was set
+    assert fake_cuda.log[-2:] == [("export", pool, 0), ("record", pool, 0)]
+
+
+def test_submit_orders_jax_arguments_before_the_pool_stream(fake_cuda: FakeCuda) -> None:
+    x = JaxLike(fake_cuda.log, device=0)
+    seen: list[int] = []
+
+    def fn(value: Any) -> Any:
+        seen.append(int(_cuda.current_stream(0).ptr))
+        return DLPackOnly(2, 0)
+
+    cudafut.submit(fn, x, device=0)
+    (pool,) = seen
+    assert ("export", pool, 0) in fake_cuda.log
+
+
+def test_a_numba_array_with_a_stream_makes_the_consumer_wait_on_that_stream(fake_cuda: FakeCuda) -> None:
+    """The array interface's ``stream`` (version 3) is the producer's stream:
+    an event there, waited on by the stream recorded on; none when it is
+    that stream already (1 and CuPy's null stream 0 are the same)."""
+
+    class NumbaArray:
+        def __init__(self, stream: int | None) -> None:
+            self.device = types.SimpleNamespace(id=1)
+            self.__cuda_array_interface__ = {
+                "data": (0xB000, False),
+                "shape": (4,),
+                "typestr": "<f4",
+                "version": 3,
+                "stream": stream,
+            }
+
+    cudafut.record(NumbaArray(0x55))
+    assert fake_cuda.log == [("record", 0x55, 1), ("wait", 0x101, 1), ("record", 0x101, 1)]
+    fake_cuda.log.clear()
+    cudafut.record([NumbaArray(0x101), NumbaArray(None)])  # its own stream; none: ready for any
+    assert fake_cuda.log == [("record", 0x101, 1)]
+    fake_cuda.log.clear()
+    fake_cuda.cupy_current[1] = 0
+    cudafut.record(NumbaArray(1))
+    assert fake_cuda.log == [("record", 0, 1)]
+
+
+def test_an_array_that_cannot_be_ordered_is_refused_before_anything_is_recorded(
+    fake_cuda: FakeCuda,
+) -> None:
+    sharded = JaxLike(fake_cuda.log, fail=BufferError("only unsharded arrays can be exported"))
+    with pytest.raises(ValueError, match=r"cannot order .*JaxLike.*BufferError: only unsharded.*ready\(\)"):
+        cudafut.record(sharded)
+    fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
+    with pytest.raises(ValueError, match="cannot order"):
+        fut.set_result([sharded])
+    assert not fut.done() and fake_cuda.log == []
+    child = set_future(DLPackOnly(2, 0), [Rec(device=0)]).then(lambda _v: sharded)
+    with pytest.raises(ValueError, match="cannot order"):
+        child.result(timeout=10)
+
+    class DeviceOnly:  # __dlpack_device__ without __dlpack__: no way to order it
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+    with pytest.raises(ValueError, match="no __dlpack__"):
+        cudafut.record(DeviceOnly())
+
+
+def test_cupy_arrays_and_torch_tensors_are_not_walked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their work is on the current streams cudafut records on: nothing to order."""
+
+    def walk(*args: object) -> None:
+        raise AssertionError("a lone CuPy array or tensor must not be walked")
+
+    class ndarray:  # noqa: N801 - stands for cupy.ndarray
+        data = types.SimpleNamespace(device_id=0)
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=ndarray))
+    monkeypatch.setattr(_values, "_ndarray", _values._Never)
+    monkeypatch.setattr(_values, "_walk", walk)
+    _values.order_foreign(ndarray(), lambda d: (0x100, d))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=FakeTensor))
+    _values.order_foreign(FakeTensor(0), lambda d: (0x100, d))
 
 
 # -- a fake PyTorch ------------------------------------------------------------------------------
@@ -669,6 +825,8 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cuda, "device_count", touched)
     monkeypatch.setattr(_cuda, "current_device", touched)
     monkeypatch.setattr(_cuda, "stream_device", touched)
+    # The handles here are made up: no memory behind them to check.
+    monkeypatch.setattr(_cuda, "check_stream_address", lambda handle, stream: handle)
 
 
 def test_a_cuda_stream_protocol_object_with_its_device(no_cuda: None) -> None:
@@ -705,6 +863,7 @@ def test_a_protocol_stream_without_a_device_asks_cuda(monkeypatch: pytest.Monkey
         return 1
 
     monkeypatch.setattr(_cuda, "stream_device", stream_device)
+    monkeypatch.setattr(_cuda, "check_stream_address", lambda handle, stream: handle)  # a made-up handle
     assert _cuda.stream_handle(StreamOnly((0, 0x1234))) == (0x1234, 1)
     assert asked == [0x1234]
 

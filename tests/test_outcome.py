@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _pools
+from cudafut import _cuda, _pools, testing
 from cudafut._future import _State
 from tests.fakes import FakeRecord, set_future
 
@@ -351,21 +351,30 @@ async def test_as_completed_in_a_running_loop(anyio_backend: tuple[str, dict[str
 # -- pool statistics ------------------------------------------------------------------------
 
 
-class _FakeStream:
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 def test_pool_counts_events_and_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     # Pools of the test's own, so that records of other tests that happen
-    # to be collected meanwhile (into the process pools) change nothing.
-    handles = iter(range(1, 1000))
-    destroyed: list[int] = []
-    monkeypatch.setattr(_cuda, "event_create", lambda device: next(handles))
-    monkeypatch.setattr(_cuda, "event_destroy", destroyed.append)
-    monkeypatch.setattr(_cuda, "new_stream", lambda device, prio: _FakeStream(next(handles)))
+    # to be collected meanwhile (into the process pools) change nothing;
+    # their events and streams are the fake GPU's.
     monkeypatch.setattr(_pools, "_MAX_FREE_EVENTS", 2)
-    events, streams = _pools.EventPool(), _pools.StreamPool(size=3)
+    with testing.fake_cuda(devices=2):
+        _check_pool_counts(_pools.EventPool(), _pools.StreamPool(size=3))
+
+
+def test_the_pools_statistics_under_the_fake(fake_cuda: testing.FakeCuda) -> None:
+    before = _pools.statistics()  # the fake's own pools: nothing yet
+    assert (before.events_created, before.streams) == (0, {})
+    fut = cudafut.record(1).then(lambda v: v)
+    stats = _pools.statistics()
+    assert stats.events_created == 2
+    assert stats.events_in_use == {0: 2}
+    assert stats.streams == {(0, "normal"): 1}
+    fake_cuda.complete(fut)
+    del fut
+    gc.collect()
+    assert _pools.statistics().events_free == {0: 2}  # handles back in the pool
+
+
+def _check_pool_counts(events: _pools.EventPool, streams: _pools.StreamPool) -> None:
     assert (events.counts(), streams.counts()) == (({}, {}), {})
 
     taken = [events.acquire(0) for _ in range(4)] + [events.acquire(1)]
@@ -379,7 +388,6 @@ def test_pool_counts_events_and_streams(monkeypatch: pytest.MonkeyPatch) -> None
     for handle in taken[:4]:
         events.release(0, handle)  # two kept free, two destroyed
     assert events.counts() == ({0: 2}, {0: 0, 1: 1})
-    assert len(destroyed) == 2
     assert events.acquire(0) in taken  # reused, not created
     assert events.created == 5
 

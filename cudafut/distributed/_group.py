@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
-from .. import _cuda, _events
+from .. import _checks, _cuda, _events
 from .._errors import CudaUnavailableError
 from .._future import CudaFuture, set_future
 from .._log import logger
@@ -53,11 +52,14 @@ class Store(Protocol):
 
 
 def check_timeout(timeout: object, what: str = "timeout") -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds, not {timeout!r}")
-    if math.isnan(timeout) or timeout <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
-    return float(timeout)
+    """A positive timeout in seconds (any real number; ``math.inf`` and
+    anything beyond ``threading.TIMEOUT_MAX`` give that: no limit).
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: zero, negative or NaN.
+    """
+    return _checks.timeout_seconds(timeout, what, positive=True)
 
 
 class _Pending:
@@ -405,23 +407,40 @@ class _CupyxStore:
                 time.sleep(0.01)
 
 
-def _communicator(size: int, uid: bytes, rank: int, device: int, timeout: float, what: str) -> Any:
-    """``ncclCommInitRank`` in a thread, so that a peer that never comes
-    fails the call after ``timeout`` instead of hanging it."""
-    nccl = _nccl()
+def _bounded(fn: Callable[[], Any], deadline: float, name: str) -> tuple[bool, Any]:
+    """Run ``fn()`` in a daemon thread until ``deadline`` (``time.monotonic``);
+    ``(True, its result)``, ``(True, the exception it raised)``, or
+    ``(False, None)`` when the deadline came first. Neither a store nor NCCL
+    can be told to give up, so a call that never returns is left to its
+    thread (a daemon: it never holds up the exit)."""
     result: list[Any] = []
 
-    def init() -> None:
+    def run() -> None:
         try:
-            with _cuda.on_device(device):
-                result.append(nccl.NcclCommunicator(size, uid, rank))
+            result.append(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             result.append(exc)
 
-    thread = threading.Thread(target=init, name="cudafut-nccl-init", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join(timeout)
-    if not result:
+    thread.join(max(0.0, deadline - time.monotonic()))
+    return (True, result[0]) if result else (False, None)
+
+
+def _communicator(
+    size: int, uid: bytes, rank: int, device: int, timeout: float, what: str, deadline: float
+) -> Any:
+    """``ncclCommInitRank`` in a thread, so that a peer that never comes
+    fails the call at ``deadline`` (``time.monotonic``; the start-up's
+    ``timeout`` runs out then) instead of hanging it."""
+    nccl = _nccl()
+
+    def init() -> Any:
+        with _cuda.on_device(device):
+            return nccl.NcclCommunicator(size, uid, rank)
+
+    done, comm = _bounded(init, deadline, "cudafut-nccl-init")
+    if not done:
         raise CollectiveError(
             rank,
             what,
@@ -429,20 +448,75 @@ def _communicator(size: int, uid: bytes, rank: int, device: int, timeout: float,
             f"not every rank joined within {timeout:g} s (is every process started?)",
             device,
         )
-    if isinstance(result[0], BaseException):
-        raise CollectiveError(rank, what, size, f"NCCL could not make the communicator: {result[0]}", device)
-    return result[0]
+    if isinstance(comm, BaseException):
+        raise CollectiveError(rank, what, size, f"NCCL could not make the communicator: {comm}", device)
+    return comm
 
 
-def _rendezvous(store: Store | None, key: str, leader: bool) -> bytes:
+def check_store(store: object) -> None:
+    """Refuse, before anything waits, a ``store=`` without ``set`` and ``get``.
+
+    Raises:
+        TypeError: ``store`` lacks a callable ``set`` or ``get``.
+    """
+    missing = [name for name in ("set", "get") if not callable(getattr(store, name, None))]
+    if missing:
+        raise TypeError(
+            f"store must have set(key, value) and get(key) methods (a key-value store such as "
+            f"torch.distributed.TCPStore); {type(store).__name__} has no {' or '.join(missing)}()"
+        )
+
+
+def _rendezvous(
+    store: Store | None,
+    key: str,
+    leader: bool,
+    *,
+    make_store: Callable[[], Store] | None = None,
+    deadline: float,
+    timeout: float,
+    rank: int,
+    size: int,
+    device: int,
+    what: str,
+) -> tuple[bytes, Store | None]:
+    """The leader's NCCL id, through the store (made first by
+    ``make_store`` when given); ``(id, store)``. The store's calls run in a
+    thread bounded by ``deadline`` (``timeout`` is what the message says):
+    a store that never answers, or nobody listening at its address, is a
+    :class:`CollectiveError` in time."""
     nccl = _nccl()
-    if store is None:  # one rank
-        return bytes(nccl.get_unique_id())
-    if leader:
-        uid = bytes(nccl.get_unique_id())
-        store.set(key, uid)
-        return uid
-    return bytes(store.get(key))
+    if store is None and make_store is None:  # one rank
+        return bytes(nccl.get_unique_id()), None
+    uid = bytes(nccl.get_unique_id()) if leader else b""
+
+    def exchange() -> tuple[bytes, Store]:
+        s = make_store() if make_store is not None else store
+        assert s is not None
+        if leader:
+            s.set(key, uid)
+            return uid, s
+        return bytes(s.get(key)), s
+
+    done, result = _bounded(exchange, deadline, "cudafut-store")
+    if not done:
+        if make_store is not None:
+            addr, port = _env.store_address()
+            why = (
+                f"the store at {addr}:{port} (MASTER_ADDR:MASTER_PORT) did not answer within "
+                f"{timeout:g} s: is rank 0 started, and that address reachable from here?"
+            )
+        else:
+            why = (
+                f"the store given (store=) did not answer within {timeout:g} s: its get() must "
+                "return once the leader's set() of the key is done"
+            )
+        raise CollectiveError(rank, what, size, why, device)
+    if isinstance(result, BaseException):
+        raise CollectiveError(
+            rank, what, size, f"the store failed: {type(result).__name__}: {result}", device
+        ) from result
+    return result  # type: ignore[no-any-return]
 
 
 def init_process_group(
@@ -467,20 +541,28 @@ def init_process_group(
     current CuPy device.
 
     Blocks the calling thread until every rank has joined, at most
-    ``timeout`` seconds; ``timeout`` is also the default timeout of every
-    collective of the world.
+    ``timeout`` seconds in all, the store's calls included (a store that
+    never answers, or nobody listening at its address, fails the call when
+    the timeout runs out; the store's call is left to a daemon thread,
+    since a store cannot be told to give up); ``timeout`` is also the
+    default timeout of every collective of the world.
 
     Raises:
+        TypeError: ``store`` without callable ``set`` and ``get``, or a
+            timeout that is not a number (checked before anything waits).
         ValueError: an unknown backend, inconsistent ranks, a bad timeout,
             or a world already initialised.
-        CollectiveError: not every rank joined within ``timeout``, or NCCL
-            could not make the communicator.
+        CollectiveError: not every rank joined within ``timeout`` (the
+            store did not answer, or a peer never came), the store failed,
+            or NCCL could not make the communicator.
         CudaUnavailableError: no usable GPU or no NCCL.
     """
     global _world
     if backend != "nccl":
         raise ValueError(f"cudafut.distributed supports the 'nccl' backend only, not {backend!r}")
     limit = check_timeout(timeout)
+    if store is not None:
+        check_store(store)
     r, n, local = _env.launch_env(rank, world_size)
     _cuda.check_usable()
     count = _cuda.device_count()
@@ -488,11 +570,24 @@ def init_process_group(
     with _world_lock:
         if _world is not None:
             raise ValueError("the process group is initialised already; call destroy_process_group() first")
+        deadline = time.monotonic() + limit
         _cuda.cupy().cuda.Device(dev).use()
+        make = None
         if n > 1 and store is None:
-            store = _make_store(r, n, limit)
-        uid = _rendezvous(store if n > 1 else None, _env.key("group/0/uid"), leader=r == 0)
-        comm = _communicator(n, uid, r, dev, limit, "init_process_group")
+            make = functools.partial(_make_store, r, n, limit)
+        uid, store = _rendezvous(
+            store if n > 1 else None,
+            _env.key("group/0/uid"),
+            leader=r == 0,
+            make_store=make,
+            deadline=deadline,
+            timeout=limit,
+            rank=r,
+            size=n,
+            device=dev,
+            what="init_process_group",
+        )
+        comm = _communicator(n, uid, r, dev, limit, "init_process_group", deadline)
         group = ProcessGroup(comm, r, range(n), dev, limit, "world")
         _world = _World(group, store, r, n)
         return group
@@ -545,8 +640,19 @@ def new_group(ranks: Iterable[int], *, timeout: float | None = None) -> ProcessG
     me = members.index(world.rank)
     dev = world.group.device
     key = _env.key(f"group/{index}/uid")
-    uid = _rendezvous(world.store if len(members) > 1 else None, key, leader=me == 0)
-    comm = _communicator(len(members), uid, me, dev, limit, "new_group")
+    deadline = time.monotonic() + limit
+    uid, _ = _rendezvous(
+        world.store if len(members) > 1 else None,
+        key,
+        leader=me == 0,
+        deadline=deadline,
+        timeout=limit,
+        rank=me,
+        size=len(members),
+        device=dev,
+        what="new_group",
+    )
+    comm = _communicator(len(members), uid, me, dev, limit, "new_group", deadline)
     group = ProcessGroup(comm, me, members, dev, limit, f"group {index} {members}")
     world.groups.append(group)
     return group

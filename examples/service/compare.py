@@ -1,155 +1,345 @@
-"""Compare the four ways of writing the service: start each, load it, print one table.
+"""Serve a torchvision model every way server.py knows (and with LitServe), load each, compare.
 
-For each ``--mode`` of server.py it starts the server in a subprocess on a
-free loopback port, waits until ``/health`` answers, runs load.py against it
-(another subprocess, so that client and server do not share a loop or a
-GIL), stops the server with SIGTERM (aiohttp shuts down cleanly) and prints,
-for every mode: requests/s, p50/p99 latency, ``/health`` latency under load,
-the mean batch size, and the count of wrong answers. From the repository
-root, on a machine with a GPU::
+For each model and mode: the server in its own process, the load generator
+(load.py) in others; closed loop (64 clients: the most each server does)
+and, with ``--open``, open loop at a fixed rate (latency and loop health at
+a load the server can carry: half the no-GPU ceiling for the batching
+servers, half ``run_in_executor``'s maximum for the unbatched ones). Each
+row has req/s, latency, ``/health`` latency, the server's CPU (its worker
+processes included), the GPU's busy fraction, the mean batch and the number
+of wrong answers (every answer is checked against the model run eagerly on
+one image). ``python -m cudafut bench --only serve`` runs this and commits
+the figures; run it alone with::
 
-    python examples/service/compare.py            # about 1 minute
-    python examples/service/compare.py --quick    # about 30 s
-    python examples/service/compare.py --json     # one JSON object per mode
+    python examples/service/compare.py --models resnet50 --seconds 5 [--open] [--quick]
 
-It exits with 1 if a server failed or any answer was wrong.
+Needs a GPU, torchvision and aiohttp; LitServe where installed (its row is
+skipped otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import signal
-import socket
+import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # models, load: next to this file
+
+from load import run_load
+from models import MODELS, reference
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from load import table  # noqa: E402
-
-MODES = ("batched", "unbatched", "sync", "executor")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+#: The rows, in the order they run: the harness's ceiling, what people write
+#: first, the peers, then cudafut's ways.
+MODES = ("nogpu", "sync", "executor", "litserve", "await", "launch", "launch_graph", "batch", "batch_graph")
+#: Open loop: which modes run at half the no-GPU ceiling's rate (batching
+#: servers) and which at half run_in_executor's maximum (unbatched ones).
+OPEN_BATCHED = ("nogpu", "litserve", "batch", "batch_graph")
+OPEN_UNBATCHED = ("nogpu", "executor", "launch", "launch_graph")
 
 
-def wait_ready(server: subprocess.Popen[bytes], url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with {server.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.1)
-    raise RuntimeError(f"the server for {url} was not ready after {timeout} s")
-
-
-def stop(server: subprocess.Popen[bytes]) -> int:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            return server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-            return -9
-    return server.returncode
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short runs: the whole comparison in about 30 s")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 64, quick 32)")
-    parser.add_argument(
-        "--duration", type=float, default=None, help="seconds of load per mode (default 8, quick 2)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON lines")
-    parser.add_argument("server_args", nargs="*", help="passed on to server.py, after --")
-    args = parser.parse_args()
-    clients = args.clients or (32 if args.quick else 64)
-    duration = args.duration or (2.0 if args.quick else 8.0)
-    requests = 10_000 if args.quick else 100_000
-
-    # Start every server at once (each imports CuPy, creates a context and warms
-    # the model: seconds), then load them one at a time.
-    servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
-    rows: list[dict[str, Any]] = []
-    failed = False
+def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
-        for mode in args.modes:
-            port = free_port()
-            cmd = [
-                sys.executable,
-                str(HERE / "server.py"),
-                "--mode",
-                mode,
-                "--port",
-                str(port),
-                *args.server_args,
-            ]
-            servers[mode] = (subprocess.Popen(cmd), f"http://127.0.0.1:{port}")
-        for mode in args.modes:
-            server, url = servers[mode]
-            wait_ready(server, url, timeout=120)
-            print(f"loading {mode} ({clients} clients, {duration:g} s) ...", file=sys.stderr, flush=True)
-            load = subprocess.run(
-                [
-                    sys.executable,
-                    str(HERE / "load.py"),
-                    "--url",
-                    url,
-                    "--json",
-                    "--clients",
-                    str(clients),
-                    "--duration",
-                    str(duration),
-                    "--requests",
-                    str(requests),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=duration + 120,
-                check=False,
-            )
-            code = stop(server)
-            if load.stdout.strip():
-                rows.append(json.loads(load.stdout.strip().splitlines()[-1]))
-            if load.returncode != 0 or code != 0:
-                failed = True
-                print(
-                    f"{mode}: load exited with {load.returncode}, server with {code}\n{load.stderr}",
-                    file=sys.stderr,
-                )
-    finally:
-        for server, _ in servers.values():
-            stop(server)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
+            return int(resp.status), bytes(resp.read())
+    except Exception:  # noqa: BLE001 - not up yet
+        return 0, b""
 
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
+
+@contextlib.contextmanager
+def serving(
+    model: str,
+    mode: str,
+    port: int,
+    ref_path: str,
+    log: Path,
+    threads: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server of ``mode`` on ``port`` until the block ends; waits until
+    ``/health`` answers (model loaded, graphs captured)."""
+    if mode == "litserve":
+        cmd = [sys.executable, str(HERE / "litserve_server.py"), "--model", model, "--port", str(port)]
     else:
-        print(table(rows))
-    total = sum(row["requests"] for row in rows)
-    if failed or len(rows) != len(args.modes) or any(row["wrong"] or row["errors"] for row in rows):
-        print("FAILED: a server or a load run failed, or an answer was wrong", file=sys.stderr)
-        sys.exit(1)
-    checked = f"results checked: all {total} responses matched the model's NumPy reference"
-    print(checked, file=sys.stderr if args.json else sys.stdout)
+        cmd = [sys.executable, str(HERE / "server.py"), "--model", model, "--mode", mode, "--port", str(port)]
+        cmd += ["--reference", ref_path, *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if threads is not None:
+        env["CUDAFUT_LAUNCH_THREADS"] = str(threads)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while _get(port, "/health")[0] != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the {mode} server did not start (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.2)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+class _Sampler:
+    """The server's CPU time (its children included) and the GPU's busy
+    fraction over a window of wall time."""
+
+    def __init__(self, pid: int, start: float, end: float) -> None:
+        self.pid, self.start, self.end = pid, start, end
+        self.cpu: float | None = None
+        self.gpu: float | None = None
+        self.stats: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self.port = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _cpu_seconds(self) -> float:
+        import psutil
+
+        proc = psutil.Process(self.pid)
+        total = 0.0
+        for p in [proc, *proc.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def _run(self) -> None:
+        nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+        except Exception:  # noqa: BLE001 - no NVML: no GPU figure
+            nvml = None
+        time.sleep(max(0.0, self.start - time.time()))
+        cpu0 = self._cpu_seconds()
+        stats0 = _stats(self.port)
+        busy: list[float] = []
+        while time.time() < self.end:
+            if nvml is not None:
+                busy.append(nvml[0].nvmlDeviceGetUtilizationRates(nvml[1]).gpu / 100.0)
+            time.sleep(0.1)
+        self.cpu = (self._cpu_seconds() - cpu0) / (self.end - self.start)
+        self.stats = (stats0, _stats(self.port))
+        self.gpu = float(np.mean(busy)) if busy else None
+
+
+def _stats(port: int) -> dict[str, Any]:
+    status, body = _get(port, "/stats")
+    return json.loads(body) if status == 200 else {}
+
+
+def measure(
+    proc: subprocess.Popen[bytes], port: int, ref_path: str, *, seconds: float, warmup: float, **load: Any
+) -> dict[str, Any]:
+    """One load run against the server ``proc`` on ``port``, with its CPU,
+    the GPU's busy fraction and the batcher's mean batch over the window."""
+    start = time.time() + 2.0
+    sampler = _Sampler(proc.pid, start + warmup, start + warmup + seconds)
+    sampler.port = port
+    sampler.thread.start()
+    out = run_load(port, reference=ref_path, seconds=seconds, warmup=warmup, start=start, **load)
+    sampler.thread.join(timeout=60)
+    out["server_cpu"] = None if sampler.cpu is None else round(sampler.cpu, 3)
+    out["gpu_busy"] = None if sampler.gpu is None else round(sampler.gpu, 3)
+    mean_batch = None
+    if sampler.stats is not None:
+        before, after = sampler.stats
+        batches = after.get("batches", 0) - before.get("batches", 0)
+        if batches:
+            mean_batch = round((after.get("items", 0) - before.get("items", 0)) / batches, 2)
+    out["mean_batch"] = mean_batch
+    return out
+
+
+def has_litserve() -> bool:
+    try:
+        import litserve  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compare(
+    models: tuple[str, ...] = MODELS,
+    modes: tuple[str, ...] = MODES,
+    *,
+    seconds: float = 5.0,
+    warmup: float = 1.0,
+    open_loop: bool = True,
+    threads: tuple[int, ...] = (),
+    clients: int = 64,
+    procs: int = 4,
+    step: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+) -> dict[str, Any]:
+    """Every model and mode, closed loop (and open loop); see the module.
+    ``threads``: launcher thread counts to also try with ``launch`` and
+    ``batch_graph`` (closed loop, the first model)."""
+    if "litserve" in modes and not has_litserve():
+        modes = tuple(m for m in modes if m != "litserve")
+        step("LitServe is not installed: its rows are skipped")
+    results: dict[str, Any] = {}
+    port = 18400
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            ref_path = str(Path(tmp) / f"{model}.npy")
+            t0 = time.perf_counter()
+            ref = reference(model)
+            np.save(ref_path, ref)
+            row: dict[str, Any] = {"closed": {}, "open": {}, "threads": {}}
+            row["reference_s"] = round(time.perf_counter() - t0, 1)
+            results[model] = row
+            for mode in modes:
+                port += 1
+                log = Path(tmp) / f"{model}-{mode}.log"
+                with serving(model, mode, port, ref_path, log) as proc:
+                    r = measure(
+                        proc, port, ref_path, seconds=seconds, warmup=warmup, clients=clients, procs=procs
+                    )
+                    row["closed"][mode] = r
+                    step(f"{model} {mode} closed: {_line(r)}")
+                    if open_loop:
+                        for group, base in ((OPEN_BATCHED, "nogpu"), (OPEN_UNBATCHED, "executor")):
+                            if mode not in group or base not in row["closed"]:
+                                continue
+                            rate = round(row["closed"][base]["rps"] / 2, 1)
+                            r = measure(
+                                proc,
+                                port,
+                                ref_path,
+                                seconds=seconds,
+                                warmup=warmup,
+                                clients=0,
+                                rate=rate,
+                                procs=procs,
+                            )
+                            row["open"].setdefault(f"{base}/2", {"rate": rate})[mode] = r
+                            step(f"{model} {mode} open at {rate}/s: {_line(r)}")
+            if threads and model == models[0]:
+                for mode in ("launch", "batch_graph"):
+                    for n in threads:
+                        port += 1
+                        log = Path(tmp) / f"{model}-{mode}-{n}.log"
+                        with serving(model, mode, port, ref_path, log, threads=n) as proc:
+                            r = measure(
+                                proc,
+                                port,
+                                ref_path,
+                                seconds=seconds,
+                                warmup=warmup,
+                                clients=clients,
+                                procs=procs,
+                            )
+                        row["threads"].setdefault(mode, {})[str(n)] = r
+                        step(f"{model} {mode} with {n} launcher threads: {_line(r)}")
+    return results
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['rps']} req/s, p50 {r['p50_ms']} p99 {r['p99_ms']} ms, /health p99 {r['health']['p99_ms']} ms, "
+        f"cpu {r['server_cpu']}, gpu {r['gpu_busy']}, batch {r['mean_batch']}, wrong {r['wrong']}, "
+        f"errors {r['errors']}"
+    )
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    """Markdown tables of :func:`compare`'s results."""
+    lines: list[str] = []
+    head = (
+        "| handler | req/s | p50 ms | p99 ms | /health p50 / p99 / max ms | server CPU | GPU busy "
+        "| mean batch | wrong / errors |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|---|"
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        h = r["health"]
+        cells = [
+            name,
+            f"{r['rps']:,.0f}",
+            _num(r["p50_ms"]),
+            _num(r["p99_ms"]),
+            f"{_num(h['p50_ms'])} / {_num(h['p99_ms'])} / {_num(h['max_ms'])}",
+            _pct(r["server_cpu"]),
+            _pct(r["gpu_busy"]),
+            "" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
+            f"{r['wrong']} / {r['errors']}",
+        ]
+        return "| " + " | ".join(cells) + " |"
+
+    for model, m in results.items():
+        if not isinstance(m, dict) or "closed" not in m:
+            continue
+        lines += [f"**{model}, closed loop** (64 clients):", "", head, rule]
+        lines += [row(mode, r) for mode, r in m["closed"].items()]
+        lines.append("")
+        for base, group in m["open"].items():
+            lines += [
+                f"**{model}, open loop at {group['rate']:,.0f} req/s** ({base} of the closed loop):",
+                "",
+            ]
+            lines += [head, rule]
+            lines += [row(mode, r) for mode, r in group.items() if mode != "rate"]
+            lines.append("")
+        for mode, by_threads in m["threads"].items():
+            lines += [f"**{model}, {mode}, launcher threads** (closed loop):", "", head, rule]
+            lines += [row(f"{n} thread(s)", r) for n, r in by_threads.items()]
+            lines.append("")
+    return lines
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["resnet50"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--open", action="store_true", help="also measure open loop")
+    parser.add_argument("--quick", action="store_true", help="1 s per run, 2 load processes (a smoke run)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    from cudafut._selfcheck import require_gpu
+
+    require_gpu()
+    seconds, procs = (1.0, 2) if args.quick else (args.seconds, 4)
+    results = compare(
+        tuple(args.models),
+        tuple(args.modes),
+        seconds=seconds,
+        warmup=0.5 if args.quick else 1.0,
+        open_loop=args.open,
+        procs=procs,
+    )
+    print("\n".join(table(results)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

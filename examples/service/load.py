@@ -1,159 +1,235 @@
-"""A load generator for server.py: N concurrent clients on loopback, every answer checked.
+"""A load generator for the service: closed or open loop, with a /health probe and every answer checked.
 
-Each client sends its own random input, checks the answer against the
-model's NumPy reference (model.py), and records the latency; a separate task
-asks ``/health`` every ``--health-every-ms`` meanwhile, to see whether the
-server's event loop stays free. It stops after ``--requests`` requests or
-``--duration`` seconds, whichever comes first, and prints requests/s, the
-p50/p99 latencies and the server's batching (``/stats``), as a table or, with
-``--json``, as one JSON object. It exits with 1 if any answer was wrong.
+- **closed loop** (``--clients N``): N clients, each sending its next
+  request as soon as the last is answered: the most the server can do.
+- **open loop** (``--rate R``): requests arrive at R per second, at Poisson
+  times, whether or not earlier ones were answered: latency at a load the
+  server can carry.
 
-    python examples/service/load.py --url http://127.0.0.1:8080 --clients 64
+The clients run in ``--procs`` processes (one Python process cannot send
+more than a few thousand requests a second); a separate process sends
+``GET /health`` every ``--health-ms`` milliseconds, which shows how long the
+server's event loop is blocked. Every answer is compared with the reference
+logits (models.check). Prints one JSON line::
+
+    python examples/service/load.py --port 8080 --reference ref.npy --clients 64 --seconds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import math
+import multiprocessing as mp
+import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import aiohttp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from model import DIM, matches
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+from models import IMAGES, check, tolerance
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, nearest rank; NaN if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
-async def run_load(
-    url: str, *, clients: int, requests: int, duration: float, health_every_s: float
-) -> dict[str, Any]:
-    if urlsplit(url).hostname not in LOOPBACK:
-        raise SystemExit(f"refusing to load {url}: this generator only talks to loopback")
-    latencies: list[float] = []
-    health: list[float] = []
-    counts = {"sent": 0, "wrong": 0, "errors": 0}
-    stop = asyncio.Event()
-    deadline = time.perf_counter() + duration
-
-    async def client(session: aiohttp.ClientSession, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        while not stop.is_set() and time.perf_counter() < deadline and counts["sent"] < requests:
-            counts["sent"] += 1
-            x = rng.standard_normal(DIM).astype(np.float32)
-            t = time.perf_counter()
-            try:
-                async with session.post(f"{url}/infer", json={"x": x.tolist()}) as resp:
-                    resp.raise_for_status()
-                    body = await resp.json()
-            except aiohttp.ClientError as exc:
-                counts["errors"] += 1
-                print(f"request failed: {exc!r}", file=sys.stderr)
-                continue
-            latencies.append(time.perf_counter() - t)
-            if not matches(body["y"], x):
-                counts["wrong"] += 1
-        stop.set()
-
-    async def pinger(session: aiohttp.ClientSession) -> None:
-        while not stop.is_set():
-            t = time.perf_counter()
-            async with session.get(f"{url}/health") as resp:
-                resp.raise_for_status()
-            health.append(time.perf_counter() - t)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), health_every_s)
-
-    connector = aiohttp.TCPConnector(limit=clients + 2)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        start = time.perf_counter()
-        ping = asyncio.create_task(pinger(session))
-        await asyncio.gather(*(client(session, seed) for seed in range(clients)))
-        elapsed = time.perf_counter() - start
-        stop.set()
-        await ping
-        async with session.get(f"{url}/stats") as resp:
-            stats = await resp.json()
-
-    ms = 1e3
+def quantiles_ms(samples: list[float]) -> dict[str, float | None]:
+    if not samples:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    arr = np.asarray(samples) * 1e3
     return {
-        "mode": stats["mode"],
-        "clients": clients,
-        "requests": len(latencies),
-        "wrong": counts["wrong"],
-        "errors": counts["errors"],
-        "seconds": round(elapsed, 3),
-        "rps": round(len(latencies) / elapsed, 1),
-        "p50_ms": round(percentile(latencies, 50) * ms, 3),
-        "p99_ms": round(percentile(latencies, 99) * ms, 3),
-        "health_p50_ms": round(percentile(health, 50) * ms, 3),
-        "health_p99_ms": round(percentile(health, 99) * ms, 3),
-        "health_max_ms": round(max(health, default=math.nan) * ms, 3),
-        "batches": stats["batches"],
-        "mean_batch": stats["mean_batch"],
+        "p50_ms": round(float(np.percentile(arr, 50)), 3),
+        "p99_ms": round(float(np.percentile(arr, 99)), 3),
+        "max_ms": round(float(arr.max()), 3),
     }
 
 
-COLUMNS = [
-    ("mode", "mode", "{}"),
-    ("requests", "requests", "{}"),
-    ("req/s", "rps", "{:.0f}"),
-    ("p50 ms", "p50_ms", "{:.2f}"),
-    ("p99 ms", "p99_ms", "{:.2f}"),
-    ("/health p50 ms", "health_p50_ms", "{:.2f}"),
-    ("/health p99 ms", "health_p99_ms", "{:.2f}"),
-    ("mean batch", "mean_batch", "{:.1f}"),
-    ("wrong", "wrong", "{}"),
-]
+async def _clients(
+    url: str,
+    reference: str | None,
+    clients: int,
+    rate: float,
+    start: float,
+    warmup: float,
+    seconds: float,
+    seed: int,
+) -> dict[str, Any]:
+    """One process's share: ``clients`` closed-loop clients, or arrivals at
+    ``rate`` per second (``clients == 0``), from ``start`` (``time.time()``)
+    for ``warmup + seconds``; latencies of the requests sent and answered in
+    the last ``seconds``."""
+    import aiohttp
+
+    ref = np.load(reference) if reference else None
+    tol = tolerance(ref) if ref is not None else 0.0
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    wrong = errors = 0
+    window = end = 0.0  # perf_counter times, set once the load starts
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            nonlocal wrong, errors
+            i = rng.randrange(IMAGES)
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url + "/predict", json={"i": i}) as resp:
+                    body = await resp.json() if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                errors += 1
+                return
+            t1 = time.perf_counter()
+            if body is None:
+                errors += 1
+                return
+            if t0 >= window and t1 <= end:
+                latencies.append(t1 - t0)
+            if ref is not None and not check(body["top"], ref[i], tol):
+                wrong += 1
+
+        await asyncio.sleep(max(0.0, start - time.time()))
+        now = time.perf_counter()
+        window, end = now + warmup, now + warmup + seconds
+        if clients:
+
+            async def client() -> None:
+                while time.perf_counter() < end:
+                    await one()
+
+            await asyncio.gather(*(client() for _ in range(clients)))
+        else:
+            tasks: set[asyncio.Task[None]] = set()
+            t = time.perf_counter()
+            while t < end:
+                t += rng.expovariate(rate)
+                delay = t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.ensure_future(one())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.wait(tasks, timeout=30)
+    return {"latencies": latencies, "wrong": wrong, "errors": errors}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table."""
-    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in COLUMNS) + " |")
-    return "\n".join(lines)
+async def _health(url: str, period: float, start: float, seconds: float) -> list[float]:
+    import aiohttp
+
+    samples: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        await asyncio.sleep(max(0.0, start - time.time()))
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            try:
+                async with session.get(url + "/health") as resp:
+                    await resp.read()
+                samples.append(time.perf_counter() - t0)
+            except aiohttp.ClientError:
+                samples.append(float("inf"))
+            await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
+    return samples
 
 
-def main() -> None:
+def _run_clients(args: tuple[Any, ...], out: Any) -> None:
+    try:
+        import uvloop
+
+        out.put(uvloop.run(_clients(*args)))
+    except ImportError:
+        out.put(asyncio.run(_clients(*args)))
+
+
+def _run_health(args: tuple[Any, ...], out: Any) -> None:
+    out.put(asyncio.run(_health(*args)))
+
+
+def run_load(
+    port: int,
+    *,
+    reference: str | None,
+    clients: int = 64,
+    rate: float = 0.0,
+    seconds: float = 5.0,
+    warmup: float = 1.0,
+    procs: int = 4,
+    health_ms: float = 10.0,
+    seed: int = 0,
+    start: float | None = None,
+) -> dict[str, Any]:
+    """Load the server on ``port`` (closed loop with ``clients``, or open
+    loop at ``rate`` per second when ``rate`` > 0) from ``start`` (a
+    ``time.time()``, default in 1.5 s: the processes start meanwhile); the
+    figures of the ``seconds`` after ``warmup``."""
+    url = f"http://127.0.0.1:{port}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    if start is None:
+        start = time.time() + 1.5
+    window_start = start + warmup
+    jobs = []
+    for p in range(procs):
+        share = clients // procs + (1 if p < clients % procs else 0)
+        if clients and not share:
+            continue
+        job_rate = rate / procs if not clients else 0.0
+        job_args = (url, reference, share, job_rate, start, warmup, seconds, seed + p)
+        jobs.append(ctx.Process(target=_run_clients, args=(job_args, out)))
+    health_out = ctx.Queue()
+    health = ctx.Process(target=_run_health, args=((url, health_ms / 1e3, window_start, seconds), health_out))
+    for job in [*jobs, health]:
+        job.start()
+    results = [out.get(timeout=warmup + seconds + 120) for _ in jobs]
+    probes = health_out.get(timeout=warmup + seconds + 120)
+    for job in [*jobs, health]:
+        job.join(timeout=30)
+    latencies = [lat for r in results for lat in r["latencies"]]
+    return {
+        "mode": "closed" if clients else "open",
+        "clients": clients,
+        "rate": rate,
+        "seconds": seconds,
+        "requests": len(latencies),
+        "rps": round(len(latencies) / seconds, 1),
+        **quantiles_ms(latencies),
+        "wrong": sum(r["wrong"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+        "health": quantiles_ms([p for p in probes if p != float("inf")]),
+        "health_failed": sum(1 for p in probes if p == float("inf")),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8080")
-    parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
-    parser.add_argument("--requests", type=int, default=20_000, help="stop after this many requests")
-    parser.add_argument("--duration", type=float, default=10.0, help="stop after this many seconds")
-    parser.add_argument("--health-every-ms", type=float, default=20.0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = parser.parse_args()
-    result = asyncio.run(
-        run_load(
-            args.url.rstrip("/"),
-            clients=args.clients,
-            requests=args.requests,
-            duration=args.duration,
-            health_every_s=args.health_every_ms / 1e3,
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--reference", help="reference logits (.npy) to check every answer against")
+    parser.add_argument("--clients", type=int, default=64, help="closed loop: concurrent clients")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="open loop: requests per second (then no clients)"
+    )
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--health-ms", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    clients = 0 if args.rate > 0 else args.clients
+    print(
+        json.dumps(
+            run_load(
+                args.port,
+                reference=args.reference,
+                clients=clients,
+                rate=args.rate,
+                seconds=args.seconds,
+                warmup=args.warmup,
+                procs=args.procs,
+                health_ms=args.health_ms,
+            )
         )
     )
-    print(json.dumps(result) if args.json else table([result]))
-    if result["wrong"] or result["errors"] or not result["requests"]:
-        sys.exit(1)
 
 
 if __name__ == "__main__":

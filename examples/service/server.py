@@ -1,29 +1,32 @@
-"""An aiohttp inference service, written four ways (``--mode``).
+"""An aiohttp inference service for a torchvision model, written the ways people write it (``--mode``).
 
-``POST /infer`` with ``{"x": [DIM floats]}`` answers ``{"y": [OUT floats]}``,
-the model's output (model.py); ``GET /health`` answers at once, if the event
-loop is free to answer; ``GET /stats`` says how many requests and batches ran.
+``POST /predict`` with ``{"i": k}`` answers ``{"top": [5 logits, then their
+5 classes]}`` for bank image ``k`` (models.py); ``GET /health`` answers at
+once, if the event loop is free to answer; ``GET /stats`` says what the
+batcher did. The modes, from the first thing people write to cudafut's
+answer:
 
-- ``batched``: the handler hands its input to a :class:`batcher.Batcher`; the
-  batcher forms batches (up to ``--max-batch`` requests, or whatever arrived
-  ``--max-delay-ms`` after the first) and runs each with **one**
-  ``cudafut.submit(model.forward, batch)``, copied back with
-  ``cudafut.to_host`` and awaited; each request gets its row.
-- ``unbatched``: each handler does ``await cudafut.to_host(cudafut.submit(...))``
-  for its own input: the loop is never blocked, but the GPU runs one small
-  launch per request.
-- ``sync``: the way it is usually written first: launch, then
-  ``stream.synchronize()`` in the handler. Correct, but the event loop is
-  blocked while the GPU works: every other request, ``/health`` included,
-  waits.
-- ``executor``: the same synchronising call in ``loop.run_in_executor``: the
-  loop is free, at the cost of a thread per request in flight.
+- ``nogpu``: answers from the reference table without the GPU: the harness's
+  own ceiling (HTTP, JSON, the load generator).
+- ``sync``: ``answer()`` then ``stream.synchronize()`` in the handler: the
+  loop is blocked for the model's launch *and* its GPU time.
+- ``executor``: the same in ``loop.run_in_executor`` (8 threads, a stream each).
+- ``await``: ``answer()`` on a leased stream, then ``await cudafut.record()``:
+  waiting is free, but the launch (4-8 ms of PyTorch dispatch for a
+  ResNet-50) still runs on the loop.
+- ``launch``: ``await cudafut.launch(answer, [k])``: the launch runs on a
+  launcher thread, the loop only waits.
+- ``launch_graph``: the same, replaying a captured CUDA graph (batch 1).
+- ``batch``: ``await batcher.submit(k)``, a :class:`cudafut.Batcher` whose
+  ``run_batch`` is ``answer`` (so it runs through ``launch``).
+- ``batch_graph``: the same with buckets, one captured graph per bucket.
 
-Run it (from the repository root, on a machine with a GPU)::
+Run it (from the repository root, on a machine with a GPU and torchvision)::
 
-    python examples/service/server.py --mode batched --port 8080
+    python examples/service/server.py --model resnet50 --mode batch_graph --port 8080
 
-and load it with ``load.py``, or compare all four with ``compare.py``.
+It prints ``READY <port>`` once the model is warm; load it with load.py, or
+compare the modes (and LitServe) with compare.py.
 """
 
 from __future__ import annotations
@@ -40,133 +43,170 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # batcher, model: next to this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from batcher import Batcher, describe
-from model import DIM, Model
+from models import BUCKETS, MODELS, Served, top_of
 
 import cudafut
 
-MODES = ("batched", "unbatched", "sync", "executor")
-Handler = Callable[[np.ndarray[Any, Any]], Awaitable[list[float]]]
+MODES = ("nogpu", "sync", "executor", "await", "launch", "launch_graph", "batch", "batch_graph")
+Compute = Callable[[int], Awaitable[list[float]]]
 
 
-async def read_input(request: web.Request) -> np.ndarray[Any, Any]:
-    body = await request.json()
-    x = np.asarray(body["x"], dtype=np.float32)
-    if x.shape != (DIM,):
-        raise web.HTTPBadRequest(text=f"x must hold {DIM} numbers")
-    return x
+def make_compute(
+    mode: str,
+    served: Served | None,
+    ref: np.ndarray[Any, Any] | None,
+    *,
+    max_batch: int = BUCKETS[-1],
+    max_delay_s: float = 0.002,
+) -> tuple[Compute, Any]:
+    """The handler's computation for ``mode``, and the batcher (or None)."""
+    if mode == "nogpu":
+        assert ref is not None
+        answers = [top_of(row) for row in ref]
+
+        async def nogpu(i: int) -> list[float]:
+            return answers[i]
+
+        return nogpu, None
+    assert served is not None
+    torch = served.torch
+    if mode == "sync":
+        stream = torch.cuda.Stream()
+
+        async def sync(i: int) -> list[float]:
+            with torch.cuda.stream(stream):
+                out = served.answer([i])
+            stream.synchronize()  # blocks the event loop until the GPU is done
+            row: list[float] = out[0].tolist()
+            return row
+
+        return sync, None
+    if mode == "executor":
+        pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="infer")
+        local = threading.local()
+
+        def blocking(i: int) -> list[float]:
+            if not hasattr(local, "stream"):  # one stream per worker thread
+                local.stream = torch.cuda.Stream()
+            with torch.cuda.stream(local.stream):
+                out = served.answer([i])
+            local.stream.synchronize()  # blocks this worker thread only
+            row: list[float] = out[0].tolist()
+            return row
+
+        async def executor(i: int) -> list[float]:
+            return await asyncio.get_running_loop().run_in_executor(pool, blocking, i)
+
+        return executor, None
+    if mode == "await":
+        streams = [torch.cuda.Stream() for _ in range(8)]
+        turn = [0]
+
+        async def awaited(i: int) -> list[float]:
+            stream = streams[turn[0] % len(streams)]
+            turn[0] += 1
+            with torch.cuda.stream(stream):
+                out = served.answer([i])  # the launch runs here, on the loop
+            await cudafut.record(out, stream=stream)  # the wait does not
+            row: list[float] = out[0].tolist()
+            return row
+
+        return awaited, None
+    if mode in ("launch", "launch_graph"):
+        answer = served.answer if mode == "launch" else served.answer_graphed
+
+        async def launched(i: int) -> list[float]:
+            out = await cudafut.launch(answer, [i])
+            row: list[float] = out[0].tolist()
+            return row
+
+        return launched, None
+    if mode in ("batch", "batch_graph"):
+        graphs = mode == "batch_graph"
+        batcher: cudafut.Batcher[int, Any] = cudafut.Batcher(
+            served.answer_graphed if graphs else served.answer,
+            max_batch=max_batch,
+            max_delay_s=max_delay_s,
+            buckets=BUCKETS if graphs else None,
+        )
+
+        async def batched(i: int) -> list[float]:
+            row: list[float] = (await batcher.submit(i)).tolist()
+            return row
+
+        return batched, batcher
+    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
-def make_app(mode: str, model: Model, *, max_batch: int, max_delay_s: float, threads: int) -> web.Application:
+def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | None) -> web.Application:
     app = web.Application()
     counts = {"requests": 0}
-    batcher_stats: list[Any] = []
 
-    if mode == "batched":
+    async def predict(request: web.Request) -> web.Response:
+        body = await request.json()
+        i = body.get("i") if isinstance(body, dict) else None
+        if not isinstance(i, int) or not 0 <= i < 256:
+            raise web.HTTPBadRequest(text='send {"i": k} with 0 <= k < 256')
+        counts["requests"] += 1
+        return web.json_response({"top": await compute(i)})
 
-        async def run_batch(xs: list[np.ndarray[Any, Any]]) -> list[list[float]]:
-            # One launch for the whole batch; the loop serves others while the GPU runs it.
-            fut = cudafut.submit(model.forward, np.stack(xs))
-            out = await cudafut.to_host(fut)
-            rows: list[list[float]] = out.tolist()
-            return rows
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
 
-        batcher: Batcher[np.ndarray[Any, Any], list[float]] = Batcher(
-            run_batch, max_batch=max_batch, max_delay_s=max_delay_s
-        )
-        batcher_stats.append(batcher.stats)
+    async def stats(request: web.Request) -> web.Response:
+        out: dict[str, Any] = dict(counts)
+        if batcher is not None:
+            s = batcher.statistics()
+            out.update(batches=s.batches, items=s.items, mean_batch=round(s.mean_batch, 2), padded=s.padded)
+        return web.json_response(out)
+
+    if batcher is not None:
 
         async def batcher_running(app: web.Application) -> AsyncIterator[None]:
             async with batcher:
                 yield
 
         app.cleanup_ctx.append(batcher_running)
-        compute: Handler = batcher.submit
-
-    elif mode == "unbatched":
-
-        async def compute(x: np.ndarray[Any, Any]) -> list[float]:
-            out = await cudafut.to_host(cudafut.submit(model.forward, x[None]))
-            row: list[float] = out[0].tolist()
-            return row
-
-    elif mode == "sync":
-        stream = model.cp.cuda.Stream(non_blocking=True)
-
-        async def compute(x: np.ndarray[Any, Any]) -> list[float]:
-            with stream:
-                y = model.forward(x[None])
-            stream.synchronize()  # blocks the event loop until the GPU is done
-            row: list[float] = y.get(stream=stream)[0].tolist()
-            return row
-
-    elif mode == "executor":
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer")
-        local = threading.local()
-
-        def forward_blocking(x: np.ndarray[Any, Any]) -> list[float]:
-            if not hasattr(local, "stream"):  # one stream per worker thread
-                local.stream = model.cp.cuda.Stream(non_blocking=True)
-            with local.stream:
-                y = model.forward(x[None])
-            local.stream.synchronize()  # blocks this worker thread only
-            row: list[float] = y.get(stream=local.stream)[0].tolist()
-            return row
-
-        async def compute(x: np.ndarray[Any, Any]) -> list[float]:
-            return await asyncio.get_running_loop().run_in_executor(pool, forward_blocking, x)
-
-        async def pool_running(app: web.Application) -> AsyncIterator[None]:
-            yield
-            pool.shutdown(wait=True)
-
-        app.cleanup_ctx.append(pool_running)
-    else:
-        raise ValueError(f"unknown mode {mode!r}: choose one of {MODES}")
-
-    async def infer(request: web.Request) -> web.Response:
-        y = await compute(await read_input(request))
-        counts["requests"] += 1
-        return web.json_response({"y": y})
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    async def stats(request: web.Request) -> web.Response:
-        if batcher_stats:
-            batches = describe(batcher_stats[0])
-        else:  # one launch per request
-            batches = {"batches": counts["requests"], "items": counts["requests"], "mean_batch": 1.0}
-        return web.json_response({"mode": mode, "requests": counts["requests"], **batches})
-
-    app.router.add_post("/infer", infer)
-    app.router.add_get("/health", health)
-    app.router.add_get("/stats", stats)
+    app.add_routes([web.post("/predict", predict), web.get("/health", health), web.get("/stats", stats)])
     return app
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=MODES, default="batched")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument("--mode", choices=MODES, default="batch_graph")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--fixed-us", type=float, default=2000.0, help="GPU time of a launch, µs")
-    parser.add_argument("--per-item-us", type=float, default=10.0, help="GPU time per request, µs")
-    parser.add_argument("--max-batch", type=int, default=64, help="batched: the largest batch")
-    parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batched: the longest wait for more")
-    parser.add_argument("--threads", type=int, default=8, help="executor: worker threads")
-    args = parser.parse_args()
+    parser.add_argument("--reference", help="nogpu: the reference logits (.npy, from compare.py)")
+    parser.add_argument("--max-batch", type=int, default=BUCKETS[-1], help="batch modes: the largest batch")
+    parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batch modes: the longest wait")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the event loop")
+    parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
+    args = parser.parse_args(argv)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    from cudafut._selfcheck import require_gpu
 
-    model = Model(args.fixed_us, args.per_item_us)
-    model.warm_up(args.max_batch)
-    cudafut.to_host(cudafut.submit(model.forward, np.zeros((1, DIM), np.float32))).result(timeout=60)
-    app = make_app(
-        args.mode, model, max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1e3, threads=args.threads
+    ref = np.load(args.reference) if args.reference else None
+    served = None
+    if args.mode != "nogpu":
+        require_gpu()
+        served = Served(args.model, graphs=args.mode.endswith("graph"))
+        served.answer([0])
+    elif ref is None:
+        parser.error("--mode nogpu needs --reference")
+    compute, batcher = make_compute(
+        args.mode, served, ref, max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1e3
     )
-    print(f"serving {args.mode} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    app = make_app(compute, batcher)
+    loop = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    print(f"READY {args.port}", flush=True)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, loop=loop)
 
 
 if __name__ == "__main__":

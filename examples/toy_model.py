@@ -1,4 +1,4 @@
-"""The "model" the examples serve: a small MLP whose GPU time you choose.
+"""A toy model for examples/trio_app.py: a small MLP whose GPU time you choose.
 
 ``forward(xs)`` computes ``tanh(xs @ w1 + b1) @ w2`` for a batch ``xs`` of
 shape ``(n, DIM)`` on the current CuPy stream: real math, which clients check
@@ -9,8 +9,12 @@ model, whose time is mostly a fixed cost (reading its weights) plus a little
 per request. Because it fills the GPU, two launches on two streams queue
 rather than overlap, as two real models would.
 
+examples/service/ serves a real torchvision model; here the point is the
+batching, so the model's GPU time is set on the command line and every
+answer can be checked against its NumPy reference.
+
 CuPy is imported only by :class:`Model`: the reference and the sizes are
-usable (by the load generator, by tests) without a GPU.
+usable (by tests/test_examples.py) without a GPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,309 @@
+"""Section ``serve``: a real torchvision model served from asyncio, every way.
+
+Two parts:
+
+- ``launch``: what :func:`cudafut.launch` costs the calling thread (p50,
+  p99 of single calls, with up to 1,000 launches in flight), next to
+  ``submit()``, ``record()`` and ``run_in_executor``'s submission in the
+  same run; and how long an asyncio loop stalls (a 1 ms ticker's lateness)
+  while 1,000 launches of a trivial function, then 200 of a ResNet-50
+  forward, are in flight.
+- ``models``: examples/service/compare.py for ResNet-50 and ViT-B/16 in
+  fp16 (random weights): each handler of examples/service/server.py and
+  LitServe, the server in its own process, 64 closed-loop clients, then
+  open loop (Poisson arrivals) at half the no-GPU ceiling (batching
+  servers) and half ``run_in_executor``'s maximum (unbatched ones); every
+  answer checked against the model run eagerly on one image. Also the
+  launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``.
+
+``CUDAFUT_BENCH_SERVE_MODELS`` (space-separated) restricts the models, to
+split the section over runs; results of separate runs merge in report.py
+(one JSON per run). About 4 minutes per model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .common import Progress
+
+NAME = "serve"
+
+SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service"
+ALL_MODELS = ("resnet50", "vit_b_16")
+THREADS = (1, 4)  # besides the default (2)
+
+
+def _models() -> tuple[str, ...]:
+    names = os.environ.get("CUDAFUT_BENCH_SERVE_MODELS", "").split()
+    return tuple(n for n in ALL_MODELS if n in names) if names else ALL_MODELS
+
+
+def _compare_module() -> Any:
+    if str(SERVICE) not in sys.path:
+        sys.path.insert(0, str(SERVICE))
+    import compare  # type: ignore[import-not-found]
+
+    return compare
+
+
+def steps(quick: bool) -> int:
+    n_models = len(_models())
+    per_model = 9 + 8  # closed rows + open rows
+    return 4 + n_models * per_model + 2 * len(THREADS)
+
+
+def _q(samples: list[float]) -> dict[str, float]:
+    arr = np.asarray(samples) * 1e6
+    return {
+        "p50_us": round(float(np.percentile(arr, 50)), 2),
+        "p99_us": round(float(np.percentile(arr, 99)), 2),
+    }
+
+
+def _caller_costs(quick: bool) -> dict[str, Any]:
+    """Calling-thread time of one call, in flight batches of 1,000."""
+    import cudafut
+    from cudafut import _cuda
+
+    cp = _cuda.cupy()
+    x = cp.ones(16, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+
+    def fn() -> Any:
+        return x + 1
+
+    rounds = 5 if quick else 20
+    pool = ThreadPoolExecutor(4)
+    ways: dict[str, Any] = {
+        "launch": lambda: cudafut.launch(fn),
+        "submit": lambda: cudafut.submit(fn),
+        "record": lambda: cudafut.record(x),
+        "executor_submit": lambda: pool.submit(fn),
+    }
+    out: dict[str, Any] = {}
+    samples: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(rounds):  # interleaved: drift hits all alike
+        for name, call in ways.items():
+            held = []
+            for _ in range(1000):
+                t0 = time.perf_counter()
+                held.append(call())
+                samples[name].append(time.perf_counter() - t0)
+            for h in held:
+                h.result()
+    for name in ways:
+        out[name] = _q(samples[name])
+    pool.shutdown()
+    return out
+
+
+async def _stall(launches: int, rounds: int, make: Any) -> dict[str, float]:
+    """A 1 ms ticker's lateness while ``launches`` tasks each launch and
+    await one function (``make(round, i)`` gives ``launch()``'s arguments),
+    ``rounds`` times."""
+    import cudafut
+
+    late: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        while not stop:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            late.append(time.perf_counter() - t0 - 0.001)
+
+    async def one(r: int, i: int) -> None:
+        await cudafut.launch(*make(r, i))
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.05)
+    idle = list(late)
+    late.clear()
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        await asyncio.gather(*(one(r, i) for i in range(launches)))
+    wall = time.perf_counter() - t0
+    stop = True
+    await tick
+    return {
+        "max_stall_ms": round(max(late) * 1e3, 3),
+        "p99_stall_ms": round(float(np.percentile(late, 99)) * 1e3, 3),
+        "idle_max_stall_ms": round(max(idle) * 1e3, 3) if idle else 0.0,
+        "launches_per_s": round(launches * rounds / wall, 1),
+    }
+
+
+def _stalls(quick: bool, make_trivial: Any, make_model: Any) -> dict[str, Any]:
+    """:func:`_stall` for trivial and model launches, at the interpreter's
+    switch interval and at shorter ones (how long a thread may keep the GIL
+    while another waits for it)."""
+    out: dict[str, Any] = {}
+    default = sys.getswitchinterval()
+    try:
+        for interval in (default, 0.001, 0.0002):
+            sys.setswitchinterval(interval)
+            key = f"{interval * 1e3:g}ms"
+            out[key] = {
+                "trivial": asyncio.run(_stall(1000, 3 if quick else 10, make_trivial)),
+                "resnet50": asyncio.run(_stall(200, 2 if quick else 3, make_model)),
+            }
+    finally:
+        sys.setswitchinterval(default)
+    return out
+
+
+def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
+    from cudafut import _cuda
+
+    out: dict[str, Any] = {"caller": _caller_costs(quick)}
+    c = out["caller"]
+    progress.step(
+        f"serve: launch() costs the caller {c['launch']['p50_us']} us p50, {c['launch']['p99_us']} us p99 "
+        f"(submit {c['submit']['p50_us']}, executor {c['executor_submit']['p50_us']})"
+    )
+    cp = _cuda.cupy()
+    x = cp.ones(16, dtype=cp.float32)
+    _compare_module()  # examples/service on the path
+    import models  # type: ignore[import-not-found]
+
+    served = models.Served("resnet50")
+    out["stalls"] = _stalls(quick, lambda r, i: (lambda: x + 1,), lambda r, i: (served.answer, [i % 256]))
+    for key, s in out["stalls"].items():
+        progress.step(
+            f"serve: switch interval {key}: loop stall with 1,000 trivial launches in flight "
+            f"{s['trivial']['max_stall_ms']} ms, 200 ResNet-50 launches {s['resnet50']['max_stall_ms']} ms"
+        )
+    return out
+
+
+def run(progress: Progress, quick: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"launch": _launch_part(quick, progress)}
+    compare = _compare_module()
+    out["models"] = compare.compare(
+        _models(),
+        compare.MODES,
+        seconds=2.0 if quick else 5.0,
+        warmup=0.5 if quick else 1.0,
+        open_loop=True,
+        threads=THREADS,
+        step=progress.step,
+    )
+    return out
+
+
+def _targets(result: dict[str, Any]) -> list[str]:
+    lines = ["Targets (same run, one GPU):", ""]
+    for model, m in result.get("models", {}).items():
+        closed = m["closed"]
+        best = closed.get("batch_graph")
+        if best and "nogpu" in closed:
+            ratio = best["rps"] / closed["nogpu"]["rps"]
+            lines.append(
+                f"- {model}: launch + Batcher + graphs at {ratio:.2f}x the no-GPU ceiling (target 0.75)"
+            )
+        if best and "litserve" in closed:
+            lines.append(f"- {model}: {best['rps'] / closed['litserve']['rps']:.1f}x LitServe (target 5)")
+        if "launch" in closed and "executor" in closed:
+            lines.append(
+                f"- {model}: unbatched launch {closed['launch']['rps'] / closed['executor']['rps']:.2f}x "
+                "run_in_executor (target 0.95)"
+            )
+        if "launch_graph" in closed and "sync" in closed:
+            lines.append(
+                f"- {model}: launch + graph {closed['launch_graph']['rps'] / closed['sync']['rps']:.1f}x "
+                "the synchronising handler (target 4)"
+            )
+        for group in m["open"].values():
+            base = group.get("nogpu")
+            for mode in ("batch_graph", "launch"):
+                r = group.get(mode)
+                if r is None or base is None:
+                    continue
+                dh = (r["health"]["p99_ms"] or 0) - (base["health"]["p99_ms"] or 0)
+                dp = (r["p99_ms"] or 0) - (base["p99_ms"] or 0)
+                lines.append(
+                    f"- {model}, open loop at {group['rate']:,.0f}/s: {mode} /health p99 {dh:+.1f} ms over "
+                    f"no-GPU (target <= 1 ms), request p99 {dp:+.1f} ms (target <= 10 ms for batch_graph)"
+                )
+    launch = result.get("launch")
+    if launch:
+        c = launch["caller"]["launch"]
+        lines.append(
+            f"- launch() on the calling thread: p50 {c['p50_us']} us, p99 {c['p99_us']} us (target 10)"
+        )
+        for interval, by_kind in launch["stalls"].items():
+            for kind, s in by_kind.items():
+                lines.append(
+                    f"- loop stall, {kind} launches in flight, switch interval {interval}: "
+                    f"max {s['max_stall_ms']} ms (target 2)"
+                )
+    return [*lines, ""]
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    lines = ["## Serving (section `serve`)", ""]
+    launch = result.get("launch")
+    if launch:
+        lines += ["Calling-thread time of one call (µs; 1,000 in flight):", ""]
+        lines += ["| call | p50 | p99 |", "|---|---|---|"]
+        lines += [f"| `{k}` | {v['p50_us']} | {v['p99_us']} |" for k, v in launch["caller"].items()]
+        lines.append("")
+        lines += ["Loop stalls (a 1 ms ticker's lateness) with launches in flight:", ""]
+        lines += [
+            "| switch interval | launches | max ms | p99 ms | idle max ms | launches/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for interval, by_kind in launch["stalls"].items():
+            for kind, s in by_kind.items():
+                n = "1,000 trivial" if kind == "trivial" else f"200 {kind}"
+                lines.append(
+                    f"| {interval} | {n} | {s['max_stall_ms']} | {s['p99_stall_ms']} "
+                    f"| {s['idle_max_stall_ms']} | {s['launches_per_s']:,.0f} |"
+                )
+        lines.append("")
+    models = result.get("models")
+    if models:
+        lines += _compare_module().table(models)
+    lines += _targets(result)
+    return lines
+
+
+def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    models = result.get("models")
+    if not models:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.6 * len(models)), squeeze=False)
+    for row, (model, m) in enumerate(models.items()):
+        modes = list(m["closed"])
+        rps = [m["closed"][k]["rps"] for k in modes]
+        health = [m["closed"][k]["health"]["p99_ms"] or 0 for k in modes]
+        ax = axes[row][0]
+        ax.barh(modes, rps, color="tab:blue")
+        ax.set_xlabel("requests/s (closed loop, 64 clients)")
+        ax.set_title(f"{model}: throughput")
+        ax.invert_yaxis()
+        ax = axes[row][1]
+        ax.barh(modes, health, color="tab:red")
+        ax.set_xscale("log")
+        ax.set_xlabel("/health p99 (ms, log)")
+        ax.set_title(f"{model}: how long the loop is blocked")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    path = out / f"{stem}-serve.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,575 @@
+"""Batcher: concurrent requests gathered into batches for one GPU call each.
+
+A service answering one request at a time launches one small batch per
+request; the GPU then runs a model at batch 1 over and over, far below what
+it can do. :class:`Batcher` gathers the requests that arrive together into
+one call of ``run_batch(items)``, on asyncio (and uvloop) or trio, and hands
+each request its own result. docs/serving.md shows it serving a torchvision
+model, with figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Final, Generic, TypeVar, overload
+
+from ._errors import InvalidStateError
+from ._future import CudaFuture
+from ._launch import launch
+
+__all__ = ["Batcher", "BatcherStatistics"]
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+# What the batch former waits for; submit() and a finished batch wake it
+# only when it waits for what they bring (a wake-up costs a loop iteration).
+_IDLE: Final = 0  # running, not waiting
+_WANT_ITEM: Final = 1  # the queue is empty
+_WANT_FULL: Final = 2  # a batch is forming: wake when it is full
+_WANT_SLOT: Final = 3  # max_in_flight batches run: wake when one ends
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherStatistics:
+    """What a :class:`Batcher` did so far (:meth:`Batcher.statistics`).
+
+    Attributes:
+        batches: batches run (``run_batch`` called), failed ones included.
+        items: requests run in those batches (padding not counted).
+        padded: padding items added to reach a bucket size.
+        cancelled: requests dropped before their batch ran, their caller
+            having been cancelled.
+        failed_batches: batches whose ``run_batch`` raised, or returned
+            results that could not be split; each of their requests got the
+            exception.
+        in_flight: batches running now.
+        queued: requests waiting for a batch now.
+        sizes: how many batches ran with each number of requests (before
+            padding).
+    """
+
+    batches: int
+    items: int
+    padded: int
+    cancelled: int
+    failed_batches: int
+    in_flight: int
+    queued: int
+    sizes: dict[int, int]
+
+    @property
+    def mean_batch(self) -> float:
+        """Requests per batch, on average (0.0 before the first batch)."""
+        return self.items / self.batches if self.batches else 0.0
+
+
+class _TrioSlot:
+    """Where a trio request waits for its result: the part of an asyncio
+    future's interface the batcher uses."""
+
+    __slots__ = ("_cancelled", "_error", "_event", "_value")
+
+    def __init__(self, trio: Any) -> None:
+        self._event = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def done(self) -> bool:
+        return self._cancelled or self._event.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    async def wait(self) -> Any:
+        try:
+            await self._event.wait()
+        except BaseException:
+            self._cancelled = True  # its batch, if not run yet, drops it
+            raise
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _Asyncio:
+    """The batcher's few needs, on the running asyncio (or uvloop) loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._wake: asyncio.Future[None] | None = None
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def wake(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def sleep(self, deadline: float | None) -> None:
+        """Until :meth:`wake` or ``deadline`` (loop time; None: no limit).
+        asyncio rounds its timers up to whole milliseconds."""
+        wake = self._wake = self.loop.create_future()
+        timer = None if deadline is None else self.loop.call_at(deadline, _resolve, wake)
+        try:
+            await wake
+        finally:
+            self._wake = None
+            if timer is not None:
+                timer.cancel()
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        task: asyncio.Task[None] = self.loop.create_task(fn(*args))  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Trio:
+    """The batcher's few needs, in a trio run (its tasks in a nursery)."""
+
+    def __init__(self, trio: Any, nursery: Any) -> None:
+        self.trio = trio
+        self.nursery = nursery
+        self._wake: Any = None
+
+    def now(self) -> float:
+        return float(self.trio.current_time())
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def sleep(self, deadline: float | None) -> None:
+        wake = self._wake = self.trio.Event()
+        try:
+            with self.trio.move_on_at(math.inf if deadline is None else deadline):
+                await wake.wait()
+        finally:
+            self._wake = None
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self.nursery.start_soon(fn, *args)
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, not {value}")
+    return int(value)
+
+
+def _is_async(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+
+
+class Batcher(Generic[In, Out]):
+    """Gather concurrent requests into batches, one ``run_batch`` call each.
+
+    Use it on the event loop that serves the requests (asyncio, uvloop or
+    trio)::
+
+        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=0.002) as batcher:
+            y = await batcher.submit(x)  # from each request's task
+
+    ``run_batch(items)`` gets the list of items of one batch and returns one
+    result per item: a sequence of that length, or an array (CuPy, NumPy,
+    PyTorch, ...) whose first axis is the batch. It may be
+
+    - a plain function: it runs through :func:`cudafut.launch`, on a
+      launcher thread of ``device``, so its host work (stacking the inputs,
+      PyTorch's dispatch of a whole model, a graph replay) never runs on the
+      loop; the batch is answered once its GPU work is done;
+    - an async function (``async def``): awaited on the loop; if it returns
+      a :class:`CudaFuture`, that is awaited too. Its host work runs on the
+      loop, so keep it short (or call :func:`cudafut.launch` inside).
+
+    How batches form: a batch starts with the oldest waiting request and
+    takes what arrived until it holds ``max_batch`` requests or
+    ``max_delay_s`` have passed since that request arrived (asyncio rounds
+    the delay up to whole milliseconds), whichever comes first. Up to
+    ``max_in_flight`` batches run at once, so the next batch forms while the
+    GPU runs one; while that many run, requests wait and the next batch
+    takes them all (up to ``max_batch``) as soon as one ends. With
+    ``buckets`` (sizes such as ``(1, 2, 4, 8, 16, 32, 64)``), a batch of
+    ``n`` requests is padded up to the smallest bucket of at least ``n`` by
+    repeating its last item, so that ``run_batch`` only ever sees those
+    sizes (one captured CUDA graph per size: :func:`cudafut.graphed`); the
+    results of the padding are dropped.
+
+    Each request gets its own result, or the exception of its batch (one
+    failing batch fails only its requests). A request whose caller is
+    cancelled before its batch runs is dropped from the batch; cancelled
+    later, its result is dropped. Leaving the ``async with`` block runs what
+    is queued and waits for the running batches; leaving it with an
+    exception fails the queued requests with :class:`InvalidStateError`.
+
+    Costs on the loop: about 5 µs per request (a future, a queue append, a
+    wake-up of the batch former when it waits for requests) and one task per
+    batch; nothing blocks the loop.
+
+    Args:
+        run_batch: the function that runs one batch (see above).
+        max_batch: the most requests in one batch (default 64; at most the
+            largest bucket).
+        max_delay_s: the longest a request waits for others to join its
+            batch, in seconds (default 0.002).
+        buckets: the batch sizes ``run_batch`` accepts, or None (default:
+            any size up to ``max_batch``).
+        max_in_flight: the most batches running at once (default 2).
+        device: the device whose launcher threads run a plain
+            ``run_batch`` (default: the current device when the batch runs).
+
+    Raises:
+        TypeError: ``run_batch`` is not callable, or an option has the wrong type.
+        ValueError: an option is out of range (``max_batch``,
+            ``max_in_flight`` or a bucket below 1, a negative, infinite or
+            NaN delay, ``max_batch`` above the largest bucket).
+    """
+
+    max_batch: int
+    max_in_flight: int
+    max_delay_s: float
+    buckets: tuple[int, ...] | None
+    device: int | None
+    run_batch: Callable[[list[In]], Any]
+    _async: bool
+    _queue: collections.deque[tuple[Any, Any, float]]
+    _rt: Any
+    _nursery_cm: Any
+    _want: int
+    _closing: bool
+    _closed: bool
+    _in_flight: int
+    _batches: int
+    _items: int
+    _padded: int
+    _cancelled: int
+    _failed: int
+    _sizes: collections.Counter[int]
+
+    @overload
+    def __init__(
+        self: Batcher[In, Out],
+        run_batch: Callable[[list[In]], Awaitable[Sequence[Out]]] | Callable[[list[In]], Sequence[Out]],
+        *,
+        max_batch: int = ...,
+        max_delay_s: float = ...,
+        buckets: Sequence[int] | None = ...,
+        max_in_flight: int = ...,
+        device: int | None = ...,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: Batcher[In, Any],
+        run_batch: Callable[[list[In]], Any],
+        *,
+        max_batch: int = ...,
+        max_delay_s: float = ...,
+        buckets: Sequence[int] | None = ...,
+        max_in_flight: int = ...,
+        device: int | None = ...,
+    ) -> None: ...
+    def __init__(
+        self,
+        run_batch: Callable[[list[In]], Any],
+        *,
+        max_batch: int = 64,
+        max_delay_s: float = 0.002,
+        buckets: Sequence[int] | None = None,
+        max_in_flight: int = 2,
+        device: int | None = None,
+    ) -> None:
+        if not callable(run_batch):
+            raise TypeError(
+                f"run_batch must be a function of a list of items, not {type(run_batch).__name__}"
+            )
+        self.max_batch = _check_count("max_batch", max_batch)
+        self.max_in_flight = _check_count("max_in_flight", max_in_flight)
+        if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, numbers.Real):
+            raise TypeError(f"max_delay_s must be a number of seconds, not {type(max_delay_s).__name__}")
+        if not 0 <= max_delay_s < math.inf:  # NaN fails too
+            raise ValueError(f"max_delay_s must be a finite number of seconds >= 0, not {max_delay_s}")
+        self.max_delay_s = float(max_delay_s)
+        self.buckets = None
+        if buckets is not None:
+            if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
+                raise TypeError(f"buckets must be a sequence of ints, not {type(buckets).__name__}")
+            sizes = sorted({_check_count("a bucket", b) for b in buckets})
+            if not sizes:
+                raise ValueError("buckets must hold at least one size (or be None)")
+            if self.max_batch > sizes[-1]:
+                raise ValueError(
+                    f"max_batch ({self.max_batch}) is above the largest bucket ({sizes[-1]}): "
+                    "no bucket could hold a full batch; lower max_batch or add a bucket"
+                )
+            self.buckets = tuple(sizes)
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+            raise TypeError(f"device must be a CUDA device ordinal (an int) or None, not {device!r}")
+        self.device = device
+        self.run_batch = run_batch
+        self._async = _is_async(run_batch)
+        self._queue = collections.deque()
+        self._rt = None
+        self._nursery_cm = None
+        self._want = _IDLE
+        self._closing = False
+        self._closed = False
+        self._in_flight = 0
+        self._batches = 0
+        self._items = 0
+        self._padded = 0
+        self._cancelled = 0
+        self._failed = 0
+        self._sizes = collections.Counter()
+
+    # -- the requests' side --------------------------------------------------
+
+    async def submit(self, item: In) -> Out:
+        """The result of ``item``, computed in a batch with other requests.
+
+        Waits (without blocking the loop) for the batch to run and its GPU
+        work to be done. Cancelling the caller before the batch runs drops
+        the item from it.
+
+        Raises:
+            InvalidStateError: the batcher is not running (outside its
+                ``async with`` block, or closing), or it closed with an
+                exception before the item's batch ran.
+            Exception: what the item's batch raised.
+        """
+        rt = self._rt
+        if rt is None or self._closing:
+            raise InvalidStateError(
+                "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`"
+            )
+        if isinstance(rt, _Asyncio):
+            if asyncio.get_running_loop() is not rt.loop:
+                raise InvalidStateError("Batcher.submit() must run on the event loop the Batcher runs on")
+            slot: Any = rt.loop.create_future()
+            self._queue.append((item, slot, rt.loop.time()))
+            self._wake_for_item()
+            result: Out = await slot
+            return result
+        slot = _TrioSlot(rt.trio)
+        self._queue.append((item, slot, rt.now()))
+        self._wake_for_item()
+        value: Out = await slot.wait()
+        return value
+
+    def _wake_for_item(self) -> None:
+        want = self._want
+        if want == _WANT_ITEM or (want == _WANT_FULL and len(self._queue) >= self.max_batch):
+            self._rt.wake()
+
+    def statistics(self) -> BatcherStatistics:
+        """What the batcher did so far; costs a few µs, blocks nothing."""
+        return BatcherStatistics(
+            batches=self._batches,
+            items=self._items,
+            padded=self._padded,
+            cancelled=self._cancelled,
+            failed_batches=self._failed,
+            in_flight=self._in_flight,
+            queued=len(self._queue),
+            sizes=dict(sorted(self._sizes.items())),
+        )
+
+    # -- lifetime -------------------------------------------------------------
+
+    async def __aenter__(self) -> Batcher[In, Out]:
+        if self._rt is not None or self._closed:
+            raise InvalidStateError("a Batcher runs once: create a new one")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            rt = _Asyncio(loop)
+            self._rt = rt
+            rt.spawn(self._form)
+            return self
+        trio = sys.modules.get("trio")
+        if trio is None:
+            raise RuntimeError("cudafut.Batcher needs a running asyncio, uvloop or trio loop")
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        self._rt = _Trio(trio, nursery)
+        nursery.start_soon(self._form)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        rt = self._rt
+        self._closing = True
+        if exc is not None:  # nothing more runs: fail what waits
+            self._fail_queued()
+        rt.wake()
+        try:
+            if isinstance(rt, _Asyncio):
+                if exc is not None:
+                    for task in rt.tasks:
+                        task.cancel()
+                while rt.tasks:
+                    await asyncio.gather(*rt.tasks, return_exceptions=True)
+                return None
+            if exc is not None:
+                # The exception leaves the block as it came, not wrapped in
+                # the nursery's exception group.
+                self._rt.nursery.cancel_scope.cancel()
+                await self._nursery_cm.__aexit__(None, None, None)
+                return None
+            result: bool | None = await self._nursery_cm.__aexit__(None, None, None)
+            return result
+        finally:
+            self._closed = True
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while self._queue:
+            _, slot, _ = self._queue.popleft()
+            if not slot.done():
+                slot.set_exception(InvalidStateError("the Batcher closed before this item's batch ran"))
+
+    # -- forming and running batches --------------------------------------------
+
+    async def _form(self) -> None:
+        """The one task that forms batches, until the batcher closes and its
+        queue is empty."""
+        rt = self._rt
+        queue = self._queue
+        try:
+            while True:
+                while self._in_flight >= self.max_in_flight:
+                    self._want = _WANT_SLOT
+                    await rt.sleep(None)
+                while True:
+                    while queue and queue[0][1].done():  # its caller went away
+                        queue.popleft()
+                        self._cancelled += 1
+                    if queue:
+                        break
+                    if self._closing:
+                        return
+                    self._want = _WANT_ITEM
+                    await rt.sleep(None)
+                deadline = queue[0][2] + self.max_delay_s
+                while len(queue) < self.max_batch and not self._closing and rt.now() < deadline:
+                    self._want = _WANT_FULL
+                    await rt.sleep(deadline)
+                self._want = _IDLE
+                batch: list[tuple[Any, Any, float]] = []
+                while queue and len(batch) < self.max_batch:
+                    entry = queue.popleft()
+                    if entry[1].done():
+                        self._cancelled += 1
+                    else:
+                        batch.append(entry)
+                if batch:
+                    self._in_flight += 1
+                    rt.spawn(self._run, batch)
+        finally:
+            self._want = _IDLE
+
+    def _size_for(self, n: int) -> int:
+        buckets = self.buckets
+        if buckets is None:
+            return n
+        for size in buckets:
+            if size >= n:
+                return size
+        return n  # unreachable: max_batch <= the largest bucket
+
+    async def _run(self, batch: list[tuple[Any, Any, float]]) -> None:
+        n = len(batch)
+        try:
+            items = [entry[0] for entry in batch]
+            size = self._size_for(n)
+            if size > n:
+                items.extend([items[-1]] * (size - n))
+            self._batches += 1
+            self._items += n
+            self._padded += size - n
+            self._sizes[n] += 1
+            try:
+                if self._async:
+                    out = await self.run_batch(items)
+                    if isinstance(out, CudaFuture):
+                        out = await out
+                else:
+                    out = await launch(self.run_batch, items, device=self.device)
+                results = _split(out, n, size)
+            except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
+                self._failed += 1
+                for entry in batch:
+                    if not entry[1].done():
+                        entry[1].set_exception(exc)
+                return
+            for entry, result in zip(batch, results):  # noqa: B905 - results may hold padding
+                if not entry[1].done():
+                    entry[1].set_result(result)
+        except BaseException:
+            # Cancelled (the batcher left with an exception): nobody may wait for ever.
+            for entry in batch:
+                if not entry[1].done():
+                    entry[1].set_exception(
+                        InvalidStateError("the Batcher closed while this item's batch ran")
+                    )
+            raise
+        finally:
+            self._in_flight -= 1
+            if self._want == _WANT_SLOT:
+                self._rt.wake()
+
+
+def _split(out: Any, n: int, size: int) -> Sequence[Any]:
+    """The ``n`` requests' results in what ``run_batch`` returned for
+    ``size`` items (padding included)."""
+    if isinstance(out, (list, tuple)):
+        if len(out) not in (size, n):
+            raise ValueError(f"run_batch returned {len(out)} results for a batch of {size} items")
+        return out
+    shape = getattr(out, "shape", None)
+    if isinstance(shape, tuple) and len(shape) >= 1:
+        if shape[0] not in (size, n):
+            raise ValueError(
+                f"run_batch returned an array whose first axis has {shape[0]} rows for a batch of "
+                f"{size} items"
+            )
+        head = out[:n] if shape[0] != n else out
+        unbind = getattr(head, "unbind", None)
+        if unbind is not None:  # torch: one call for all the views
+            return unbind(0)  # type: ignore[no-any-return]
+        return list(head)
+    raise TypeError(
+        "run_batch must return one result per item: a list or tuple, or an array whose first "
+        f"axis is the batch, not {type(out).__name__}"
+    )

@@ -1,0 +1,69 @@
+"""Argument checks that several modules share: timeouts and other seconds.
+
+One rule for every number of seconds cudafut takes: any real number
+(``int``, ``float``, NumPy scalars, ``fractions.Fraction``, anything
+registered as :class:`numbers.Real`), but not a bool; never NaN. A
+timeout of ``threading.TIMEOUT_MAX`` seconds (about 292 years on Linux) or
+more, ``math.inf`` and an ``int`` too large for a float included, means no
+limit: threads cannot wait longer than that anyway.
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+from typing import Final
+
+__all__ = ["NO_LIMIT", "real_number", "timeout_seconds"]
+
+#: The longest a thread can wait (``threading`` refuses more with
+#: ``OverflowError``): timeouts at or beyond it mean "no limit".
+NO_LIMIT: Final = float(threading.TIMEOUT_MAX)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def real_number(value: object, what: str) -> float:
+    """``value`` as a float: a real number that is not a bool, not NaN, and
+    fits a float. Costs about a µs.
+
+    Raises:
+        TypeError: not a real number (a bool, a string, a complex, None...).
+        ValueError: NaN, or too large for a float (an ``int`` beyond
+            1.8e308).
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{what} must be a number, not {value!r}")
+    if value != value:  # NaN, of any real type
+        raise ValueError(f"{what} must be a number, not NaN")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} is too large to be a float: {_short(value)}") from None
+
+
+def timeout_seconds(timeout: object, what: str = "timeout", *, positive: bool = False) -> float:
+    """A timeout in seconds, checked; :data:`NO_LIMIT` for no limit.
+
+    ``timeout``: a real number (see the module docstring) of seconds, at
+    least 0 (more than 0 with ``positive``); one of ``threading.TIMEOUT_MAX``
+    or more (``math.inf``, ``10**400``) gives :data:`NO_LIMIT`. ``None`` is
+    the caller's to handle (it is a ``TypeError`` here). Costs about a µs.
+
+    Raises:
+        TypeError: ``timeout`` is not a real number (a bool included).
+        ValueError: ``timeout`` is negative (or 0 with ``positive``) or NaN.
+    """
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool):
+        raise TypeError(f"{what} must be a number of seconds, not {timeout!r}")
+    sign = "positive" if positive else "non-negative"
+    # Compared before any float(): an int or Fraction too large for a float
+    # compares exactly, and means no limit.
+    if timeout != timeout or timeout < 0 or (positive and timeout == 0):
+        raise ValueError(f"{what} must be a {sign} number of seconds, not {timeout!r}")
+    if timeout >= NO_LIMIT:  # type: ignore[operator]  # numbers.Real declares no comparison with float
+        return NO_LIMIT
+    return float(timeout)

@@ -1,0 +1,263 @@
+"""launch(): enqueue GPU work from a launcher thread, off the calling thread.
+
+A real model's *launch* costs host time: PyTorch dispatches each operator in
+C++ and Python, and enqueuing a ResNet-50 takes 4-8 ms of CPU, about as long
+as the GPU takes to run it (docs/serving.md). On an event loop's thread
+that blocks every other task exactly as a ``synchronize()`` would, however
+cheaply the result is then awaited. :func:`launch` moves the enqueue to a
+launcher thread of the device and returns a pending :class:`CudaFuture` at
+once; the future is set when ``fn`` has enqueued its work (with events on
+the launcher's stream), so ``await``, ``then()``, ``wait()`` and
+``result()`` cover both the host enqueue and the GPU work.
+
+How the launchers work, and why (docs/serving.md, "How launch() works"):
+
+- Each device has ``CUDAFUT_LAUNCH_THREADS`` launcher threads (default 2),
+  started on the first launch for the device. They share one queue
+  (``queue.SimpleQueue``: a put costs the caller well under a µs and never
+  blocks). Each owns one non-blocking stream, made current for CuPy and
+  PyTorch while ``fn`` runs: work from two threads can overlap on the GPU,
+  work from one thread is in order.
+- PyTorch releases the GIL inside each operator, so two threads enqueue a
+  model concurrently; more threads add little throughput and take the GIL
+  from the event loop more often (the ``serve`` benchmark measures 1, 2 and
+  4 threads).
+- The caller's side costs a few µs: one event recorded on the caller's
+  current stream (and on PyTorch's, when that differs), which the launcher's
+  stream waits for before ``fn`` runs, so ``fn`` sees what the caller
+  enqueued before calling :func:`launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Final, TypeVar, overload
+
+from . import _cuda, _events, _torch
+from ._events import EventRecord
+from ._future import CudaFuture, fail_future, settle_launched
+from ._log import logger
+
+__all__ = ["launch", "launcher_threads"]
+
+U = TypeVar("U")
+
+_DEFAULT_THREADS: Final = 2
+
+
+def launcher_threads() -> int:
+    """How many launcher threads each device gets: ``CUDAFUT_LAUNCH_THREADS``
+    (read when a device's launchers start), default 2.
+
+    Raises:
+        ValueError: the variable is set but is not a whole number from 1 to 64.
+    """
+    text = os.environ.get("CUDAFUT_LAUNCH_THREADS", "").strip()
+    if not text:
+        return _DEFAULT_THREADS
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ValueError(f"CUDAFUT_LAUNCH_THREADS must be a whole number from 1 to 64, not {text!r}")
+    return n
+
+
+class _Job:
+    """One launch: what to call, and what its stream must wait for first."""
+
+    __slots__ = ("after", "args", "fn", "future", "kwargs")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        future: CudaFuture[Any],
+        after: tuple[EventRecord, ...],
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.future = future
+        self.after = after
+
+
+class _Launchers:
+    """The launcher threads of one device and their shared queue."""
+
+    def __init__(self, device: int, threads: int) -> None:
+        self.device = device
+        self.queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(
+                target=_serve, args=(device, self.queue), name=f"cudafut-launcher-{device}-{i}", daemon=True
+            )
+            for i in range(threads)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+
+_lock = threading.Lock()
+# Indexed by device; None until the device's first launch.
+_launchers: list[_Launchers | None] = []
+
+
+def _launchers_of(device: int) -> _Launchers:
+    with _lock:
+        if len(_launchers) <= device:
+            _launchers.extend([None] * (device + 1 - len(_launchers)))
+        found = _launchers[device]
+        if found is None:
+            found = _launchers[device] = _Launchers(device, launcher_threads())
+        return found
+
+
+def _serve(device: int, jobs: queue.SimpleQueue[_Job | None]) -> None:
+    """A launcher thread: take jobs in turn, run each on this thread's stream."""
+    with _cuda.on_device(device):
+        stream = _cuda.new_stream(device, 0)
+    ptr = int(stream.ptr)
+    streams = {device: stream}
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        future = job.future
+        if future.cancelled():  # cancelled before it started: never run
+            continue
+        try:
+            for rec in job.after:
+                rec.wait_on(ptr, device)
+            settle_launched(future, job.fn, job.args, job.kwargs, streams)
+        except BaseException as exc:  # noqa: BLE001 - a launcher thread never dies of fn
+            # settle_launched stores fn's Exception in the future; this is
+            # KeyboardInterrupt/SystemExit from fn, or a failure of CUDA
+            # itself: the awaiting side raises it, this thread goes on.
+            try:
+                fail_future(future, exc)
+            except BaseException:  # noqa: BLE001
+                logger.exception("cudafut: a launcher could not fail %r", future)
+        del job, future  # not kept alive while waiting for the next job
+
+
+@overload
+def launch(
+    fn: Callable[..., CudaFuture[U]], /, *args: Any, device: int | None = ..., **kwargs: Any
+) -> CudaFuture[U]: ...
+@overload
+def launch(fn: Callable[..., U], /, *args: Any, device: int | None = ..., **kwargs: Any) -> CudaFuture[U]: ...
+def launch(
+    fn: Callable[..., Any], /, *args: Any, device: int | None = None, **kwargs: Any
+) -> CudaFuture[Any]:
+    """Run ``fn(*args, **kwargs)`` on a launcher thread of ``device``; return its future at once.
+
+    For work whose *enqueue* costs host time (a PyTorch model: 4-8 ms for a
+    ResNet-50), so that it never runs on the event loop's thread. ``fn``
+    runs on one of the device's launcher threads (``device``: default the
+    current device), with that thread's own non-blocking stream current for
+    CuPy and, when the program imported torch, for PyTorch. That stream
+    first waits for the work already enqueued on the caller's current
+    streams (CuPy's, and PyTorch's), as in :func:`submit`.
+
+    The returned future is pending until ``fn`` has returned; it is then set
+    with ``fn``'s return value and an event recorded on the launcher's
+    stream after what ``fn`` enqueued (if ``fn`` returns a
+    :class:`CudaFuture`, the future follows it), or failed with the
+    exception ``fn`` raised, its type kept. So one future covers the host
+    enqueue and the GPU work: ``await``, ``then()``, ``wait()`` and
+    ``result()`` work as on any future (``wait()`` and ``result()`` block
+    the calling thread until the future is set). ``then()`` callbacks of a
+    future completed by a launcher run on that launcher thread.
+
+    A future cancelled before ``fn`` starts never runs it. Cancelled while
+    ``fn`` runs, the future stays cancelled and what ``fn`` enqueued still
+    runs; its result is dropped. ``args`` and ``kwargs`` are kept alive until
+    the future's events complete.
+
+    Launches from one thread may run on different launcher threads, and so
+    on different streams: two launches are not ordered with each other
+    unless one waits for the other's future (pass the future in and call
+    ``fut.wait()`` inside ``fn`` once it is set, or chain with ``then()``).
+    ``fn`` must not block on a future that a later :func:`launch` sets: the
+    launcher threads may all be busy with it.
+
+    Cost on the calling thread: a few µs (an event recorded on the caller's
+    stream, a future, a queue put); it blocks neither the thread nor the
+    GPU. The first launch on a device starts its launcher threads and
+    creates their streams (about a millisecond).
+
+    Raises:
+        TypeError: ``fn`` is not callable, or ``device`` is not an int.
+        ValueError: ``device`` is out of range.
+        CudaUnavailableError: CUDA cannot be used here.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() needs a callable, not {fn!r}")
+    _cuda.check_usable()
+    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    # What the caller enqueued so far, on its current streams; the launcher's
+    # stream waits for these events before fn runs.
+    rec = _events.record_current(dev)
+    after: tuple[EventRecord, ...] = (rec,)
+    torch = _torch.loaded()
+    if torch is not None:
+        handle = _torch.current_handle(torch, dev)
+        if handle != rec.stream:
+            after = (rec, _events.record(handle, dev))
+    launchers = _launchers[dev] if dev < len(_launchers) else None
+    if launchers is None:
+        launchers = _launchers_of(dev)
+    future: CudaFuture[Any] = CudaFuture()
+    launchers.queue.put(_Job(fn, args, kwargs, future, after))
+    return future
+
+
+def _after_fork_in_child() -> None:
+    # The launcher threads did not survive the fork; a child that may use
+    # CUDA again (it did not initialise it before) starts new ones.
+    global _lock
+    _lock = threading.Lock()
+    _launchers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+#: How long removing cudafut.testing's fake waits for each of its launcher
+#: threads to finish the jobs queued on it.
+_FAKE_JOIN_S: Final = 10.0
+
+
+def _swap_launchers(backend: object) -> Callable[[], None]:
+    """Launchers of their own while cudafut.testing's fake CUDA is
+    installed (a launcher owns a stream of the backend that started it);
+    when it is removed, the fake's launchers end after their queued jobs and
+    the previous ones come back."""
+    with _lock:
+        saved = list(_launchers)
+        _launchers.clear()
+
+    def restore() -> None:
+        with _lock:
+            mine = [found for found in _launchers if found is not None]
+            _launchers[:] = saved
+        for launchers in mine:
+            for _ in launchers.threads:
+                launchers.queue.put(None)
+        for launchers in mine:
+            for thread in launchers.threads:
+                thread.join(_FAKE_JOIN_S)
+                if thread.is_alive():
+                    logger.warning("cudafut: %s still runs a job as the fake CUDA is removed", thread.name)
+
+    return restore
+
+
+_cuda.on_swap(_swap_launchers)

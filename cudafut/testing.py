@@ -1,0 +1,501 @@
+"""Test code that uses cudafut on a machine without CUDA: a fake GPU.
+
+:func:`fake_cuda` replaces cudafut's seam to CUDA (``cudafut._cuda``) with a
+fake GPU until the ``with`` block ends. Under it:
+
+- values are NumPy arrays (and any other host value), taken to live on the
+  fake's current device (0 unless changed): ``cudafut.record(np_array)``,
+  ``CudaFuture().set_result(42)``, ``CudaFuture(devices=1)`` work;
+- events complete when the test says so (:meth:`FakeCuda.complete`,
+  :meth:`FakeCuda.complete_all`, :meth:`FakeCuda.fail`), or at once with
+  ``auto_complete=True``;
+- ``await``, :meth:`~cudafut.CudaFuture.then`, :meth:`~cudafut.CudaFuture.result`,
+  :meth:`~cudafut.CudaFuture.wait`, ``add_done_callback``, :func:`cudafut.gather`,
+  :func:`cudafut.as_completed`, :func:`cudafut.submit`, :func:`cudafut.launch`,
+  :func:`cudafut.to_device` and :func:`cudafut.to_host` (NumPy in, NumPy out)
+  run cudafut's own code, as on a GPU: the waiter polls the fake's events on
+  asyncio, uvloop and trio, ``then()`` callbacks run on fake pool streams.
+
+The fake keeps the order a GPU guarantees, and no more: an event completes
+only after the earlier events of its stream and the events its stream was
+made to wait for (completing a ``then()`` child completes its parent), but
+nothing runs: no kernel, no copy engine, no timing. Work your callbacks
+enqueue with CuPy is not faked (CuPy is never imported); calls that need
+CuPy's runtime (pinned memory, task streams, :class:`cudafut.Tracked`,
+``cudafut.distributed``) raise :class:`cudafut.CudaUnavailableError`. See
+docs/testing.md.
+
+The pytest fixture ``fake_cuda`` (registered by installing cudafut) gives a
+:class:`FakeCuda` for one test. Importing this module imports neither CuPy
+nor pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final
+
+from . import _cuda, _pools
+from ._errors import CudaError, CudaUnavailableError
+from ._events import FAILED, EventRecord
+from ._future import CudaFuture, records_of, when_set
+
+__all__ = ["FakeCuda", "FakeStream", "fake_cuda"]
+
+NOT_READY: Final = 600
+
+#: Names of the CUDA errors a test is likely to fail an event with.
+_ERROR_NAMES: Final = {
+    1: ("cudaErrorInvalidValue", "invalid argument"),
+    2: ("cudaErrorMemoryAllocation", "out of memory"),
+    400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+    700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
+    701: ("cudaErrorLaunchOutOfResources", "too many resources requested for launch"),
+    702: ("cudaErrorLaunchTimeout", "the launch timed out and was terminated"),
+    709: ("cudaErrorContextIsDestroyed", "context is destroyed"),
+    710: ("cudaErrorAssert", "device-side assert triggered"),
+    719: ("cudaErrorLaunchFailure", "unspecified launch failure"),
+    999: ("cudaErrorUnknown", "unknown error"),
+}
+
+_NOT_MODELLED = (
+    "this call needs CuPy's CUDA runtime, which cudafut.testing's fake CUDA does not have: "
+    "it fakes events, streams and NumPy values only (pinned memory, task streams, Tracked, "
+    "record_stream and cudafut.distributed are not faked; see docs/testing.md). Test this "
+    "part on a GPU"
+)
+
+
+def _fake_error(code: int, device: int) -> CudaError:
+    name, description = _ERROR_NAMES.get(code, ("", ""))
+    return CudaError(code, name, description, device=device)
+
+
+class _Event:
+    """One recorded event of the fake GPU."""
+
+    __slots__ = ("deps", "number", "status")
+
+    def __init__(self, number: int, deps: tuple[_Event, ...]) -> None:
+        self.number = number  # recording order: deps are always older
+        self.deps = deps  # what must complete first (cleared once complete)
+        self.status: int | None = None
+
+
+class FakeStream:
+    """A stream of the fake GPU: what cudafut's pools, ``then()``, ``submit()``
+    and ``launch()`` use under :func:`fake_cuda`; make one with
+    :meth:`FakeCuda.stream` to pass as ``stream=``.
+
+    Like a CuPy stream it has ``ptr`` (its handle: the object's address, so
+    it is never another stream's), ``device_id`` and ``__cuda_stream__``,
+    and ``with stream:`` makes it the calling thread's current stream of its
+    device.
+    """
+
+    __slots__ = ("__weakref__", "_backend", "device_id", "priority", "ptr")
+
+    def __init__(self, backend: _Backend, device: int, priority: int, ptr: int | None = None) -> None:
+        self._backend = backend
+        self.device_id = device
+        self.priority = priority
+        self.ptr = id(self) if ptr is None else ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+    def __enter__(self) -> FakeStream:
+        self._backend.push(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._backend.pop(self)
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.ptr:#x} device={self.device_id}>"
+
+
+class _Backend:
+    """The fake GPU's state and its implementation of ``_cuda.SEAM``."""
+
+    def __init__(self, devices: int, auto_complete: bool) -> None:
+        self.devices = devices
+        self.auto_complete = auto_complete
+        self.active = True
+        #: The event pool made for the fake (by cudafut._pools), once installed.
+        self.pool: Any = None
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._numbers = itertools.count()
+        self._handles = itertools.count(-1, -1)  # negative: never a real event's
+        # handle -> event, from event_record() until its record takes it.
+        self._recorded: dict[int, _Event] = {}
+        # (device, stream handle) -> [newest event, events it waits for since].
+        self._streams: dict[tuple[int, int], list[Any]] = {}
+        self._pending: dict[int, _Event] = {}  # by number
+        self._defaults = [FakeStream(self, d, 0) for d in range(devices)]
+        self._made: dict[int, FakeStream] = {s.ptr: s for s in self._defaults}
+        self.record_type = _record_type(self)
+
+    # -- the seam (cudafut._cuda.SEAM) --
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def current_device(self) -> int:
+        device: int = getattr(self._local, "device", 0)
+        return device
+
+    @contextlib.contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        previous = self.current_device()
+        self._local.device = device
+        try:
+            yield
+        finally:
+            self._local.device = previous
+
+    def _stacks(self) -> dict[int, list[FakeStream]]:
+        stacks: dict[int, list[FakeStream]] | None = getattr(self._local, "stacks", None)
+        if stacks is None:
+            stacks = self._local.stacks = {}
+        return stacks
+
+    def push(self, stream: FakeStream) -> None:
+        self._stacks().setdefault(stream.device_id, []).append(stream)
+
+    def pop(self, stream: FakeStream) -> None:
+        stack = self._stacks().get(stream.device_id)
+        if stack and stack[-1] is stream:
+            stack.pop()
+
+    def current_stream(self, device: int) -> FakeStream:
+        stack = self._stacks().get(device)
+        if stack:
+            return stack[-1]
+        if not 0 <= device < self.devices:
+            raise ValueError(f"the fake GPU has {self.devices} device(s), not a device {device}")
+        return self._defaults[device]
+
+    def new_stream(self, device: int, priority: int) -> FakeStream:
+        stream = FakeStream(self, device, priority)
+        with self._lock:
+            self._made[stream.ptr] = stream
+        return stream
+
+    def cupy_stream(self, stream: object, ptr: int, device: int) -> FakeStream:
+        if isinstance(stream, FakeStream):
+            return stream
+        return FakeStream(self, device, 0, ptr)  # non-owning, as CuPy's from_external
+
+    def call_on_streams(
+        self, streams: Mapping[int, Any], primary: int, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
+        entered = []
+        try:
+            for stream in streams.values():
+                stream.__enter__()
+                entered.append(stream)
+            with self.on_device(primary):
+                return fn(*args, **kwargs)
+        finally:
+            for stream in reversed(entered):
+                stream.__exit__(None, None, None)
+
+    def event_create(self, device: int) -> int:
+        return next(self._handles)
+
+    def event_destroy(self, event: int) -> None:
+        pass
+
+    def event_record(self, event: int, stream: int, device: int) -> None:
+        with self._lock:
+            state = self._streams.get((device, stream))
+            if state is None:
+                state = self._streams[(device, stream)] = [None, []]
+            newest, waits = state
+            deps = tuple(e for e in (newest, *waits) if e is not None and e.status != 0)
+            ev = _Event(next(self._numbers), deps)
+            if self.auto_complete:
+                self._settle([ev, *self._closure(deps)], 0)
+            else:
+                self._pending[ev.number] = ev
+            state[0], state[1] = ev, []
+            self._recorded[event] = ev
+
+    def stream_wait(self, stream: int, event: int, device: int) -> None:
+        pass  # an event of no fake record (real CUDA's, a test's): nothing to order
+
+    def stream_device(self, stream: int) -> int:
+        made = self._made.get(stream)
+        return self.current_device() if made is None else made.device_id
+
+    def pointer_device(self, ptr: int) -> int:
+        return self.current_device()
+
+    def runtime(self) -> Any:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def cupy(self) -> Any:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def initialised(self) -> bool:
+        return False  # no GPU timing events (trace) under the fake
+
+    def devices_of_host_value(self) -> tuple[int, ...]:
+        return (self.current_device(),)
+
+    # -- events --
+
+    def take(self, handle: int) -> _Event:
+        with self._lock:
+            ev = self._recorded.pop(handle, None)
+        if ev is None:  # recorded without event_record(): nothing to wait for
+            ev = _Event(-1, ())
+            ev.status = 0
+        return ev
+
+    def wait(self, stream: int, device: int, ev: _Event) -> None:
+        with self._lock:
+            if ev.status is None:
+                state = self._streams.get((device, stream))
+                if state is None:
+                    state = self._streams[(device, stream)] = [None, []]
+                state[1].append(ev)
+
+    def _closure(self, events: tuple[_Event, ...] | list[_Event]) -> list[_Event]:
+        """``events`` and every pending event they depend on."""
+        found: dict[int, _Event] = {}
+        stack = list(events)
+        while stack:
+            ev = stack.pop()
+            if ev.status is None and id(ev) not in found:
+                found[id(ev)] = ev
+                stack.extend(ev.deps)
+        return list(found.values())
+
+    def _settle(self, events: list[_Event], status: int) -> None:
+        # Oldest first: an event never reads complete before what it follows.
+        for ev in sorted(events, key=lambda e: e.number):
+            if ev.status is None:
+                code = status
+                if not code:  # after a failed event: CUDA's errors are sticky
+                    code = next((d.status for d in ev.deps if d.status), 0)
+                ev.status = code
+                ev.deps = ()
+                self._pending.pop(ev.number, None)
+
+    def complete(self, events: list[_Event]) -> None:
+        with self._lock:
+            self._settle(self._closure(events), 0)
+
+    def fail(self, events: list[_Event], code: int) -> None:
+        with self._lock:
+            self._settle([e for e in events if e.status is None], code)
+
+    def complete_all(self) -> None:
+        with self._lock:
+            self._settle(list(self._pending.values()), 0)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def _record_type(backend: _Backend) -> type[EventRecord]:
+    """The record type of one fake: its records ask it, never CUDA, for as
+    long as they live (after the fake is removed too)."""
+
+    class FakeEventRecord(EventRecord):
+        __slots__ = ("event",)
+
+        def __init__(
+            self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
+        ) -> None:
+            super().__init__(handle, device, stream, stream_key, seq, t)
+            self.event = backend.take(handle)
+
+        def query(self) -> int | None:
+            if self.status is None:
+                raw = self.event.status
+                if raw is not None and self.failure is None:
+                    confirm = self.confirm
+                    if raw == 0 and confirm is not None:
+                        error = confirm()
+                        if error is not None:
+                            self.fail_with(error)
+                            return self.status
+                    self.status = raw
+            return self.status
+
+        def error(self) -> CudaError | None:
+            status = self.status
+            if status:
+                return self.failure or _fake_error(status, self.device)
+            return None
+
+        def wait_on(self, stream: int, device: int) -> None:
+            if self.status is None:
+                backend.wait(stream, device, self.event)
+
+        def __del__(self) -> None:
+            pool = backend.pool
+            if backend.active and pool is not None:  # never into real CUDA's pool
+                try:  # noqa: SIM105 - as EventRecord.__del__
+                    pool.release(self.device, self.handle)
+                except Exception:  # noqa: BLE001 - a destructor must not raise
+                    pass
+
+    return FakeEventRecord
+
+
+def _events_of(backend: _Backend, future: object) -> list[_Event]:
+    if not isinstance(future, CudaFuture):
+        raise TypeError(f"expected a CudaFuture, not {type(future).__name__}")
+    return [r.event for r in records_of(future) if isinstance(r, backend.record_type)]  # type: ignore[attr-defined]
+
+
+class FakeCuda:
+    """The fake GPU installed by :func:`fake_cuda` (the ``fake_cuda`` fixture).
+
+    Its methods may be called from any thread; none blocks (beyond a lock
+    held for µs) and none needs an event loop.
+
+    Attributes:
+        auto_complete: whether events complete as they are recorded; may be
+            changed at any time (events recorded before stay as they are).
+    """
+
+    def __init__(self, backend: _Backend) -> None:
+        self._backend = backend
+
+    @property
+    def auto_complete(self) -> bool:
+        """Whether events complete as they are recorded (settable)."""
+        return self._backend.auto_complete
+
+    @auto_complete.setter
+    def auto_complete(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"auto_complete must be True or False, not {value!r}")
+        self._backend.auto_complete = value
+
+    @property
+    def devices(self) -> int:
+        """How many devices the fake GPU has (numbered from 0)."""
+        return self._backend.devices
+
+    @property
+    def pending(self) -> int:
+        """How many events are recorded and neither complete nor failed."""
+        return self._backend.pending()
+
+    def complete(self, *futures: CudaFuture[Any]) -> None:
+        """Complete the GPU work of each future: its events, and every event
+        they follow on the fake's streams (what a GPU would have finished
+        first: completing a ``then()`` child completes its parent).
+
+        A future not set yet (a :func:`cudafut.launch` whose ``fn`` has not
+        returned, a ``then()`` child of a pending parent) is completed when it
+        is set, in the thread that sets it. Awaiting tasks and
+        ``result()`` see it at their next poll (within the wait policy's
+        ``max_sleep_s``, 1 ms by default). A failed or cancelled future has
+        no events: nothing to do.
+
+        Raises:
+            TypeError: an argument is not a :class:`cudafut.CudaFuture`.
+        """
+        self._act(futures, self._backend.complete)
+
+    def fail(self, future: CudaFuture[Any], code: int = 700) -> None:
+        """Fail the GPU work of ``future`` with the CUDA error ``code``
+        (default 700, ``cudaErrorIllegalAddress``): its pending events
+        report it, so consumers raise :class:`cudafut.CudaError` with that
+        code, as for a kernel that faulted. Events it follows are left as
+        they are. A future not set yet fails when it is set.
+
+        Raises:
+            TypeError: ``future`` is not a CudaFuture, or ``code`` not an int.
+            ValueError: ``code`` is 0 (success) or 600 (``cudaErrorNotReady``,
+                which means pending).
+        """
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise TypeError(f"code must be a CUDA error number (an int), not {code!r}")
+        if code in (0, NOT_READY, FAILED):
+            raise ValueError(f"code must be a CUDA error: not 0 (success), 600 (pending) or -1, not {code}")
+        self._act((future,), lambda events: self._backend.fail(events, code))
+
+    def complete_all(self) -> None:
+        """Complete every event recorded so far (events recorded later are
+        pending, unless :attr:`auto_complete` is on)."""
+        self._backend.complete_all()
+
+    def stream(self, device: int = 0, *, priority: str = "normal") -> FakeStream:
+        """A new stream of the fake GPU, to pass as ``stream=`` (to
+        :func:`cudafut.record`, :func:`cudafut.to_device`, ...) or to make
+        current with ``with stream:``.
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a device of the fake;
+                ``priority`` not ``"normal"`` or ``"high"``.
+        """
+        dev = _cuda.check_device(device)
+        return self._backend.new_stream(dev, _pools.check_priority(priority))
+
+    def _act(self, futures: tuple[Any, ...], act: Callable[[list[_Event]], None]) -> None:
+        backend = self._backend
+        for future in futures:
+            _events_of(backend, future)  # every TypeError before the first action
+        for future in futures:
+
+            def now(future: CudaFuture[Any] = future) -> None:
+                act(_events_of(backend, future))
+
+            when_set(future, now)
+
+    def __repr__(self) -> str:
+        mode = " auto_complete" if self.auto_complete else ""
+        return f"<FakeCuda devices={self.devices} pending={self.pending}{mode}>"
+
+
+@contextlib.contextmanager
+def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[FakeCuda]:
+    """Run the block with a fake GPU in place of CUDA; yield its :class:`FakeCuda`.
+
+    For the whole process (every thread) until the block ends; not
+    re-entrant (one fake at a time). On exit every event still pending
+    completes (a GPU finishes what was queued), cudafut's launcher threads
+    of the fake end after their queued jobs, and cudafut's pools and
+    launchers of real CUDA, if any, come back as they were. Objects made
+    under the fake (futures, streams) must not be used with real CUDA, nor
+    real ones under the fake.
+
+    Args:
+        devices: how many devices the fake GPU has (device 0 is current).
+        auto_complete: events complete as they are recorded (see
+            :attr:`FakeCuda.auto_complete`).
+
+    Raises:
+        RuntimeError: a fake is installed already.
+        TypeError, ValueError: ``devices`` is not an int from 1 to 64.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise TypeError(f"devices must be an int, not {devices!r}")
+    if not 1 <= devices <= 64:
+        raise ValueError(f"devices must be from 1 to 64, not {devices}")
+    if not isinstance(auto_complete, bool):
+        raise TypeError(f"auto_complete must be True or False, not {auto_complete!r}")
+    backend = _Backend(devices, auto_complete)
+    restore = _cuda.swap(backend)
+    backend.pool = _pools.events
+    try:
+        yield FakeCuda(backend)
+    finally:
+        backend.complete_all()
+        backend.active = False  # the fake's records no longer go back to its pool
+        try:
+            restore()
+        finally:
+            backend.complete_all()  # what the fake's launchers recorded last

@@ -1,0 +1,417 @@
+"""cudafut.Batcher's rules with fakes (no GPU): batching, padding to buckets,
+the in-flight limit, cancellation, failures and closing, on asyncio, uvloop
+and trio."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cudafut
+from cudafut import _batcher
+from tests.fakes import FakeRecord, set_future
+
+pytestmark = pytest.mark.anyio
+
+
+async def _submit_all(batcher: cudafut.Batcher[Any, Any], items: list[Any]) -> list[Any]:
+    results: list[Any] = [None] * len(items)
+
+    async def one(i: int) -> None:
+        results[i] = await batcher.submit(items[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(items)):
+            tg.start_soon(one, i)
+    return results
+
+
+async def test_requests_arriving_together_share_batches_up_to_max_batch() -> None:
+    seen: list[list[int]] = []
+
+    async def run_batch(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        return [x * 10 for x in items]
+
+    async with cudafut.Batcher(run_batch, max_batch=8, max_delay_s=0.05) as batcher:
+        results = await _submit_all(batcher, list(range(20)))
+    assert results == [x * 10 for x in range(20)]
+    assert sorted(x for batch in seen for x in batch) == list(range(20))
+    assert all(len(batch) <= 8 for batch in seen)
+    assert len(seen) < 20  # they were batched
+    stats = batcher.statistics()
+    assert (stats.batches, stats.items, stats.padded, stats.in_flight, stats.queued) == (
+        len(seen),
+        20,
+        0,
+        0,
+        0,
+    )
+    assert sum(size * count for size, count in stats.sizes.items()) == 20
+    assert stats.mean_batch == 20 / len(seen)
+
+
+async def test_a_lone_request_runs_after_max_delay() -> None:
+    async def run_batch(items: list[str]) -> list[str]:
+        return [s.upper() for s in items]
+
+    async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=0.001) as batcher:
+        assert await batcher.submit("a") == "A"
+        assert await batcher.submit("b") == "B"
+    assert batcher.statistics().sizes == {1: 2}
+
+
+async def test_batches_are_padded_to_buckets_and_padding_results_dropped() -> None:
+    sizes: list[int] = []
+
+    async def run_batch(items: list[int]) -> np.ndarray[Any, Any]:
+        sizes.append(len(items))
+        return np.asarray(items) + 1  # an array: one row per item
+
+    async with cudafut.Batcher(run_batch, max_batch=8, max_delay_s=0.05, buckets=[8, 1, 4, 2]) as batcher:
+        results = await _submit_all(batcher, list(range(13)))
+    assert [int(r) for r in results] == [x + 1 for x in range(13)]
+    assert set(sizes) <= {1, 2, 4, 8}
+    stats = batcher.statistics()
+    assert stats.items == 13
+    assert stats.padded == sum(sizes) - 13
+    assert batcher.buckets == (1, 2, 4, 8)
+
+
+async def test_at_most_max_in_flight_batches_run_and_the_next_takes_all_waiting() -> None:
+    running = 0
+    most = 0
+    release = anyio.Event()
+    sizes: list[int] = []
+
+    async def run_batch(items: list[int]) -> list[int]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        sizes.append(len(items))
+        await release.wait()
+        running -= 1
+        return items
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0, max_in_flight=2) as batcher:
+        async with anyio.create_task_group() as tg:
+            for i in range(11):
+                tg.start_soon(batcher.submit, i)
+                await anyio.sleep(0)
+            for _ in range(20):  # let whatever can start, start
+                await anyio.sleep(0)
+            assert batcher.statistics().in_flight == 2
+            assert batcher.statistics().queued > 0
+            release.set()
+    assert most == 2
+    assert sum(sizes) == 11
+
+
+async def test_a_full_batch_runs_without_waiting_for_max_delay() -> None:
+    seen: list[list[int]] = []
+
+    async def run_batch(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        return items
+
+    with anyio.fail_after(60):  # a hang guard: waiting for max_delay_s would take an hour
+        async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=3600, max_in_flight=1) as batcher:
+            assert sorted(await _submit_all(batcher, list(range(8)))) == list(range(8))
+    assert [len(batch) for batch in seen] == [4, 4]
+
+
+async def test_requests_waiting_for_a_slot_form_one_batch_when_it_frees() -> None:
+    seen: list[list[int]] = []
+    gate = anyio.Event()
+
+    async def run_batch(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        await gate.wait()
+        return [x * 2 for x in items]
+
+    results: dict[int, int] = {}
+
+    async def one(b: cudafut.Batcher[int, int], i: int) -> None:
+        results[i] = await b.submit(i)
+
+    async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=0, max_in_flight=1) as batcher:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, batcher, 0)
+            for _ in range(10):  # batch [0] runs, held: the only slot is taken
+                await anyio.sleep(0)
+            for i in range(1, 6):
+                tg.start_soon(one, batcher, i)
+            for _ in range(10):
+                await anyio.sleep(0)
+            assert batcher.statistics().queued == 5
+            gate.set()
+    # one batch, in arrival order (trio starts the tasks in an order of its choosing)
+    assert len(seen) == 2 and seen[0] == [0] and sorted(seen[1]) == [1, 2, 3, 4, 5]
+    assert results == {i: 2 * i for i in range(6)}
+
+
+async def test_a_request_cancelled_before_its_batch_runs_is_dropped() -> None:
+    seen: list[int] = []
+    gate = anyio.Event()
+
+    async def run_batch(items: list[int]) -> list[int]:
+        seen.extend(items)
+        await gate.wait()
+        return items
+
+    async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0, max_in_flight=1) as batcher:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batcher.submit, 0)  # runs, holds the only slot
+            for _ in range(10):
+                await anyio.sleep(0)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await batcher.submit(1)  # queued, then cancelled
+            tg.start_soon(batcher.submit, 2)
+            for _ in range(10):
+                await anyio.sleep(0)
+            gate.set()
+    assert seen == [0, 2]
+    assert batcher.statistics().cancelled == 1
+
+
+async def test_a_failing_batch_fails_only_its_requests() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        if 3 in items:
+            raise KeyError("three")
+        return items
+
+    async with cudafut.Batcher(run_batch, max_batch=2, max_delay_s=0) as batcher:
+        assert await batcher.submit(1) == 1
+        with pytest.raises(KeyError, match="three"):
+            await batcher.submit(3)
+        assert await batcher.submit(4) == 4
+    assert batcher.statistics().failed_batches == 1
+
+
+async def test_each_request_of_a_failing_batch_gets_its_exception() -> None:
+    boom = ValueError("the model failed")
+
+    async def run_batch(items: list[int]) -> list[int]:
+        raise boom
+
+    outcomes: list[BaseException] = []
+
+    async def one(b: cudafut.Batcher[int, int], i: int) -> None:
+        try:
+            await b.submit(i)
+        except ValueError as exc:
+            outcomes.append(exc)
+
+    async with cudafut.Batcher(run_batch, max_batch=3, max_delay_s=3600) as batcher:
+        async with anyio.create_task_group() as tg:
+            for i in range(3):  # one full batch
+                tg.start_soon(one, batcher, i)
+    assert outcomes == [boom, boom, boom]
+    assert batcher.statistics().failed_batches == 1
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "match"),
+    [([1, 2, 3], ValueError, "3 results for a batch of 1"), (42, TypeError, "one result per item")],
+)
+async def test_results_that_cannot_be_split_fail_the_batch(out: object, error: type, match: str) -> None:
+    async def run_batch(items: list[int]) -> object:
+        return out
+
+    async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0) as batcher:
+        with pytest.raises(error, match=match):
+            await batcher.submit(0)
+
+
+async def test_an_async_run_batch_may_return_a_cuda_future() -> None:
+    async def run_batch(items: list[int]) -> cudafut.CudaFuture[list[int]]:
+        rec = FakeRecord()
+        rec.complete()
+        return set_future([x + 1 for x in items], [rec])
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.01) as batcher:
+        assert await _submit_all(batcher, [1, 2, 3]) == [2, 3, 4]
+
+
+async def test_a_plain_run_batch_runs_through_launch_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    calls: list[dict[str, Any]] = []
+
+    def fake_launch(fn: Any, /, *args: Any, device: Any = None) -> cudafut.CudaFuture[Any]:
+        calls.append({"device": device})
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.append(fn(*args)))
+        t.start()
+        t.join()
+        rec = FakeRecord()
+        rec.complete()
+        return set_future(out[0], [rec])
+
+    monkeypatch.setattr(_batcher, "launch", fake_launch)
+
+    def run_batch(items: list[int]) -> list[int]:
+        threads.append(threading.get_ident())
+        return [x * 2 for x in items]
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.01, device=0) as batcher:
+        assert await _submit_all(batcher, [1, 2, 3, 4, 5]) == [2, 4, 6, 8, 10]
+    assert threads and loop_thread not in threads
+    assert all(c["device"] == 0 for c in calls)
+
+
+async def test_leaving_the_block_runs_what_is_queued() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        await anyio.sleep(0.001)
+        return items
+
+    results: list[int] = []
+
+    async def one(b: cudafut.Batcher[int, int], i: int) -> None:
+        results.append(await b.submit(i))
+
+    async with anyio.create_task_group() as tg:
+        # A batch waits 60 s for more requests: only leaving the block runs them.
+        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60) as batcher:
+            for i in range(7):
+                tg.start_soon(one, batcher, i)
+            for _ in range(20):  # every task submitted
+                await anyio.sleep(0)
+            assert batcher.statistics().queued == 7
+    assert sorted(results) == list(range(7))
+
+
+async def test_submit_outside_the_block_is_refused() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    batcher = cudafut.Batcher(run_batch)
+    with pytest.raises(cudafut.InvalidStateError, match="async with"):
+        await batcher.submit(1)
+    async with batcher:
+        assert await batcher.submit(1) == 1
+    with pytest.raises(cudafut.InvalidStateError):
+        await batcher.submit(1)
+    with pytest.raises(cudafut.InvalidStateError, match="runs once"):
+        async with batcher:
+            pass
+
+
+async def test_leaving_with_an_exception_fails_the_queued_requests() -> None:
+    gate = anyio.Event()
+
+    async def run_batch(items: list[int]) -> list[int]:
+        await gate.wait()
+        return items
+
+    outcomes: list[BaseException | int] = []
+
+    async def one(b: cudafut.Batcher[int, int], i: int) -> None:
+        try:
+            outcomes.append(await b.submit(i))
+        except cudafut.InvalidStateError as exc:
+            outcomes.append(exc)
+
+    raised: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0, max_in_flight=1) as batcher:
+                for i in range(3):
+                    tg.start_soon(one, batcher, i)
+                for _ in range(10):
+                    await anyio.sleep(0)
+                1 / 0  # noqa: B018
+    except BaseException as exc:  # the task group wraps it in an exception group
+        raised = exc
+    assert "ZeroDivisionError" in repr(raised) or isinstance(raised, ZeroDivisionError)
+    assert len(outcomes) == 3
+    assert all(isinstance(o, cudafut.InvalidStateError) for o in outcomes)
+
+
+async def test_a_cancellation_storm_loses_no_reply_and_leaks_nothing() -> None:
+    rng = random.Random(7)
+
+    async def run_batch(items: list[int]) -> list[int]:
+        await anyio.sleep(rng.random() * 0.002)
+        return [x * 3 for x in items]
+
+    answered: dict[int, int] = {}
+    cancelled: set[int] = set()
+
+    async def one(b: cudafut.Batcher[int, int], i: int, delay: float | None) -> None:
+        with anyio.CancelScope() as scope:
+            if delay is not None:
+                scope.deadline = anyio.current_time() + delay
+            answered[i] = await b.submit(i)
+        if scope.cancelled_caught:
+            cancelled.add(i)
+
+    async with cudafut.Batcher(run_batch, max_batch=16, max_delay_s=0.001, buckets=[4, 16]) as batcher:
+        async with anyio.create_task_group() as tg:
+            for i in range(600):
+                tg.start_soon(one, batcher, i, rng.random() * 0.004 if rng.random() < 0.5 else None)
+                if i % 50 == 0:
+                    await anyio.sleep(0.001)
+    assert set(answered) | cancelled == set(range(600))
+    assert all(v == 3 * k for k, v in answered.items())
+    stats = batcher.statistics()
+    assert (stats.queued, stats.in_flight, stats.failed_batches) == (0, 0, 0)
+    assert stats.items + stats.cancelled >= len(answered)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_batch": 0}, ValueError, "max_batch must be at least 1"),
+        ({"max_batch": 2.0}, TypeError, "max_batch must be an int"),
+        ({"max_batch": True}, TypeError, "max_batch must be an int, not bool"),
+        ({"max_in_flight": 0}, ValueError, "max_in_flight"),
+        ({"max_delay_s": -1}, ValueError, "max_delay_s"),
+        ({"max_delay_s": float("nan")}, ValueError, "max_delay_s"),
+        ({"max_delay_s": float("inf")}, ValueError, "max_delay_s"),
+        ({"max_delay_s": "1"}, TypeError, "max_delay_s"),
+        ({"buckets": []}, ValueError, "at least one size"),
+        ({"buckets": [0]}, ValueError, "at least 1"),
+        ({"buckets": "8"}, TypeError, "sequence of ints"),
+        ({"buckets": [8], "max_batch": 16}, ValueError, "above the largest bucket"),
+        ({"device": "0"}, TypeError, "device"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict[str, Any], error: type, match: str) -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    with pytest.raises(error, match=match):
+        cudafut.Batcher(run_batch, **kwargs)
+
+
+def test_numpy_integers_and_a_zero_delay_are_accepted() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    batcher = cudafut.Batcher(
+        run_batch, max_batch=np.int64(8), max_delay_s=0, max_in_flight=np.int32(1), buckets=[np.int16(8)]
+    )
+    assert (batcher.max_batch, batcher.max_in_flight, batcher.max_delay_s) == (8, 1, 0.0)
+    assert batcher.buckets == (8,)
+    assert type(batcher.max_batch) is int and type(batcher.buckets[0]) is int
+
+
+def test_run_batch_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="run_batch must be a function"):
+        cudafut.Batcher(42)  # type: ignore[call-overload]
+
+
+async def test_an_exception_leaves_the_block_unwrapped() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    with pytest.raises(ZeroDivisionError):
+        async with cudafut.Batcher(run_batch):
+            1 / 0  # noqa: B018

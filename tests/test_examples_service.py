@@ -1,0 +1,132 @@
+"""examples/service/ without a GPU: the answer check, the load generator
+against the no-GPU server on loopback, the comparison table, and each
+script's ``--help``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.subproc import ROOT
+from tests.test_examples import EXAMPLES, load_example
+
+SERVICE = EXAMPLES / "service"
+
+
+def _reference(n: int = 256) -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((n, 1000)).astype(np.float32)
+
+
+def test_an_answer_is_checked_against_the_reference_logits() -> None:
+    models = load_example(SERVICE / "models.py")
+    ref = _reference(2)
+    tol = models.tolerance(ref)
+    right = models.top_of(ref[0])
+    assert models.check(right, ref[0], tol)
+    assert not models.check(right, ref[1], tol)  # another image's answer
+    off = list(right)
+    off[0] += 10 * tol
+    assert not models.check(off, ref[0], tol)
+    wrong_class = list(right)
+    wrong_class[models.TOP] = float(int(np.argmin(ref[0])))
+    assert not models.check(wrong_class, ref[0], tol)
+    assert not models.check(right[:-1], ref[0], tol)
+    assert not models.check([*right[:-1], 0.5], ref[0], tol)  # not a class number
+
+
+def test_the_comparison_table_has_a_row_per_handler() -> None:
+    pytest.importorskip("aiohttp")
+    compare = load_example(SERVICE / "compare.py")
+    r = {
+        "rps": 1234.5, "p50_ms": 5.0, "p99_ms": 12.5, "server_cpu": 0.98, "gpu_busy": 0.5, "mean_batch": 12.0,
+        "wrong": 0, "errors": 0, "health": {"p50_ms": 0.4, "p99_ms": 1.2, "max_ms": 3.0},
+    }  # fmt: skip
+    results = {
+        "resnet50": {
+            "closed": {"nogpu": r, "batch_graph": r},
+            "open": {"nogpu/2": {"rate": 617.0, "nogpu": r}},
+            "threads": {"launch": {"1": r}},
+        }
+    }
+    text = "\n".join(compare.table(results))
+    assert "| batch_graph | 1,234 | 5.00 | 12.5 | 0.40 / 1.20 / 3.00 | 98 % | 50 % | 12.0 | 0 / 0 |" in text
+    assert "open loop at 617 req/s" in text
+    assert "| 1 thread(s) |" in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _load(port: int, ref_path: Path, *args: str) -> dict:
+    """load.py as a user runs it (its load processes are spawned: they import it by path)."""
+    cmd = [sys.executable, str(SERVICE / "load.py"), "--port", str(port), "--reference", str(ref_path)]
+    cmd += ["--seconds", "0.5", "--warmup", "0.2", "--procs", "1", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: Path) -> None:
+    pytest.importorskip("aiohttp")
+    ref_path = tmp_path / "ref.npy"
+    np.save(ref_path, _reference())
+    port = _free_port()
+    cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
+    server = subprocess.Popen([*cmd, "--reference", str(ref_path)], cwd=ROOT, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        out = _load(port, ref_path, "--clients", "4")
+        assert out["requests"] > 0 and out["wrong"] == 0 and out["errors"] == 0
+        assert out["health"]["p50_ms"] is not None
+        out = _load(port, ref_path, "--rate", "200")  # open loop
+        assert out["mode"] == "open" and out["requests"] > 0 and out["wrong"] == 0
+        # answers checked against another reference are caught
+        np.save(ref_path, _reference() + 1.0)
+        assert _load(port, ref_path, "--clients", "2")["wrong"] > 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("script", "needs"),
+    [
+        ("service/server.py", "aiohttp"),
+        ("service/load.py", "aiohttp"),
+        ("service/compare.py", "aiohttp"),
+        ("service/litserve_server.py", "litserve"),
+    ],
+)
+def test_every_service_script_explains_itself(script: str, needs: str) -> None:
+    pytest.importorskip(needs)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout

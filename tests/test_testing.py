@@ -1,0 +1,349 @@
+"""cudafut.testing: the public API on a fake GPU, as a service author's CI
+runs it (no CUDA, no CuPy needed), on every async backend."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cudafut
+from cudafut import _cuda, _pools, testing
+from tests.subproc import ROOT, run_python
+
+pytestmark = pytest.mark.anyio
+
+
+# -- plain calls ---------------------------------------------------------------------
+
+
+def test_host_values_live_on_the_fake_device(fake_cuda: testing.FakeCuda) -> None:
+    fut: cudafut.CudaFuture[int] = cudafut.CudaFuture()
+    fut.set_result(42)  # refused without the fake: a value on no GPU
+    assert fut.devices == (0,)
+    assert not fut.done()
+    fake_cuda.complete(fut)
+    assert fut.done()
+    assert fut.result(timeout=0) == 42
+    rec = cudafut.record(np.arange(3))
+    fake_cuda.complete(rec)
+    np.testing.assert_array_equal(rec.result(), [0, 1, 2])
+
+
+def test_devices_are_checked_against_the_fake() -> None:
+    with testing.fake_cuda(devices=2, auto_complete=True):
+        fut: cudafut.CudaFuture[str] = cudafut.CudaFuture(devices=1)
+        fut.set_result("v")
+        assert fut.devices == (1,)
+        with pytest.raises(ValueError, match="out of range"):
+            cudafut.CudaFuture(devices=2)
+
+
+def test_result_times_out_until_completed(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.ones(2))
+    with pytest.raises(cudafut.TimeoutError):
+        fut.result(timeout=0.01)
+    assert fake_cuda.pending == 1
+    fake_cuda.complete_all()
+    assert fake_cuda.pending == 0
+    np.testing.assert_array_equal(fut.result(timeout=0), [1, 1])
+
+
+def test_result_wakes_when_another_thread_completes(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.ones(1))
+    timer = threading.Timer(0.005, fake_cuda.complete, (fut,))
+    timer.start()
+    assert fut.result(timeout=30)[0] == 1
+    timer.join()
+
+
+def test_auto_complete(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    fut = cudafut.record(7).then(lambda v: v + 1)
+    assert fut.done()
+    assert fut.result(timeout=0) == 8
+    assert fake_cuda.pending == 0
+
+
+def test_then_child_completes_its_parent_not_the_reverse(fake_cuda: testing.FakeCuda) -> None:
+    parent = cudafut.record(np.arange(4))
+    child = parent.then(lambda v: v * 2)
+    other = parent.then(lambda v: v + 1)  # a second child: another pool stream
+    fake_cuda.complete(parent)
+    assert parent.done()
+    assert not child.done()  # its own work is still "running"
+    fake_cuda.complete(child)
+    np.testing.assert_array_equal(child.result(timeout=0), [0, 2, 4, 6])
+    assert not other.done()
+    grandchild = other.then(lambda v: v.sum())
+    fake_cuda.complete(grandchild)  # completes what it follows: other, then parent
+    assert other.done()
+    assert grandchild.result(timeout=0) == 10
+
+
+def test_wait_orders_the_current_stream(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.ones(3))
+    value = fut.wait()  # returns once set; the fake's current stream waits
+    np.testing.assert_array_equal(value, [1, 1, 1])
+    after = cudafut.record(value + 1)  # on the current stream, after the wait
+    fake_cuda.complete(after)
+    assert fut.done()  # a GPU would have finished what the stream waited for
+
+
+def test_fail_gives_a_cuda_error(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.ones(1))
+    child = fut.then(lambda v: v)
+    fake_cuda.fail(fut, 719)
+    with pytest.raises(cudafut.CudaError) as info:
+        fut.result(timeout=1)
+    assert info.value.code == 719
+    assert info.value.name == "cudaErrorLaunchFailure"
+    fake_cuda.complete(child)
+    with pytest.raises(cudafut.CudaError):
+        child.result(timeout=1)
+
+
+@pytest.mark.parametrize(("code", "error"), [(0, ValueError), (600, ValueError), ("700", TypeError)])
+def test_fail_refuses_codes_that_are_no_error(fake_cuda: testing.FakeCuda, code: Any, error: type) -> None:
+    fut = cudafut.record(1)
+    with pytest.raises(error):
+        fake_cuda.fail(fut, code)
+    with pytest.raises(TypeError, match="CudaFuture"):
+        fake_cuda.complete(fut, "not a future")  # type: ignore[arg-type]
+    assert not fut.done()  # nothing done when an argument is wrong
+
+
+def test_a_pending_future_completes_once_set(fake_cuda: testing.FakeCuda) -> None:
+    fut: cudafut.CudaFuture[int] = cudafut.CudaFuture()
+    fake_cuda.complete(fut)
+    fut.set_result(5)
+    assert fut.done()
+
+
+def test_submit_and_done_callbacks(fake_cuda: testing.FakeCuda) -> None:
+    called = threading.Event()
+    fut = cudafut.submit(np.add, np.ones(2), 1)
+    fut.add_done_callback(lambda _f: called.set())  # on the watcher thread
+    fake_cuda.complete(fut)
+    assert called.wait(30)
+    np.testing.assert_array_equal(fut.result(), [2, 2])
+
+
+def test_copies_take_and_give_numpy(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    host = np.arange(6, dtype=np.float32).reshape(2, 3)
+    on_device = cudafut.to_device(host.T)  # any layout in, C order out
+    device_array = on_device.result()
+    assert isinstance(device_array, np.ndarray)
+    assert device_array.flags.c_contiguous
+    out = np.empty((3, 2), np.float32)
+    back = cudafut.to_host(on_device, out=out).result()
+    assert back is out
+    np.testing.assert_array_equal(back, host.T)
+    np.testing.assert_array_equal(cudafut.to_host(device_array).result(), host.T)
+    with pytest.raises(ValueError, match="shape"):
+        cudafut.to_host(device_array, out=np.empty(2))
+    with pytest.raises(TypeError, match="NumPy array"):
+        cudafut.to_host([1, 2])
+
+
+def test_streams_of_the_fake(fake_cuda: testing.FakeCuda) -> None:
+    stream = fake_cuda.stream()
+    fut = cudafut.record(np.zeros(1), stream=stream)
+    with stream:
+        on_it = cudafut.record(np.ones(1))  # the current stream now
+    fake_cuda.complete(on_it)
+    assert fut.done()  # earlier on the same stream
+
+
+def test_launch_runs_on_a_launcher_thread(fake_cuda: testing.FakeCuda) -> None:
+    threads = []
+
+    def fn(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        threads.append(threading.current_thread().name)
+        return x * 3
+
+    fut = cudafut.launch(fn, np.ones(2))
+    fake_cuda.complete(fut)  # now, or as soon as the launcher sets it
+    np.testing.assert_array_equal(fut.result(timeout=30), [3, 3])
+    assert threads[0].startswith("cudafut-launcher-0")
+
+    def boom() -> None:
+        raise KeyError("from fn")
+
+    with pytest.raises(KeyError, match="from fn"):
+        cudafut.launch(boom).result(timeout=30)
+
+
+def test_calls_that_need_cupy_say_so(fake_cuda: testing.FakeCuda) -> None:
+    with pytest.raises(cudafut.CudaUnavailableError, match=r"cudafut\.testing"):
+        cudafut.empty_pinned((4,), np.float32)
+
+
+def test_the_fake_is_removed_on_exit() -> None:
+    real = (_cuda.current_device, _pools.events, _pools.streams)
+    with testing.fake_cuda() as fake:
+        assert _cuda.current_device is not real[0]
+        with pytest.raises(RuntimeError, match="installed already"), testing.fake_cuda():
+            pass
+        left = cudafut.record(np.ones(1))
+        launched = cudafut.launch(np.zeros, 2)
+        fake.complete(launched)
+        launched.result(timeout=30)
+        fake_launchers = [t for t in threading.enumerate() if t.name.startswith("cudafut-launcher")]
+        assert fake_launchers
+    assert (_cuda.current_device, _pools.events, _pools.streams) == real
+    assert left.done()  # what was queued completes as the fake leaves
+    assert not any(t.is_alive() for t in fake_launchers)  # the fake's launchers ended
+
+
+@pytest.mark.parametrize("devices", [0, 65, True, 1.0])
+def test_fake_cuda_checks_its_arguments(devices: Any) -> None:
+    with pytest.raises((TypeError, ValueError)), testing.fake_cuda(devices=devices):
+        pass
+
+
+def test_import_needs_no_cupy() -> None:
+    done = run_python(
+        """
+        import sys
+        sys.modules["cupy"] = None  # any import of CuPy fails
+        import numpy as np
+        import cudafut, cudafut.testing
+        with cudafut.testing.fake_cuda(auto_complete=True):
+            print(cudafut.record(np.arange(3)).then(lambda v: v.sum()).result())
+        print(sys.modules["cupy"] is None)
+        """
+    )
+    assert done.stdout.split() == ["3", "True"], done.stderr
+
+
+def test_the_plugin_is_registered_for_pytest() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        entry_points = tomllib.load(f)["project"]["entry-points"]["pytest11"]
+    assert entry_points == {"cudafut": "cudafut._pytest_plugin"}
+
+
+def test_the_pytest_plugin(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import numpy as np
+        import cudafut
+
+        def test_uses_the_fixture(fake_cuda):
+            fut = cudafut.record(np.ones(2))
+            fake_cuda.complete(fut)
+            assert fut.result(timeout=0).sum() == 2
+        """
+    )
+    # The module by name, whether or not the entry point is installed here.
+    result = pytester.runpytest_subprocess("-p", "no:cudafut", "-p", "cudafut._pytest_plugin")
+    result.assert_outcomes(passed=1)
+
+
+# -- awaits on asyncio, uvloop and trio -------------------------------------------------
+
+
+async def test_await_wakes_when_completed(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.arange(3))
+    async with anyio.create_task_group() as tg:
+
+        async def complete_later() -> None:
+            await anyio.sleep(0.005)
+            fake_cuda.complete(fut)
+
+        tg.start_soon(complete_later)
+        np.testing.assert_array_equal(await fut, [0, 1, 2])
+
+
+async def test_await_raises_the_failure(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.arange(3))
+    fake_cuda.fail(fut, 700)
+    with pytest.raises(cudafut.CudaError, match="cudaErrorIllegalAddress"):
+        await fut
+
+
+async def test_gather_and_as_completed(fake_cuda: testing.FakeCuda) -> None:
+    # One stream each: on one stream, completing the last completes all.
+    futs = [cudafut.record(np.full(1, i), stream=fake_cuda.stream()) for i in range(3)]
+    gathered = cudafut.gather(*futs)
+    seen = []
+    async with anyio.create_task_group() as tg:
+
+        async def complete_in_reverse() -> None:
+            for fut in reversed(futs):
+                await anyio.sleep(0.002)
+                fake_cuda.complete(fut)
+
+        tg.start_soon(complete_in_reverse)
+        async for done in cudafut.as_completed(futs):
+            seen.append(int((await done)[0]))
+    assert seen == [2, 1, 0]
+    assert [int(v[0]) for v in await gathered] == [0, 1, 2]
+
+
+async def test_launch_awaited(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    assert (await cudafut.launch(np.arange, 4)).sum() == 6
+
+
+async def test_batcher(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    sizes = []
+
+    def run_batch(items: list[int]) -> np.ndarray[Any, Any]:
+        sizes.append(len(items))
+        return np.asarray(items) * 10
+
+    results: dict[int, int] = {}
+    async with cudafut.Batcher(run_batch, max_batch=8, max_delay_s=0.05) as batcher:
+
+        async def one(i: int) -> None:
+            results[i] = int(await batcher.submit(i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(one, i)
+    assert results == {i: i * 10 for i in range(5)}
+    assert sum(sizes) == 5
+
+
+# -- on a GPU: the fake and real CUDA in one process ----------------------------------------
+
+
+@pytest.mark.gpu
+def test_real_cuda_is_untouched_by_a_fake_in_between(cp: Any) -> None:
+    """The project's suite runs fake and real tests in one process: nothing of
+    the fake (streams, event handles, launcher threads, records that outlive
+    it) may reach CUDA afterwards, and CUDA's pools and launchers come back."""
+    assert cp.asnumpy(cudafut.record(cp.arange(4)).then(lambda v: v + 1).result(timeout=30)).tolist() == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert cp.asnumpy(cudafut.launch(cp.ones, 2).result(timeout=30)).tolist() == [1, 1]
+    real_events = _pools.events
+    with testing.fake_cuda() as fake:
+        assert _pools.events is not real_events
+        child = cudafut.record(np.ones(2)).then(lambda v: v * 2)
+        launched = cudafut.launch(np.zeros, 2)
+        fake.complete(child, launched)
+        np.testing.assert_array_equal(child.result(timeout=30), [2, 2])
+        launched.result(timeout=30)
+        outlives = [cudafut.record(np.ones(1)) for _ in range(8)]  # pending at exit
+        dropped = cudafut.record(np.ones(1))  # handed to the watcher thread, pending
+        del dropped
+    assert _pools.events is real_events
+    assert all(fut.done() for fut in outlives)
+    del outlives, child, launched
+    gc.collect()  # the fake's records die now: never into CUDA's event pool
+    for i in range(64):  # would record on a fake handle if one had come back
+        out = cudafut.record(cp.full(3, i)).then(lambda v: v * 3)
+        assert cp.asnumpy(out.result(timeout=30)).tolist() == [3 * i] * 3
+    assert cp.asnumpy(cudafut.launch(cp.arange, 3).result(timeout=30)).tolist() == [0, 1, 2]
