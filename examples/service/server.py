@@ -58,7 +58,7 @@ def make_compute(
     served: Served | None,
     ref: np.ndarray[Any, Any] | None,
     *,
-    max_batch: int = BUCKETS[-1],
+    max_batch: int = 32,
     max_delay_s: float = 0.002,
 ) -> tuple[Compute, Any]:
     """The handler's computation for ``mode``, and the batcher (or None)."""
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=MODES, default="batch_graph")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--reference", help="nogpu: the reference logits (.npy, from compare.py)")
-    parser.add_argument("--max-batch", type=int, default=BUCKETS[-1], help="batch modes: the largest batch")
+    parser.add_argument("--max-batch", type=int, default=32, help="batch modes: the largest batch")
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batch modes: the longest wait")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the event loop")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
