@@ -16,9 +16,11 @@ Two parts:
   answer checked against the model run eagerly on one image. Also the
   launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``.
 
-``CUDAFUT_BENCH_SERVE_MODELS`` (space-separated) restricts the models, to
-split the section over runs; results of separate runs merge in report.py
-(one JSON per run). About 4 minutes per model.
+``CUDAFUT_BENCH_SERVE_MODELS`` and ``CUDAFUT_BENCH_SERVE_MODES``
+(space-separated) restrict the models and handlers, to split the section
+over runs (one JSON each); ``launch()``'s own figures and the thread counts
+run only in a run of every handler with ResNet-50. About 4 minutes per
+model.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ def _models() -> tuple[str, ...]:
     return tuple(n for n in ALL_MODELS if n in names) if names else ALL_MODELS
 
 
+def _modes() -> tuple[str, ...] | None:
+    """The handlers to run (``CUDAFUT_BENCH_SERVE_MODES``), None for all."""
+    names = os.environ.get("CUDAFUT_BENCH_SERVE_MODES", "").split()
+    return tuple(names) or None
+
+
+def _whole() -> bool:
+    """Whether this run measures launch() itself and the thread counts:
+    once, with ResNet-50 and every handler."""
+    return "resnet50" in _models() and _modes() is None
+
+
 def _compare_module() -> Any:
     if str(SERVICE) not in sys.path:
         sys.path.insert(0, str(SERVICE))
@@ -58,8 +72,9 @@ def _compare_module() -> Any:
 def steps(quick: bool) -> int:
     n_models = len(_models())
     per_model = 9 + 6  # closed rows + open rows
-    first = "resnet50" in _models()
-    return n_models * per_model + (4 + 2 * len(THREADS) if first else 0)
+    if _modes() is not None:
+        per_model = len(_modes() or ()) + 4
+    return n_models * per_model + (4 + 2 * len(THREADS) if _whole() else 0)
 
 
 def _q(samples: list[float]) -> dict[str, float]:
@@ -193,16 +208,16 @@ def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
 
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if "resnet50" in _models():  # once per split run
+    if _whole():
         out["launch"] = _launch_part(quick, progress)
     compare = _compare_module()
     out["models"] = compare.compare(
         _models(),
-        compare.MODES,
+        _modes() or compare.MODES,
         seconds=2.0 if quick else 5.0,
         warmup=0.5 if quick else 1.0,
         open_loop=True,
-        threads=THREADS if "resnet50" in _models() else (),
+        threads=THREADS if _whole() else (),
         step=progress.step,
     )
     return out

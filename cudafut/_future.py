@@ -525,10 +525,12 @@ class CudaFuture(Generic[T]):
         logger; it is never lost. ``KeyboardInterrupt`` and ``SystemExit``
         too: they are reported, not raised, so that they stop neither the
         loop's waiter nor the watcher thread, and every other callback still
-        runs (docs/semantics.md, "Exceptions in callbacks"). Never blocks the loop; while waiting, the
-        loop's waiter polls as for ``await`` (one ``cudaEventQuery``, about
-        2 µs, per loop iteration while the wait policy says spin, otherwise
-        one per sleep of at most ``max_sleep_s``).
+        runs (docs/semantics.md, "Exceptions in callbacks").
+
+        Never blocks the loop; while waiting, the loop's waiter polls as for
+        ``await`` (one ``cudaEventQuery``, about 2 µs, per loop iteration
+        while the wait policy says spin, otherwise one per sleep of at most
+        ``max_sleep_s``).
 
         :meth:`remove_done_callback` removes it until it starts.
 
@@ -862,6 +864,7 @@ class CudaFuture(Generic[T]):
     def _on_set(self, listener: Listener) -> None:
         """Run ``listener`` once set (or failed/cancelled): now, or in the
         thread that completes the future."""
+        # _listen() inlined: every then() and await comes here.
         with self._lock:
             if self._state is _PENDING:
                 if self._listeners is None:
@@ -1098,8 +1101,9 @@ def _call_listener(listener: Listener, future: CudaFuture[Any]) -> None:
 
 
 #: Held while a follow is checked and noted, so that two follows closing one
-#: cycle in two threads cannot both miss it.
-_follow_lock: Final = threading.Lock()
+#: cycle in two threads cannot both miss it. Re-entrant: a finalizer run by
+#: the GC meanwhile may follow too.
+_follow_lock: Final = threading.RLock()
 
 
 def _waits_on(start: CudaFuture[Any], target: CudaFuture[Any]) -> bool:

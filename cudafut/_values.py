@@ -122,18 +122,24 @@ def _walk(value: object, visit: Visit, seen: set[int], tensor: type | None) -> N
 
     A loop over a stack of iterators, not a recursion: containers nested any
     depth deep (thousands of lists in lists) cost memory, not the Python
-    stack. A lone CuPy array costs no stack at all.
+    stack. CuPy arrays and scalars are handled inline: this runs at every
+    ``await``.
     """
-    if type(value) is _ndarray:  # the common case
+    if type(value) is _ndarray:  # the common case: one CuPy array
         visit(value, value.data.device_id)  # type: ignore[attr-defined]
         return
-    items = _visit(value, visit, seen, tensor)
+    if isinstance(value, _SCALARS) or value is None:
+        return
+    items = _items(value, visit, seen, tensor)
     if items is None:
         return
     stack = [iter(items)]
     while stack:
         for item in stack[-1]:
-            items = _visit(item, visit, seen, tensor)
+            if type(item) is _ndarray:
+                visit(item, item.data.device_id)  # type: ignore[attr-defined]
+                continue
+            items = _items(item, visit, seen, tensor)
             if items is not None:  # a container: its items first, then the rest
                 stack.append(iter(items))
                 break
@@ -141,7 +147,11 @@ def _walk(value: object, visit: Visit, seen: set[int], tensor: type | None) -> N
             stack.pop()
 
 
-def _visit(value: object, visit: Visit, seen: set[int], tensor: type | None) -> Iterable[object] | None:
+#: Leaves that are never GPU arrays, skipped at once.
+_SCALARS: Final = (str, bytes, int, float, complex)
+
+
+def _items(value: object, visit: Visit, seen: set[int], tensor: type | None) -> Iterable[object] | None:
     """Visit ``value`` if it is a GPU array; return its items if it is a
     container not seen yet (list, tuple, dict, dataclass instance)."""
     if isinstance(value, (list, tuple, dict)):  # named tuples included
@@ -149,7 +159,7 @@ def _visit(value: object, visit: Visit, seen: set[int], tensor: type | None) -> 
             return None
         seen.add(id(value))
         return value.values() if isinstance(value, dict) else value
-    if isinstance(value, (str, bytes, int, float, complex)) or value is None:
+    if isinstance(value, _SCALARS) or value is None:
         return None
     if type(value) is _ndarray:  # a CuPy array: no __cuda_array_interface__ dict
         visit(value, value.data.device_id)  # type: ignore[attr-defined]
@@ -165,11 +175,6 @@ def _visit(value: object, visit: Visit, seen: set[int], tensor: type | None) -> 
     except AttributeError:
         pass
     else:
-        if not isinstance(interface, dict):
-            raise TypeError(
-                f"{type(value).__name__}.__cuda_array_interface__ must be a dict (the CUDA Array "
-                f"Interface), not {type(interface).__name__}"
-            )
         visit(value, interface)
         return None
     if hasattr(type(value), "__dataclass_fields__"):  # a dataclass instance

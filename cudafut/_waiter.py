@@ -377,6 +377,8 @@ class ThreadWaiter(Driver):
         self._started = False
         #: How many times the thread died (a bug) and was replaced.
         self.deaths = 0
+        # Whether the running thread has run calls yet (see _died).
+        self._served = False
 
     def ensure_polling(self) -> None:
         pass  # only called from the watcher thread, which polls next anyway
@@ -392,6 +394,7 @@ class ThreadWaiter(Driver):
             # meanwhile re-enters here (the lock is re-entrant) and must not
             # start a second watcher.
             self._started = True
+            self._served = False
             self._thread = threading.Thread(target=self._run, name="cudafut-watcher", daemon=True)
             self._thread.start()
         self._cond.notify()
@@ -410,8 +413,11 @@ class ThreadWaiter(Driver):
             self._started = False
             self._thread = None
             self._idle = True
-            if self._calls or self._holds:
-                self._start_or_notify()  # uses that came while it was dying
+            # Uses that came while it was dying: served at once, unless this
+            # thread died before serving anything (then the next use retries:
+            # a bug that kills every thread at once cannot make them churn).
+            if self._served and (self._calls or self._holds):
+                self._start_or_notify()
         logger.error(
             "cudafut: the watcher thread (cudafut-watcher) died of %r; cudafut starts a new "
             "one at its next use (please report this: it is a bug)",
@@ -443,6 +449,7 @@ class ThreadWaiter(Driver):
                 calls, self._calls = self._calls, []
             if calls:
                 self._run_calls(calls)
+                self._served = True
             self._take_holds()
             next_poll = self.poll(timer_fired)
 

@@ -235,6 +235,8 @@ def test_a_dead_watcher_thread_is_logged_once_and_replaced_at_the_next_use(
     started = threading.Event()
     set_future(1, []).add_done_callback(lambda _f: started.set())
     assert started.wait(5)
+    old = waiter._thread
+    assert old is not None and old.is_alive()
     deaths = waiter.deaths
     take_holds = waiter._take_holds
     bugs = [RuntimeError("an injected bug")]
@@ -249,6 +251,8 @@ def test_a_dead_watcher_thread_is_logged_once_and_replaced_at_the_next_use(
     waiter.call_soon_threadsafe(ran.set)
     assert ran.wait(5)
     assert wait_until(lambda: waiter.deaths == deaths + 1)
+    old.join(5)
+    assert not old.is_alive()
     rec = FakeRecord()
     fut = set_future("v", [rec])
     later = threading.Event()
@@ -279,6 +283,40 @@ def test_work_handed_to_a_dying_watcher_is_run_by_its_replacement(monkeypatch: p
     monkeypatch.setattr(waiter, "_take_holds", buggy)
     waiter.call_soon_threadsafe(first)
     assert second.wait(5)
+
+
+def test_a_watcher_that_dies_before_serving_waits_for_the_next_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    waiter = _waiter.thread_waiter()
+    started = threading.Event()
+    set_future(1, []).add_done_callback(lambda _f: started.set())
+    assert started.wait(5)
+    deaths = waiter.deaths
+    old = waiter._thread
+    bugs = [RuntimeError("stop the running thread")]
+
+    def buggy() -> None:
+        if bugs:
+            raise bugs.pop()
+
+    monkeypatch.setattr(waiter, "_take_holds", buggy)
+    waiter.call_soon_threadsafe(lambda: None)
+    assert wait_until(lambda: waiter.deaths == deaths + 1)
+    assert old is not None
+    old.join(5)
+
+    def dies_at_once() -> None:
+        raise RuntimeError("a bug that kills every new thread")
+
+    monkeypatch.setattr(waiter, "_serve", dies_at_once)
+    first = threading.Event()
+    waiter.call_soon_threadsafe(first.set)  # starts a thread that dies serving nothing
+    assert wait_until(lambda: waiter.deaths == deaths + 2)
+    assert wait_until(lambda: "cudafut-watcher" not in [t.name for t in threading.enumerate()])
+    assert not first.is_set()  # no churn: the call waits for the next use
+    monkeypatch.undo()
+    second = threading.Event()
+    waiter.call_soon_threadsafe(second.set)
+    assert first.wait(5) and second.wait(5)
 
 
 # -- a future that would wait on itself --------------------------------------------------

@@ -67,7 +67,11 @@ async def _clients(
     latencies: list[float] = []
     wrong = errors = 0
     window = end = 0.0  # perf_counter times, set once the load starts
-    connector = aiohttp.TCPConnector(limit=0)
+    # Closed loop: a connection per client. Open loop: at most 64 per
+    # process (a pool, as a proxy in front of the server would hold);
+    # unbounded, a burst opens new connections, which costs the server more
+    # than the requests themselves.
+    connector = aiohttp.TCPConnector(limit=clients or 64)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one() -> None:
