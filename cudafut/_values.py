@@ -175,6 +175,11 @@ def _items(value: object, visit: Visit, seen: set[int], tensor: type | None) -> 
     except AttributeError:
         pass
     else:
+        if not isinstance(interface, dict):
+            raise TypeError(
+                f"{type(value).__name__}.__cuda_array_interface__ must be a dict (the CUDA array "
+                f"interface), not {type(interface).__name__}"
+            )
         visit(value, interface)
         return None
     if hasattr(type(value), "__dataclass_fields__"):  # a dataclass instance
