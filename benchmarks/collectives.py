@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from .common import Progress, meta_of, pyplot, save_figure
+from .support.common import Progress, meta_of, pyplot, save_figure
 
 NAME = "collectives"
 

@@ -46,7 +46,6 @@ import random
 import statistics
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ import numpy as np
 import cudafut
 from cudafut import _memory, _pinned, _pools
 
-from .common import Progress, meta_of, pyplot, save_figure
+from .support.common import Progress, error_line, meta_of, pyplot, save_figure
 
 NAME = "copies"
 
@@ -123,7 +122,7 @@ gpu: Any = None
 def _load() -> None:
     global cp, gpu
     cp = importlib.import_module("cupy")
-    gpu = importlib.import_module(".gpu", __package__)
+    gpu = importlib.import_module(".support.gpu", __package__)
 
 
 def steps(quick: bool) -> int:
@@ -141,14 +140,6 @@ def _size_name(nbytes: int) -> str:
         if nbytes >= unit:
             return f"{nbytes / unit:g} {name}"
     return f"{nbytes} B"
-
-
-def _error(exc: BaseException) -> str:
-    return (
-        "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        + " | "
-        + "".join(traceback.format_tb(exc.__traceback__)[-3:]).replace("\n", " ")
-    )
 
 
 # -- run (CuPy, a GPU) -----------------------------------------------------------------
@@ -171,7 +162,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
             try:
                 rows = _one_size(nbytes, reps_for(nbytes, quick), res["errors"])
             except Exception as exc:  # noqa: BLE001 - keep the other sizes
-                res["errors"].append(f"{_size_name(nbytes)}: {_error(exc)}")
+                res["errors"].append(f"{_size_name(nbytes)}: {error_line(exc)}")
                 rows = {}
             for (direction, path), row in rows.items():
                 res["bandwidth"][direction][path].append(row)
@@ -185,7 +176,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
             try:
                 res[key] = part()
             except Exception as exc:  # noqa: BLE001 - keep the other parts
-                res[key] = {"error": _error(exc)}
+                res[key] = {"error": error_line(exc)}
             _empty_pools()
             progress.step(f"copies: {what}: {_part_line(key, res[key])}")
     res["ratios"] = _ratios(res)

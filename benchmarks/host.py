@@ -12,7 +12,7 @@ from typing import Any
 
 import cudafut
 
-from .common import Progress
+from .support.common import Progress
 
 NAME = "host"
 
@@ -52,7 +52,7 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
 def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
     import cupy as cp
 
-    from .gpu import gsleep, stream, token
+    from .support.gpu import gsleep, stream, token
 
     res: dict[str, Any] = {}
     kernel = gsleep
@@ -114,7 +114,7 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
         return {"torch": f"unavailable: {exc}"}
     import cupy as cp
 
-    from .gpu import gsleep
+    from .support.gpu import gsleep
 
     res: dict[str, Any] = {}
     t = torch.zeros(1, device="cuda")

@@ -17,7 +17,7 @@ from typing import Any
 
 import cudafut
 
-from .common import CpuMeter, Progress
+from .support.common import CpuMeter, Progress
 
 NAME = "many"
 
@@ -44,7 +44,7 @@ def measure(
 ) -> dict[str, Any]:
     import cupy as cp
 
-    from .gpu import token, work
+    from .support.gpu import token, work
 
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(nstreams)]
 

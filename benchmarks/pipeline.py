@@ -21,7 +21,7 @@ import numpy as np
 import cudafut
 from cudafut import _pools
 
-from .common import Progress, pyplot, save_figure
+from .support.common import Progress, pyplot, save_figure
 
 NAME = "pipeline"
 
@@ -61,7 +61,7 @@ def _load() -> None:
     global cp, cupyx, gpu, stream
     cp = importlib.import_module("cupy")
     cupyx = importlib.import_module("cupyx")
-    gpu = importlib.import_module(".gpu", __package__)
+    gpu = importlib.import_module(".support.gpu", __package__)
     stream = gpu.stream
 
 

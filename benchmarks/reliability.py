@@ -27,7 +27,7 @@ import cupy as cp
 import cudafut
 from cudafut import _loops, _pools, _waiter
 
-from .gpu import environment, quantiles, work
+from .support.gpu import environment, quantiles, work
 
 
 def resources() -> dict[str, float]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import Progress
+from .support.common import Progress
 
 NAME = "serve"
 

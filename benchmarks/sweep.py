@@ -11,7 +11,7 @@ from typing import Any
 
 from cudafut import WaitPolicy
 
-from .common import Progress, quantiles, with_policy
+from .support.common import Progress, quantiles, with_policy
 from .wake import REPS, floor, run_async, s_cudafut_await
 
 NAME = "sweep"

@@ -36,7 +36,7 @@ from typing import Any
 
 import cudafut
 
-from .common import Progress
+from .support.common import Progress
 
 NAME = "tracing"
 
@@ -103,7 +103,7 @@ MEASURE: dict[str, Callable[[int, Any], Coroutine[Any, Any, float]]] = {
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
     from cudafut import _trace
 
-    from .gpu import stream, sync_all, token
+    from .support.gpu import stream, sync_all, token
 
     rounds = 2 if quick else ROUNDS
     off: dict[str, list[float]] = {op: [] for op in OPERATIONS}

@@ -83,7 +83,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -92,7 +91,7 @@ import numpy as np
 
 import cudafut
 
-from .common import Progress, meta_of, pyplot, save_figure
+from .support.common import Progress, error_line, meta_of, pyplot, save_figure
 
 NAME = "tracking"
 
@@ -246,15 +245,7 @@ cf: Any = cudafut
 def _load() -> None:
     global cp, gpu
     cp = importlib.import_module("cupy")
-    gpu = importlib.import_module(".gpu", __package__)
-
-
-def _error(exc: BaseException) -> str:
-    return (
-        "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        + " | "
-        + "".join(traceback.format_tb(exc.__traceback__)[-3:]).replace("\n", " ")
-    )
+    gpu = importlib.import_module(".support.gpu", __package__)
 
 
 def steps(quick: bool) -> int:
@@ -267,7 +258,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
     try:
         res["blocks"] = _blocks(quick)
     except Exception as exc:  # noqa: BLE001 - keep the other parts
-        res["blocks"] = {"error": _error(exc)}
+        res["blocks"] = {"error": error_line(exc)}
     gpu.sync_all()
     progress.step("tracking: per block: " + _blocks_line(res["blocks"]))
     res["workloads"] = {}
@@ -275,14 +266,14 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
         try:
             res["workloads"][w.name] = _workload(w, quick)
         except Exception as exc:  # noqa: BLE001 - keep the other workloads
-            res["workloads"][w.name] = {"label": w.label, "error": _error(exc)}
+            res["workloads"][w.name] = {"label": w.label, "error": error_line(exc)}
         gc.collect()
         gpu.sync_all()
         progress.step(f"tracking: {w.label}: " + _workload_line(res["workloads"][w.name]))
     try:
         res["steps"] = _task_steps(quick)
     except Exception as exc:  # noqa: BLE001
-        res["steps"] = {"error": _error(exc)}
+        res["steps"] = {"error": error_line(exc)}
     progress.step("tracking: task steps: " + _steps_line(res["steps"]))
     res["torch_steps"] = _torch_steps(quick)
     progress.step("tracking: task steps, torch imported: " + _steps_line(res["torch_steps"]))
@@ -510,7 +501,7 @@ def _blocks(quick: bool) -> dict[str, Any]:
             try:
                 out, count, delta, running = _BLOCK_FUNCS[b](env, BATCH)
             except Exception as exc:  # noqa: BLE001 - one case's failure is reported, the others go on
-                errors[b] = _error(exc)
+                errors[b] = error_line(exc)
                 continue
             finally:
                 gpu.sync_all()
@@ -846,7 +837,7 @@ def _workload(w: Workload, quick: bool) -> dict[str, Any]:
         try:
             _run_once(s, warm, env, w.tasks)
         except Exception as exc:  # noqa: BLE001 - this strategy's failure, the others go on
-            errors[s] = _error(exc)
+            errors[s] = error_line(exc)
     for r in range(rounds):
         order = STRATEGIES[r % len(STRATEGIES) :] + STRATEGIES[: r % len(STRATEGIES)]
         for s in order:
@@ -855,7 +846,7 @@ def _workload(w: Workload, quick: bool) -> dict[str, Any]:
             try:
                 runs[s].append(_run_once(s, prog, env, w.tasks))
             except Exception as exc:  # noqa: BLE001
-                errors[s] = _error(exc)
+                errors[s] = error_line(exc)
     for s in STRATEGIES:
         row: dict[str, Any] = {}
         if s in errors:
@@ -945,7 +936,7 @@ def _task_steps(quick: bool) -> dict[str, Any]:
             try:
                 per = asyncio.run(measure(kind))
             except Exception as exc:  # noqa: BLE001 - this kind's failure, the others go on
-                errors[kind] = _error(exc)
+                errors[kind] = error_line(exc)
                 continue
             if r:
                 samples[kind].append(per)
@@ -1006,7 +997,7 @@ def _torch_main(quick: bool) -> int:
     try:
         res = _task_steps(quick)
     except Exception as exc:  # noqa: BLE001
-        res = {"error": _error(exc)}
+        res = {"error": error_line(exc)}
     res["torch"] = version
     print(json.dumps(res))
     return 0

@@ -30,7 +30,7 @@ from typing import Any
 
 import cudafut
 
-from .common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure
+from .support.common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure
 
 NAME = "vary"
 
@@ -234,7 +234,7 @@ def _summary(extras_us: list[float], cpu: float, durations: list[float]) -> dict
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
     import cupy as cp
 
-    from . import gpu
+    from .support import gpu
 
     floor0 = _floor(gpu, 0.0, 400)
     model = {}

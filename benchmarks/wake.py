@@ -23,10 +23,20 @@ from typing import TYPE_CHECKING, Any
 import cudafut
 from cudafut import WaitPolicy
 
-from .common import CpuMeter, Progress, Samples, meta_of, pyplot, quantiles, save_figure, timed, with_policy
+from .support.common import (
+    CpuMeter,
+    Progress,
+    Samples,
+    meta_of,
+    pyplot,
+    quantiles,
+    save_figure,
+    timed,
+    with_policy,
+)
 
 if TYPE_CHECKING:
-    from .gpu import HostFunc
+    from .support.gpu import HostFunc
 
 NAME = "wake"
 
@@ -59,7 +69,7 @@ def run_sync(once: Callable[[], object], n: int) -> tuple[Samples, float]:
 
 
 def floor(ns: int, n: int) -> tuple[Samples, float]:
-    from .gpu import stream, work
+    from .support.gpu import stream, work
 
     return run_sync(lambda: (work(ns), stream.synchronize()), n)  # type: ignore[func-returns-value]
 
@@ -67,14 +77,14 @@ def floor(ns: int, n: int) -> tuple[Samples, float]:
 def blocking_event_sync(ns: int, n: int) -> tuple[Samples, float]:
     import cupy as cp
 
-    from .gpu import stream, work
+    from .support.gpu import stream, work
 
     ev = cp.cuda.Event(block=True, disable_timing=True)
     return run_sync(lambda: (work(ns), ev.record(stream), ev.synchronize()), n)  # type: ignore[func-returns-value]
 
 
 def cudafut_result(ns: int, n: int) -> tuple[Samples, float]:
-    from .gpu import stream, token, work
+    from .support.gpu import stream, token, work
 
     return run_sync(lambda: (work(ns), cudafut.record(token, stream=stream).result()), n)  # type: ignore[func-returns-value]
 
@@ -99,7 +109,7 @@ def run_async(make: Callable[[], Once], ns: int, n: int) -> tuple[Samples, float
 
 
 def s_cudafut_await() -> Once:
-    from .gpu import stream, token, work
+    from .support.gpu import stream, token, work
 
     async def once(ns: int) -> float:
         t = time.perf_counter()
@@ -113,7 +123,7 @@ def s_cudafut_await() -> Once:
 def s_sleep0_poll() -> Once:
     import cupy as cp
 
-    from .gpu import stream, work
+    from .support.gpu import stream, work
 
     ev = cp.cuda.Event(block=False, disable_timing=True)
 
@@ -134,7 +144,7 @@ _pool = concurrent.futures.ThreadPoolExecutor(2)
 def s_executor_sync() -> Once:
     import cupy as cp
 
-    from .gpu import stream, work
+    from .support.gpu import stream, work
 
     ev = cp.cuda.Event(block=True, disable_timing=True)
 
@@ -155,7 +165,7 @@ _hostfunc: HostFunc | None = None
 def s_hostfunc_close() -> Once:
     import cupy as cp
 
-    from .gpu import HostFunc, stream, work
+    from .support.gpu import HostFunc, stream, work
 
     global _hostfunc
     if _hostfunc is None:
@@ -185,7 +195,7 @@ def s_hostfunc_close() -> Once:
 
 
 def s_numba() -> Once:
-    from .gpu import stream, work
+    from .support.gpu import stream, work
 
     cuda = importlib.import_module("numba.cuda")  # an optional peer: untyped, maybe absent
     nstream = cuda.external_stream(stream.ptr)

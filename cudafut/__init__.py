@@ -44,6 +44,7 @@ from ._memory import MemoryStatistics as MemoryStatistics
 from ._memory import memory_statistics as memory_statistics
 from ._memory import record_stream as record_stream
 from ._pinned import empty_pinned as empty_pinned
+from ._pinned import get_pinned_limit as get_pinned_limit
 from ._pinned import set_pinned_limit as set_pinned_limit
 from ._policy import WaitPolicy as WaitPolicy
 from ._policy import get_wait_policy as get_wait_policy
@@ -56,6 +57,7 @@ from ._trace import Trace as Trace
 from ._trace import trace as trace
 from ._tracked import Tracked as Tracked
 from ._tracked import TrackingStatistics as TrackingStatistics
+from ._tracked import get_tracking as get_tracking
 from ._tracked import set_tracking as set_tracking
 
 __version__ = "0.1.0.dev0"
@@ -81,6 +83,8 @@ __all__ = [
     "empty_pinned",
     "from_torch",
     "gather",
+    "get_pinned_limit",
+    "get_tracking",
     "get_wait_policy",
     "graphed",
     "launch",

@@ -57,9 +57,6 @@ WORKERS: Final = max(1, min(8, (os.cpu_count() or 2) // 2))
 CHUNK_MIN: Final = 1 << 20
 CHUNK_MAX: Final = 8 << 20
 
-_H2D: Final = 1  # cudaMemcpyHostToDevice
-_D2H: Final = 2  # cudaMemcpyDeviceToHost
-_HOST_PINNED: Final = 1  # cudaMemoryTypeHost
 _SUPPORTED_KINDS: Final = "biufc"
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -183,8 +180,16 @@ def _device_array_info(array: object) -> tuple[int, tuple[int, ...], np.dtype[An
             "to_host() needs a GPU array (a CuPy array, or any __cuda_array_interface__ object) "
             f"or a CudaFuture of one, not {type(array).__name__}"
         )
+    try:
+        shape = tuple(int(n) for n in interface["shape"])
+        dtype = np.dtype(interface["typestr"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{type(array).__name__}.__cuda_array_interface__ is malformed ({exc!r}): it needs "
+            "'shape' (a tuple of ints) and 'typestr' (a NumPy type string)"
+        ) from None
     (device,) = find_devices(array) or (_cuda.current_device(),)
-    return device, tuple(interface["shape"]), np.dtype(interface["typestr"])
+    return device, shape, dtype
 
 
 def _check_out(out: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
@@ -246,10 +251,7 @@ def _is_pinned(array: np.ndarray[Any, Any]) -> bool:
     if not array.flags.c_contiguous or array.nbytes == 0:
         return False
     ptr = array.__array_interface__["data"][0]
-    try:
-        return int(_cuda.runtime().pointerGetAttributes(ptr).type) == _HOST_PINNED
-    except Exception:  # noqa: BLE001 - unknown to CUDA: pageable
-        return False
+    return _cuda.pointer_is_pinned(ptr)
 
 
 # -- chunks -----------------------------------------------------------------------
@@ -323,9 +325,9 @@ class _Transfer:
             self.fut.set_exception(error)
 
 
-# A copy thread's share of a staged copy: (runtime, its pieces, its two
-# staging blocks (None past the pinned limit), stream, device, device pointer).
-Stager = Callable[[Any, Sequence[Piece], list[Any], int, int, int], None]
+# A copy thread's share of a staged copy: (its pieces, its two staging
+# blocks (None past the pinned limit), stream, device, device pointer).
+Stager = Callable[[Sequence[Piece], list[Any], int, int, int], None]
 
 
 def _run_share(
@@ -338,60 +340,58 @@ def _run_share(
         with _cuda.on_device(device):
             biggest = max(n for _, _, n in pieces)
             stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
-            stager(_cuda.runtime(), pieces, stages, stream, device, ptr)
+            stager(pieces, stages, stream, device, ptr)
     except BaseException as exc:  # noqa: BLE001 - handed to the future
         error = exc
     transfer.job_done(error)
 
 
-def _stage_in(
-    rt: Any, pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, dst: int
-) -> None:
+def _stage_in(pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, dst: int) -> None:
     """Host to device: the host copy of one piece overlaps the DMA of the other."""
+    memcpy, synchronize = _cuda.memcpy_to_device, _cuda.event_synchronize
     last: list[EventRecord | None] = [None] * len(stages)
     for i, (piece, offset, n) in enumerate(pieces):
         b = i % len(stages)
         stage = stages[b]
         if stage is None:  # past the pinned limit: the driver stages it, blocking this thread
             src = np.ascontiguousarray(piece)
-            rt.memcpyAsync(dst + offset, src.ctypes.data, n, _H2D, stream)
+            memcpy(dst + offset, src.ctypes.data, n, stream)
             continue
         previous = last[b]
         if previous is not None and previous.query() is None:
-            rt.eventSynchronize(previous.handle)
+            synchronize(previous.handle)
         np.copyto(_view(stage[0], piece, n), piece)
-        rt.memcpyAsync(dst + offset, stage[1].allocation.ptr, n, _H2D, stream)
+        memcpy(dst + offset, stage[1].allocation.ptr, n, stream)
         last[b] = rec = _events.record(stream, device)
         stage[1].guard = (rec,)  # the block returns to the pool after this DMA
 
 
-def _stage_out(
-    rt: Any, pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, src: int
-) -> None:
+def _stage_out(pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, src: int) -> None:
     """Device to pageable host: the DMA of one piece overlaps the host copy of the other."""
+    memcpy = _cuda.memcpy_to_host
     pending: tuple[EventRecord, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
     for i, (piece, offset, n) in enumerate(pieces):
         stage = stages[i % len(stages)]
         if stage is None:  # past the pinned limit: the driver stages it
             tmp = np.empty(piece.shape, piece.dtype)
-            rt.memcpyAsync(tmp.ctypes.data, src + offset, n, _D2H, stream)
-            rt.streamSynchronize(stream)
+            memcpy(tmp.ctypes.data, src + offset, n, stream)
+            _cuda.stream_synchronize(stream)
             np.copyto(piece, tmp)
             continue
-        rt.memcpyAsync(stage[1].allocation.ptr, src + offset, n, _D2H, stream)
+        memcpy(stage[1].allocation.ptr, src + offset, n, stream)
         rec = _events.record(stream, device)
         view = _view(stage[0], piece, n)
         if pending is not None:
-            _copy_out(rt, *pending)
+            _copy_out(*pending)
         pending = (rec, view, piece)
         stage[1].guard = (rec,)
     if pending is not None:
-        _copy_out(rt, *pending)
+        _copy_out(*pending)
 
 
-def _copy_out(rt: Any, rec: EventRecord, stage: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
+def _copy_out(rec: EventRecord, stage: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
     if rec.query() is None:
-        rt.eventSynchronize(rec.handle)
+        _cuda.event_synchronize(rec.handle)
     if rec.query():
         raise rec.error() or RuntimeError("the copy failed")
     np.copyto(out, stage)
@@ -480,15 +480,15 @@ def _to_device_now(
     staged = None
     with _cuda.on_device(device):
         if pinned:
-            _cuda.runtime().memcpyAsync(dst.data.ptr, array.ctypes.data, nbytes, _H2D, ptr)
+            _cuda.memcpy_to_device(dst.data.ptr, array.ctypes.data, nbytes, ptr)
         elif nbytes:
             staged = _staging(nbytes)
             if staged is None:  # past the pinned limit: the driver stages it
                 src = np.ascontiguousarray(array)
-                _cuda.runtime().memcpyAsync(dst.data.ptr, src.ctypes.data, nbytes, _H2D, ptr)
+                _cuda.memcpy_to_device(dst.data.ptr, src.ctypes.data, nbytes, ptr)
             else:
                 np.copyto(_view(staged[0], array, nbytes), array)
-                _cuda.runtime().memcpyAsync(dst.data.ptr, staged[1].allocation.ptr, nbytes, _H2D, ptr)
+                _cuda.memcpy_to_device(dst.data.ptr, staged[1].allocation.ptr, nbytes, ptr)
         rec = _events.record(ptr, device)
     if staged is not None:
         staged[1].guard = (rec,)  # back to the pool once the DMA has read it
@@ -665,7 +665,7 @@ def _copy_to_pinned(
 ) -> CudaFuture[Any]:
     with _cuda.on_device(device):
         if nbytes:
-            _cuda.runtime().memcpyAsync(out.ctypes.data, int(src.data.ptr), nbytes, _D2H, ptr)
+            _cuda.memcpy_to_host(out.ctypes.data, int(src.data.ptr), nbytes, ptr)
         rec = _events.record(ptr, device)
     if read is not None:
         read.append(rec)  # the DMA has read src once rec fires

@@ -527,6 +527,215 @@ def pointer_device(ptr: int) -> int:
     return int(runtime().pointerGetAttributes(ptr).device)
 
 
+# -- copies, pinned memory, synchronisation -------------------------------------------
+# The raw calls of _copies and _pinned, one function each: the callers look
+# them up as ``_cuda.name`` at each call (or once per chunk on the copy
+# threads), so a fake (cudafut.testing) or a test can replace them here.
+
+_H2D: Final = 1  # cudaMemcpyHostToDevice
+_D2H: Final = 2  # cudaMemcpyDeviceToHost
+_HOST_PINNED: Final = 1  # cudaMemoryTypeHost
+_HOST_ALLOC_PORTABLE: Final = 1  # cudaHostAllocPortable: pinned for every device
+
+
+def memcpy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cudaMemcpyAsync`` of ``nbytes`` from host address ``src`` to device
+    address ``dst`` on ``stream`` (of the current device).
+
+    From pinned memory it enqueues and returns (a few µs): the copy engine
+    reads ``src`` later, so keep it until an event recorded after it has
+    completed. From pageable memory the driver stages it through its own
+    pinned buffer and blocks the calling thread until ``src`` has been read.
+    Holds the GIL (CuPy does not release it here)."""
+    runtime().memcpyAsync(dst, src, nbytes, _H2D, stream)
+
+
+def memcpy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cudaMemcpyAsync`` of ``nbytes`` from device address ``src`` to host
+    address ``dst`` on ``stream`` (of the current device).
+
+    Into pinned memory it enqueues and returns (a few µs): ``dst`` is
+    written later, once the stream reaches the copy. Into pageable memory
+    the driver stages it and blocks the calling thread until the copy is
+    done. Holds the GIL (CuPy does not release it here)."""
+    runtime().memcpyAsync(dst, src, nbytes, _D2H, stream)
+
+
+def pointer_is_pinned(ptr: int) -> bool:
+    """Whether host address ``ptr`` lies in page-locked memory that CUDA
+    knows (``cudaPointerGetAttributes``, about a µs; no GPU work). An
+    address CUDA does not know is pageable: False."""
+    try:
+        return int(runtime().pointerGetAttributes(ptr).type) == _HOST_PINNED
+    except Exception:  # noqa: BLE001 - unknown to CUDA: pageable
+        return False
+
+
+def host_alloc(nbytes: int) -> int:
+    """``cudaHostAlloc`` (portable: pinned for every device) of ``nbytes``;
+    its address. Blocks the calling thread while the driver pins the pages:
+    tens of µs to milliseconds, growing with the size.
+
+    Raises:
+        CudaError: CUDA refused; code 2 (``cudaErrorMemoryAllocation``) when
+            the machine cannot pin that much more.
+    """
+    try:
+        return int(runtime().hostAlloc(nbytes, _HOST_ALLOC_PORTABLE))
+    except Exception as exc:
+        status = getattr(exc, "status", None)
+        if isinstance(status, int):
+            raise cuda_error(status) from exc
+        raise
+
+
+def free_host(ptr: int) -> None:
+    """``cudaFreeHost`` of a block from :func:`host_alloc`. Blocks the
+    calling thread, and may wait until the whole device is idle."""
+    runtime().freeHost(ptr)
+
+
+def event_synchronize(event: int) -> None:
+    """``cudaEventSynchronize``: block the calling thread until ``event``
+    has completed (CuPy releases the GIL meanwhile)."""
+    runtime().eventSynchronize(event)
+
+
+def stream_synchronize(stream: int) -> None:
+    """``cudaStreamSynchronize``: block the calling thread until the work
+    enqueued on ``stream`` so far has completed (CuPy releases the GIL
+    meanwhile)."""
+    runtime().streamSynchronize(stream)
+
+
+def use_device(device: int) -> None:
+    """Make ``device`` the calling thread's current device, for CuPy too
+    (``cupy.cuda.Device(device).use()``: a ``cudaSetDevice``, under a µs)."""
+    cupy().cuda.Device(device).use()
+
+
+def initialise() -> None:
+    """Initialise CUDA in this process, once (later calls cost a global
+    read).
+
+    Raises:
+        CudaUnavailableError: CUDA cannot be used here (and under
+            cudafut.testing's fake CUDA, which has no runtime).
+    """
+    runtime()
+
+
+# -- CuPy's own objects: streams, allocator, graphs -----------------------------------
+
+
+def imported_cupy() -> Any:
+    """The ``cupy`` module if something imported it already, else None;
+    never imports it (a dict lookup), so costs nothing where CuPy is not
+    used."""
+    return sys.modules.get("cupy")
+
+
+def current_stream_getter() -> Callable[[int], Any]:
+    """CuPy's ``get_current_stream(device)``, for callers that bind it once
+    (a stream switch per task step): calling it costs what CuPy's does."""
+    get: Callable[[int], Any] = cupy().cuda.get_current_stream
+    return get
+
+
+def cupy_allocator() -> Any:
+    """CuPy's allocator in force now (``cupy.cuda.get_allocator()``), or
+    None if CuPy is not imported; no GPU call, never imports CuPy."""
+    cp = sys.modules.get("cupy")
+    return None if cp is None else cp.cuda.get_allocator()
+
+
+def set_cupy_allocator(allocate: Callable[[int], Any]) -> None:
+    """Make ``allocate`` CuPy's allocator (``cupy.cuda.set_allocator``); no
+    GPU call. Raises what CuPy raises (inside ``using_allocator()``)."""
+    cupy_module().cuda.set_allocator(allocate)
+
+
+def cupy_module() -> Any:
+    """The ``cupy`` module, imported if need be, without checking that CUDA
+    is usable (for what needs no GPU: the allocator hooks)."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        import cupy
+
+        cp = cupy
+    return cp
+
+
+def wrap_cupy_allocator(allocator: Callable[[int], Any], owner: Callable[[Any, int, int], object]) -> Any:
+    """An allocator for CuPy that takes each block from ``allocator`` and
+    hands it out owned by ``owner(memory, device, stream)``: ``stream`` is
+    the handle of CuPy's current stream at the allocation. The owner lives
+    as long as the array's memory; when it dies, so does its reference to
+    the block (back to ``allocator``'s pool).
+
+    Costs ``allocator`` plus about a µs per allocation (CuPy's stream
+    lookup, two small objects); no GPU call."""
+    cp = cupy_module()
+    memory_pointer = cp.cuda.MemoryPointer
+    unowned = cp.cuda.UnownedMemory
+    get_stream = cp.cuda.get_current_stream
+
+    def allocate(size: int) -> Any:
+        memory = allocator(size)
+        device = memory.device_id
+        return memory_pointer(unowned(memory.ptr, size, owner(memory, device, get_stream().ptr), device), 0)
+
+    return allocate
+
+
+def capture_cupy_graph(fn: Callable[..., Any], inputs: tuple[Any, ...], warmup: int) -> tuple[Any, Any, Any]:
+    """Run ``fn(*inputs)`` ``warmup`` times, then capture one call into a
+    CUDA graph, on a new stream of the current device; ``(graph, outputs,
+    keep)``, where ``keep`` (the stream and a private memory pool) must live
+    as long as the graph. Blocks the calling thread until the warm-up
+    calls have run on the GPU."""
+    cp = cupy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    # A private pool for everything the capture allocates: blocks the graph
+    # uses (intermediates freed during capture included) must never be
+    # handed to other arrays, since every replay writes them again.
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        for _ in range(warmup):
+            fn(*inputs)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            outputs = fn(*inputs)
+        finally:
+            graph = stream.end_capture()
+    return graph, outputs, (pool, stream)
+
+
+def replay_cupy_graph(
+    graph: Any, statics: tuple[Any, ...], outputs: Any, inputs: tuple[Any, ...], n: int, last: Any
+) -> tuple[tuple[Any, ...], Any]:
+    """Launch a graph of :func:`capture_cupy_graph` on CuPy's current
+    stream: after ``last`` (the event of the previous replay, or None), the
+    first ``n`` rows of ``inputs`` are copied into the captured inputs
+    ``statics`` (device arrays: a device copy; host arrays: a host-to-device
+    copy), the graph runs, and the first ``n`` rows of each of ``outputs``
+    are copied out. ``(those copies, the replay's event)``. Enqueues only;
+    tens of µs on the host."""
+    cp = cupy()
+    stream = cp.cuda.get_current_stream()
+    if last is not None:
+        stream.wait_event(last)
+    for static, x in zip(statics, inputs, strict=True):
+        if isinstance(x, cp.ndarray):
+            static[:n] = x  # a device copy on the current stream
+        else:  # host data (NumPy): the first rows of a C-contiguous array are contiguous
+            static[:n].set(x, stream=stream)
+    graph.launch(stream)
+    copies = tuple(out[:n].copy() for out in outputs)
+    return copies, stream.record()
+
+
 def cuda_error(code: int, device: int | None = None) -> CudaError:
     """A :class:`CudaError` for a raw status, with CUDA's name and text."""
     name, description = "", ""

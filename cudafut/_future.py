@@ -10,25 +10,23 @@ call waits for and what it blocks.
 
 from __future__ import annotations
 
+import asyncio
 import asyncio.base_futures as _asyncio_base_futures
 import asyncio.futures as _asyncio_futures
+import concurrent.futures
 import enum
 import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, overload
+from typing import Any, Final, Generic, Literal, TypeVar, overload
 
 from . import _checks, _cuda, _events, _loops, _memory, _pools, _torch, _trace, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._log import logger
 from ._values import current_consumer, find_devices, gpu_arrays, normalize_devices, order_foreign
-
-if TYPE_CHECKING:
-    import asyncio
-    import concurrent.futures
 
 __all__ = ["CudaFuture", "record", "submit"]
 
@@ -259,7 +257,7 @@ class CudaFuture(Generic[T]):
             listeners, self._listeners = self._listeners, None
             event = self._set_event
         if _trace.active is not None:
-            _trace.completed(self, event, listeners)
+            self._notify_traced(event, listeners)
         else:
             self._notify(event, listeners)
         return True
@@ -565,19 +563,39 @@ class CudaFuture(Generic[T]):
                 self._callbacks = [e for e in self._callbacks if e.state == _WAITING] or None
         return removed
 
-    def to_asyncio(self) -> asyncio.Future[T]:
-        """An :class:`asyncio.Future` of the running loop, done when this one is done.
+    def to_asyncio(self, *, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[T]:
+        """An :class:`asyncio.Future` done when this one is done (GPU work complete).
 
-        The same as :func:`cudafut.wrap_future(fut) <cudafut.wrap_future>`:
-        see there for what it costs and blocks, and for cancellation (which
-        never reaches this future nor its GPU work).
+        Use it where asyncio wants a real future: callbacks that take an
+        ``asyncio.Future`` (``add_done_callback`` with a context), libraries
+        that check ``asyncio.isfuture``, code that hands the future to
+        another thread's loop (``loop=``). A plain ``await fut`` needs none
+        of this. (``asyncio.wrap_future`` takes only
+        ``concurrent.futures.Future`` objects, and says so for a CudaFuture;
+        :func:`cudafut.wrap_future` is an older name of this method.)
+
+        The returned future gets this future's value, its exception (the
+        same object, a :class:`CudaError` for failed GPU work) or, if this
+        one was cancelled, is cancelled. **Cancelling the returned future
+        cancels neither this future nor its GPU work**: the work is enqueued
+        and cannot be taken back, and this future may have other consumers;
+        the pending watch is dropped.
+
+        Costs a few µs and blocks nothing. ``loop`` running in the calling
+        thread (the default: the running loop): its waiter watches the GPU
+        work as for ``await`` (a poll per loop iteration while the wait
+        policy says spin, otherwise one per sleep of at most
+        ``max_sleep_s``) and completes the future on the loop. Another
+        thread's ``loop``: cudafut's watcher thread watches the work and
+        hands the result over with ``loop.call_soon_threadsafe``. Callable
+        from any thread.
 
         Raises:
-            RuntimeError: no asyncio (or uvloop) loop runs in this thread.
+            TypeError: ``loop`` is not an asyncio event loop.
+            RuntimeError: no ``loop`` given and no asyncio (or uvloop) loop
+                runs in this thread (on trio, ``await`` the CudaFuture itself).
         """
-        from ._bridges import wrap_future
-
-        return wrap_future(self)
+        return _to_asyncio(self, loop)
 
     def to_concurrent(self) -> concurrent.futures.Future[T]:
         """A :class:`concurrent.futures.Future` done when this one is done.
@@ -592,9 +610,7 @@ class CudaFuture(Generic[T]):
         Cancelling it cancels neither this future nor its GPU work. Costs a
         few µs; blocks nothing.
         """
-        from ._bridges import to_concurrent
-
-        return to_concurrent(self)
+        return _to_concurrent(self)
 
     def to_torch(self) -> Any:
         """A ``torch.futures.Future`` with this future's value, ordered like it.
@@ -616,9 +632,7 @@ class CudaFuture(Generic[T]):
         Raises:
             RuntimeError: PyTorch is not imported.
         """
-        from ._bridges import to_torch
-
-        return to_torch(self)
+        return _to_torch(self)
 
     @property
     def _asyncio_future_blocking(self) -> None:
@@ -715,7 +729,7 @@ class CudaFuture(Generic[T]):
         if later:
             return self._announce(event, listeners)
         if _trace.active is not None:
-            _trace.completed(self, event, listeners)  # runs _notify, timed
+            self._notify_traced(event, listeners)
         else:
             self._notify(event, listeners)
         return None
@@ -724,7 +738,7 @@ class CudaFuture(Generic[T]):
         """Wake the threads blocked on this just-completed future; return its
         listeners to run (see ``_run_listeners``)."""
         if _trace.active is not None:
-            _trace.completed(self, event, None)
+            self._notify_traced(event, None)
         elif event is not None:
             event.set()
         return None if listeners is None else (self, listeners)
@@ -849,6 +863,16 @@ class CudaFuture(Generic[T]):
             event.set()
         if listeners is not None:
             _run_listeners(self, listeners)
+
+    def _notify_traced(self, event: threading.Event | None, listeners: list[Listener] | None) -> None:
+        """:meth:`_notify` while tracing is on, between the tracer's hooks
+        (the traced set slice): the tracer observes, the future notifies."""
+        token = _trace.completing(self, self._records)
+        try:
+            self._notify(event, listeners)
+        finally:
+            if token is not None:
+                _trace.completed(token, self._state)
 
     def _listen(self, listener: Listener) -> bool:
         """Add ``listener`` if this future is pending; False if it is completed."""
@@ -1400,3 +1424,216 @@ def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
     """Fail a pending future with an exception just caught (a producer
     outside this module: a launcher thread); a completed one stays as is."""
     fut._try_fail(exception)
+
+
+# -- the internal interface ------------------------------------------------------------------
+# For cudafut's other modules (combinators, bridges, producers, cudafut.testing): they complete,
+# combine and read futures through these functions, never through CudaFuture's attributes
+# (ruff's SLF rules check it). This module's own hot paths read the attributes directly.
+
+
+def settled(fut: CudaFuture[Any]) -> tuple[bool, Any, BaseException | None]:
+    """``(cancelled, value, exception)`` of a completed future whose events
+    completed (or failed). An exception handed over counts as retrieved here
+    (the other future carries it now, and reports it if nobody asks), and
+    starts from the traceback it had when it was stored."""
+    state = fut._state
+    if state is _CANCELLED:
+        return True, None, None
+    if state is _FAILED:
+        fut._retrieved = True
+        exc = fut._exception
+        assert exc is not None
+        return False, None, exc.with_traceback(fut._traceback)
+    assert state is _SET, "settled() needs a completed future"
+    error = first_error(fut._records)
+    if error is not None:
+        return False, None, error
+    return False, fut._value, None
+
+
+def given_devices(fut: CudaFuture[Any]) -> tuple[int, ...] | None:
+    """The devices given to ``CudaFuture()`` (None: none given)."""
+    return fut._devices
+
+
+def succeeded(fut: CudaFuture[Any]) -> bool:
+    """Whether ``fut`` is set and none of its events reported an error so far."""
+    return fut._succeeded()
+
+
+def when_done(fut: CudaFuture[T], fn: Callable[[CudaFuture[T]], object], driver: _waiter.Driver) -> None:
+    """Call ``fn(fut)`` in ``driver``'s thread once ``fut`` is done (set and
+    its events complete, or failed, or cancelled), unless
+    :meth:`CudaFuture.remove_done_callback` removes it first."""
+    fut._when_done(fn, driver)
+
+
+def when_completed(fut: CudaFuture[Any], listener: Listener) -> None:
+    """:func:`when_set` for a listener that may return what it completed,
+    for the caller's loop to run (see ``_run_listeners``)."""
+    fut._on_set(listener)
+
+
+def adopt(fut: CudaFuture[Any], parents: Sequence[CudaFuture[Any]], *, gather: bool = False) -> Pending | None:
+    """Complete ``fut`` with what its completed ``parents`` came to (their
+    value, or with ``gather`` the list of their values; the first failure or
+    cancellation decides); returns its listeners for the caller to run.
+    See ``CudaFuture._take_outcome``."""
+    return fut._take_outcome(parents, gather=gather)
+
+
+def wait_for(fut: CudaFuture[Any], upstream: Sequence[CudaFuture[Any]]) -> None:
+    """Note what a pending future made by the caller waits for (a
+    ``gather()``'s inputs), so that a ``then()`` returning it cannot close a cycle."""
+    fut._wait_for(upstream)
+
+
+def complete_with(
+    fut: CudaFuture[Any],
+    value: object,
+    records: tuple[EventRecord, ...] = (),
+    keep: object = None,
+) -> None:
+    """:func:`complete_future` for a value of any type (a bridge's)."""
+    fut._try_complete(_SET, value, None, records, keep)
+
+
+# -- bridges: CudaFuture.to_asyncio/to_concurrent/to_torch --------------------------------------
+
+
+def _to_asyncio(fut: CudaFuture[T], loop: asyncio.AbstractEventLoop | None) -> asyncio.Future[T]:
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is None:
+        if running is None:
+            raise RuntimeError(
+                "wrap_future() and to_asyncio() make a future of the running asyncio (or uvloop) "
+                "loop: call them in a coroutine, or pass loop=...; on trio, await the CudaFuture "
+                "itself, and in threads use fut.to_concurrent()"
+            )
+        loop = running
+    elif not isinstance(loop, asyncio.AbstractEventLoop):
+        raise TypeError(f"loop must be an asyncio event loop, not {type(loop).__name__}")
+    _cuda.check_usable()
+    out: asyncio.Future[T] = loop.create_future()
+
+    def copy(done: CudaFuture[T]) -> None:  # on the loop
+        if out.done():
+            return  # cancelled by its owner meanwhile
+        cancelled, value, exc = settled(done)
+        if cancelled:
+            out.cancel()
+        elif exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(value)
+
+    if loop is running:
+        callback = copy
+        driver: _waiter.Driver | None = _loops.current_driver()
+    else:
+        target = loop
+
+        def callback(done: CudaFuture[T]) -> None:  # in the watcher thread
+            if not target.is_closed():
+                target.call_soon_threadsafe(copy, done)
+
+        driver = None
+    fut._when_done(callback, driver or _waiter.thread_waiter())
+
+    def forget(_out: asyncio.Future[T]) -> None:
+        if out.cancelled():
+            fut.remove_done_callback(callback)
+
+    out.add_done_callback(forget)
+    return out
+
+
+def _to_concurrent(fut: CudaFuture[T]) -> concurrent.futures.Future[T]:
+    out: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def copy(done: CudaFuture[T]) -> None:  # in the watcher thread
+        cancelled, value, exc = settled(done)
+        if cancelled:
+            out.cancel()
+            out.set_running_or_notify_cancel()
+            return
+        if not out.set_running_or_notify_cancel():
+            return  # cancelled by its owner meanwhile
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(value)
+
+    fut._when_done(copy, _waiter.thread_waiter())
+    return out
+
+
+def torch_module(what: str) -> Any:
+    """PyTorch's module, if the program imported it (cudafut never does)."""
+    torch = _torch.module()
+    if torch is None:
+        raise RuntimeError(f"{what} needs PyTorch, and cudafut never imports it: import torch first")
+    return torch
+
+
+def _to_torch(fut: CudaFuture[T]) -> Any:
+    torch = torch_module("to_torch()")
+    _cuda.check_usable()
+
+    def tensor_devices() -> set[int]:
+        return {t.get_device() for t in _torch.torch_tensors(torch, fut._value)}
+
+    def ordered_by_torch(devices: Iterable[int]) -> bool:
+        """Whether the events torch records at set_result(), for the devices of
+        the torch CUDA tensors it finds in the value, cover every one of ours
+        (torch refuses a tensor on a device the future was not made for)."""
+        covered = tensor_devices()
+        return covered <= set(devices) and {r.device for r in fut._records} <= covered
+
+    # The torch future's devices are fixed now. A future already set is
+    # known: with devices only if torch can order its value (for another
+    # value, torch would pickle it at set_result() to look for tensors:
+    # a copy to the host of every CuPy array). A pending one: the devices
+    # given to CudaFuture(), if any.
+    devices: tuple[int, ...] = ()
+    if _torch.loaded() is not None:
+        if fut._state is _SET:
+            if first_error(fut._records) is None and ordered_by_torch(fut.devices):
+                devices = fut.devices
+        elif fut._state is not _CANCELLED and fut._devices:
+            devices = fut._devices
+    out = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
+
+    def complete(done: CudaFuture[T]) -> None:
+        if out.done():
+            return  # completed by its owner
+        cancelled, value, exc = settled(done)
+        if cancelled:
+            out.set_exception(CancelledError("the CudaFuture was cancelled before it was set"))
+        elif exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(value)
+
+    def on_set() -> None:  # in the thread that completes fut
+        if fut._state is not _SET or first_error(fut._records) is not None:
+            complete(fut)  # failed or cancelled: nothing to wait for
+            return
+        pending = [r for r in fut._records if r.status is None]
+        if pending and devices and ordered_by_torch(devices):
+            # torch records its events on its current streams at set_result():
+            # make them wait on ours first.
+            for rec in pending:
+                rec.wait_on(_torch.current_handle(torch, rec.device), rec.device)
+            complete(fut)
+        elif pending:  # torch cannot order what it does not see: complete once done
+            fut._when_done(complete, _waiter.thread_waiter())
+        else:
+            complete(fut)
+
+    fut._on_set(on_set)
+    return out

@@ -1,6 +1,6 @@
 """CUDA C sources of the exact-duration kernels (no CuPy here: only text).
 
-The benchmarks (``benchmarks/gpu.py``) and the GPU tests (``tests/kernels.py``)
+The benchmarks (``benchmarks/support/gpu.py``) and the GPU tests (``tests/kernels.py``)
 compile these; they are not a part of the public API.
 """
 

@@ -90,34 +90,28 @@ class _Block:
             pass
 
 
-def _wrap(cp: Any, allocator: Any) -> Any:
-    memory_pointer = cp.cuda.MemoryPointer
-    unowned = cp.cuda.UnownedMemory
-    get_stream = cp.cuda.get_current_stream
-
-    def allocate(size: int) -> Any:
-        memory = allocator(size)
-        block = _Block(memory, memory.device_id, get_stream().ptr)
-        return memory_pointer(unowned(memory.ptr, size, block, memory.device_id), 0)
-
-    allocate.cudafut_wraps = allocator  # type: ignore[attr-defined]
+def _wrap(allocator: Any) -> Any:
+    allocate = _cuda.wrap_cupy_allocator(allocator, _Block)
+    allocate.cudafut_wraps = allocator
     return allocate
 
 
 def install(cp: Any) -> None:
-    """Wrap the allocator of CuPy (the module ``cp``) in force, once; no GPU call."""
+    """Wrap the allocator of CuPy (the module ``cp``, imported) in force, once;
+    no GPU call. ``cp`` is what :func:`_cuda.on_initialise` hands its hooks:
+    the seam's functions reach the same module."""
     global _installed_over
     if _installed_over is not None or os.environ.get("CUDAFUT_WRAP_ALLOCATOR", "1") == "0":
         return
     with _lock:
         if _installed_over is not None:
             return
-        current = cp.cuda.get_allocator()
+        current = _cuda.cupy_allocator()
         if hasattr(current, "cudafut_wraps"):
             _installed_over = current.cudafut_wraps
             return
         try:
-            cp.cuda.set_allocator(_wrap(cp, current))
+            _cuda.set_cupy_allocator(_wrap(current))
         except Exception as exc:  # noqa: BLE001 - e.g. inside cupy's using_allocator(): stay untracked
             logger.warning(
                 "cudafut: could not wrap CuPy's allocator (%s); record_stream() keeps arrays alive instead",
@@ -129,8 +123,7 @@ def install(cp: Any) -> None:
 
 def installed() -> bool:
     """Whether CuPy's allocator in force now is cudafut's wrapper."""
-    cp = sys.modules.get("cupy")
-    return cp is not None and hasattr(cp.cuda.get_allocator(), "cudafut_wraps")
+    return hasattr(_cuda.cupy_allocator(), "cudafut_wraps")
 
 
 def _block_of(array: Any) -> _Block | None:

@@ -32,14 +32,21 @@ from typing import Any, Final
 import numpy as np
 
 from . import _cuda, _waiter
+from ._errors import CudaError
 from ._events import EventRecord
 
-__all__ = ["Allocation", "HostBuffer", "PinnedPool", "empty_pinned", "pool", "set_pinned_limit"]
+__all__ = [
+    "Allocation",
+    "HostBuffer",
+    "PinnedPool",
+    "empty_pinned",
+    "get_pinned_limit",
+    "pool",
+    "set_pinned_limit",
+]
 
 _PAGE: Final = 4096
 _LARGE: Final = 16 << 20
-# cudaHostAllocPortable: pinned for every CUDA context, so any device can use it.
-_PORTABLE: Final = 1
 # cudaErrorMemoryAllocation: cudaHostAlloc could not pin that much.
 _OUT_OF_MEMORY: Final = 2
 #: The most dimensions a NumPy array may have (64 in NumPy 2, 32 before).
@@ -151,10 +158,13 @@ class PinnedPool:
             self._limit = _default_limit()
         return self._limit
 
-    def set_limit(self, nbytes: int) -> None:
+    def set_limit(self, nbytes: int) -> int:
+        """Set the limit; return the previous one."""
         with self._lock:
+            old = self.limit
             self._limit = nbytes
             self._trim(nbytes - self.in_use)
+            return old
 
     def take(self, nbytes: int) -> Allocation | None:
         """A block of at least ``nbytes``, or None past the limit or when
@@ -180,20 +190,17 @@ class PinnedPool:
             self.blocks_in_use += 1
         if ptr == 0:
             try:
-                ptr = int(_cuda.runtime().hostAlloc(size, _PORTABLE))
+                ptr = _cuda.host_alloc(size)
             except BaseException as exc:
                 with self._lock:
                     self.in_use -= size
                     self.blocks_in_use -= 1
-                    if getattr(exc, "status", None) == _OUT_OF_MEMORY:
+                    if isinstance(exc, CudaError) and exc.code == _OUT_OF_MEMORY:
                         # The machine cannot pin that much: refused as past
                         # the limit (to_host then copies into pageable memory).
                         self.failures += 1
                         self.pin_failures += 1
                         return None
-                status = getattr(exc, "status", None)
-                if isinstance(status, int):
-                    raise _cuda.cuda_error(status) from exc
                 raise
             with self._lock:
                 self.host_allocs += 1
@@ -208,7 +215,7 @@ class PinnedPool:
                 self.cached += size
                 return
         if not sys.is_finalizing():
-            _cuda.runtime().freeHost(ptr)
+            _cuda.free_host(ptr)
 
     def free_cached(self) -> int:
         """Free every cached block; return the bytes freed.
@@ -230,7 +237,7 @@ class PinnedPool:
             while free and self.cached > goal:
                 ptr = free.pop()
                 self.cached -= size
-                _cuda.runtime().freeHost(ptr)
+                _cuda.free_host(ptr)
 
     def counts(self) -> tuple[int, int, int, int, int, int]:
         """(limit, in use, cached, blocks in use, host allocations, refusals)."""
@@ -248,14 +255,21 @@ class PinnedPool:
 pool: Final = PinnedPool()
 
 
-def set_pinned_limit(nbytes: int) -> None:
-    """Cap the pinned host memory cudafut holds (in use and cached), in bytes.
+def set_pinned_limit(nbytes: int) -> int:
+    """Cap the pinned host memory cudafut holds (in use and cached), in bytes;
+    return the previous cap.
 
     The default is a quarter of the machine's physical memory. Lowering the
     limit frees cached blocks at once (a ``cudaFreeHost`` each, which may
     wait for the device to be idle: call it at start-up, not in a hot loop);
     blocks in use are never taken back, they are freed instead of cached
-    when they return while the pool is over the limit.
+    when they return while the pool is over the limit. Raising it, or
+    lowering it with nothing cached, costs nothing and makes no CUDA call.
+    Blocks the calling thread only for those frees (and, briefly, for the
+    pool's lock).
+
+    Returns:
+        The previous limit, in bytes: ``set_pinned_limit(old)`` restores it.
 
     Raises:
         TypeError: ``nbytes`` is not an int.
@@ -265,7 +279,17 @@ def set_pinned_limit(nbytes: int) -> None:
         raise TypeError(f"the pinned memory limit is an int number of bytes, not {nbytes!r}")
     if nbytes < 0:
         raise ValueError(f"the pinned memory limit must be >= 0 bytes, not {nbytes}")
-    pool.set_limit(nbytes)
+    return pool.set_limit(nbytes)
+
+
+def get_pinned_limit() -> int:
+    """The cap on the pinned host memory cudafut holds, in bytes (see
+    :func:`set_pinned_limit`; also ``memory_statistics().pinned_limit``).
+
+    Costs nothing (the first call of the process reads the machine's
+    physical memory size); no CUDA call; blocks nothing.
+    """
+    return pool.limit
 
 
 def check_shape(shape: object) -> tuple[int, ...]:

@@ -238,7 +238,7 @@ def use_task_streams() -> None:
 
 async def _task_root(coro: Coroutine[Any, Any, T]) -> T:
     try:
-        _cuda.runtime()
+        _cuda.initialise()
     except CudaUnavailableError:
         # Without CUDA the task runs as it would without the factory: every
         # task of the loop comes here, asyncio's own and GPU-free ones too.
@@ -346,7 +346,7 @@ _get_current_stream: Callable[[int], Any] | None = None
 
 def _bind() -> Callable[[int], Any]:
     global _get_current_stream
-    get: Callable[[int], Any] = _cuda.cupy().cuda.get_current_stream
+    get = _cuda.current_stream_getter()
     _get_current_stream = get
     return get
 

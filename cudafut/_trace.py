@@ -132,6 +132,8 @@ _timing: Any = _CudaTiming()
 #: fid of the future whose GPU work it ends (0: none), the tick that work
 #: started at (None: not known)). The ticks with a fid are the GPU spans.
 Tick = tuple[int, int, tuple[int, ...], float, int, Any]
+# What completing() hands to completed(): (tracer, fid, thread, t0, records).
+Completing = tuple["Tracer", int, int, float, "tuple[EventRecord, ...]"]
 
 # What the log holds: one tuple per hook call, the kind first. Folded into
 # one _Future per future only when the file is written, so that recording
@@ -326,16 +328,14 @@ class Tracer:
             self._parents[fid] = parent_fid
             self.log.append((_CHAINED, fid, parent_fid, _fn_key(fn)))
 
-    def completed(self, fut: CudaFuture[Any], event: Any, listeners: Any) -> None:
+    def completing(self, fut: CudaFuture[Any], records: tuple[EventRecord, ...]) -> Completing | None:
         fid = None if self.closed else self._by_id.get(id(fut))
         if fid is None:
-            fut._notify(event, listeners)
-            return
+            return None
         ident = _get_ident()
         if ident not in self.threads:
             self.threads[ident] = threading.current_thread().name
         t0 = _now()
-        records = fut._records
         try:
             if self.nvtx is not None:
                 self.nv_end(self._nv_futures.pop(fid, None))
@@ -343,10 +343,11 @@ class Tracer:
                 self._own(fid, records)
         except Exception as exc:  # noqa: BLE001 - a tracer fault must not break the future
             logger.warning("cudafut: trace: a set could not be recorded: %r", exc)
-        try:
-            fut._notify(event, listeners)
-        finally:
-            self.log.append((_SET, fid, ident, t0, _now(), fut._state, records))
+        return (self, fid, ident, t0, records)
+
+    def completed(self, token: Completing, state: object) -> None:
+        _tr, fid, ident, t0, records = token
+        self.log.append((_SET, fid, ident, t0, _now(), state, records))
 
     def _own(self, fid: int, records: tuple[EventRecord, ...]) -> None:
         owner = self.owner
@@ -357,8 +358,8 @@ class Tracer:
             if fid in self._fn_timed or rec.t < self.t0:
                 continue
             key = rec.stream_key
-            if _events._sequence.get(key) != rec.seq:
-                continue  # not the newest record on its stream (_events.is_newest, inlined)
+            if not _events.is_newest(rec):
+                continue  # not the newest record on its stream
             if rec.stream == 2 and rec.stream_key[2] != _get_ident():
                 continue  # another thread's per-thread stream: not reachable from here
             # Nothing was recorded on the stream since: a timing event now marks
@@ -1265,14 +1266,29 @@ def chained(parent: CudaFuture[Any], child: CudaFuture[Any], fn: object) -> None
             _fault(tr, exc)
 
 
-def completed(fut: CudaFuture[Any], event: threading.Event | None, listeners: list[Any] | None) -> None:
-    """``_complete``/``cancel``: the future left the pending state; runs
-    ``fut._notify(event, listeners)`` (inside the traced set slice)."""
+def completing(fut: CudaFuture[Any], records: tuple[EventRecord, ...]) -> Completing | None:
+    """``_complete``/``cancel``: ``fut`` left the pending state with
+    ``records`` and is about to wake its waiters and run its listeners (the
+    traced set slice starts). Returns the token for :func:`completed`, or
+    None when ``fut`` is not traced. Only observes: the future notifies."""
     tr = active
     if tr is None:
-        fut._notify(event, listeners)
-    else:
-        tr.completed(fut, event, listeners)
+        return None
+    try:
+        return tr.completing(fut, records)
+    except Exception as exc:  # noqa: BLE001 - see _fault
+        _fault(tr, exc)
+        return None
+
+
+def completed(token: Completing, state: object) -> None:
+    """The future of :func:`completing`'s ``token`` woke its waiters and ran
+    its listeners, ending in ``state`` (the traced set slice ends)."""
+    tr = token[0]
+    try:
+        tr.completed(token, state)
+    except Exception as exc:  # noqa: BLE001 - see _fault
+        _fault(tr, exc)
 
 
 def timed_fn(fut: CudaFuture[Any], fn: Callable[..., Any], streams: Mapping[int, Any]) -> Callable[..., Any]:

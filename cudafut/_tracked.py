@@ -31,7 +31,7 @@ from ._events import EventRecord
 from ._future import CudaFuture
 from ._values import find_devices, gpu_arrays, order_foreign
 
-__all__ = ["Tracked", "TrackingStatistics", "set_tracking"]
+__all__ = ["Tracked", "TrackingStatistics", "get_tracking", "set_tracking"]
 
 A = TypeVar("A")
 
@@ -77,6 +77,12 @@ def set_tracking(enabled: bool) -> bool:
     previous = _tracking
     _tracking = enabled
     return previous
+
+
+def get_tracking() -> bool:
+    """Whether reader/writer tracking is on for every :class:`Tracked` (see
+    :func:`set_tracking`). Costs nothing; no CUDA call; blocks nothing."""
+    return _tracking
 
 
 @dataclasses.dataclass(frozen=True)

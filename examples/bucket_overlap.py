@@ -34,7 +34,7 @@ import cupy as cp
 
 import cudafut
 import cudafut.distributed as dist
-from cudafut._selfcheck import require_gpu
+from cudafut._cli.selfcheck import require_gpu
 
 #: How long any wait here may take, in seconds (a dead peer fails, not hangs).
 TIMEOUT_S = 120.0

@@ -40,7 +40,7 @@ import cupy as cp
 import numpy as np
 
 import cudafut
-from cudafut._selfcheck import require_gpu
+from cudafut._cli.selfcheck import require_gpu
 
 A, B = 1.0001, 0.5
 

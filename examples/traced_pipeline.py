@@ -36,7 +36,7 @@ from typing import Any
 import cupy as cp
 
 import cudafut
-from cudafut._selfcheck import require_gpu
+from cudafut._cli.selfcheck import require_gpu
 
 CHUNKS = 4
 LOAD_MS, COMPUTE_MS, STORE_MS = 1.0, 2.0, 0.5

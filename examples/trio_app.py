@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_model import DIM, Model, matches
 
 import cudafut
-from cudafut._selfcheck import require_gpu
+from cudafut._cli.selfcheck import require_gpu
 
 
 def percentile(values: list[float], q: float) -> float:

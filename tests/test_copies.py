@@ -51,6 +51,17 @@ def test_argument_errors_need_no_gpu() -> None:
         cudafut.set_pinned_limit(-1)
 
 
+def test_set_pinned_limit_returns_the_previous_limit() -> None:
+    old = cudafut.get_pinned_limit()
+    assert old == cudafut.memory_statistics().pinned_limit > 0
+    try:
+        assert cudafut.set_pinned_limit(old + 4096) == old
+        assert cudafut.get_pinned_limit() == old + 4096
+    finally:
+        assert cudafut.set_pinned_limit(old) == old + 4096
+    assert cudafut.get_pinned_limit() == old
+
+
 def _simulate(host: np.ndarray[Any, Any], chunk: int) -> bytes:
     """What the copy threads would put in the device buffer, piece by piece."""
     device = bytearray(host.nbytes)

@@ -1,8 +1,8 @@
 """Every figure the documentation quotes says what its committed results file
 says, and the documentation lists every page.
 
-The markup and the checker are in ``benchmarks/figures.py`` (``python -m
-benchmarks.figures`` runs the same check; ``--write`` rewrites the figures
+The markup and the checker are in ``benchmarks/support/figures.py`` (``python -m
+benchmarks.support.figures`` runs the same check; ``--write`` rewrites the figures
 that differ). No GPU: it reads ``benchmarks/results/*.json``.
 """
 
@@ -20,18 +20,18 @@ from tests.subproc import ROOT
 if not (ROOT / "benchmarks" / "results").is_dir():  # an sdist ships tests/ without benchmarks/
     pytest.skip("benchmarks/ and its results are in a source checkout only", allow_module_level=True)
 
-from benchmarks import figures
+from benchmarks.support import figures
 
 #: Pages whose every table is checked (each number of each table cell, but
 #: the first column, comes from a marker, or the table says it holds no
 #: figures); a page of figures should be listed here.
-CHECKED_PAGES = ["README.md", "docs/performance.md"]
+CHECKED_PAGES = ["README.md", "docs/performance.md", "docs/serving.md"]
 
 
 def test_every_quoted_figure_matches_its_results_file() -> None:
     scans, problems = figures.check(figures.documented_files())
     assert not problems, (
-        "figures in the docs differ from the results files they name (python -m benchmarks.figures "
+        "figures in the docs differ from the results files they name (python -m benchmarks.support.figures "
         "--write rewrites them from the JSON; then read the sentences around them again):\n"
         + "\n".join(problems)
     )
@@ -43,7 +43,7 @@ def test_every_table_figure_of_a_page_is_checked(page: str) -> None:
     scan = figures.scan(ROOT / page)
     assert scan.figures, f"{page} quotes no checked figure"
     assert not scan.unchecked, (
-        f"{page}: numbers in tables with no marker (benchmarks/figures.py says how to mark them, or "
+        f"{page}: numbers in tables with no marker (benchmarks/support/figures.py says how to mark them, or "
         f"<!-- table: skip --> for a table without figures): {scan.unchecked}"
     )
 

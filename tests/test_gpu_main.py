@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cudafut import _headline
+from cudafut._cli import headline as _headline
 from tests.subproc import ROOT
 
 pytestmark = pytest.mark.gpu

@@ -69,7 +69,7 @@ def fresh_pool() -> Iterator[None]:
     (the default pool, after the rest of the suite, holds other blocks)."""
     cp = _cuda.cupy()
     pool = cp.cuda.MemoryPool()
-    with cp.cuda.using_allocator(_memory._wrap(cp, pool.malloc)):
+    with cp.cuda.using_allocator(_memory._wrap(pool.malloc)):
         yield
     pool.free_all_blocks()
 

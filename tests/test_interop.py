@@ -1085,13 +1085,15 @@ async def test_cancelling_the_asyncio_future_leaves_the_cuda_future_and_its_work
         assert await running == "running"
 
 
-def test_wrap_future_for_a_loop_in_another_thread() -> None:
+@pytest.mark.parametrize("bridge", ["wrap_future", "to_asyncio"])
+def test_wrap_future_for_a_loop_in_another_thread(bridge: str) -> None:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
         rec = Rec()
-        out = cudafut.wrap_future(set_future(42, [rec]), loop=loop)
+        fut = set_future(42, [rec])
+        out = cudafut.wrap_future(fut, loop=loop) if bridge == "wrap_future" else fut.to_asyncio(loop=loop)
         assert out.get_loop() is loop
 
         async def get() -> object:
@@ -1113,6 +1115,8 @@ def test_wrap_future_argument_errors() -> None:
         cudafut.wrap_future(concurrent.futures.Future())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="loop must be an asyncio event loop"):
         cudafut.wrap_future(set_future(1, [Rec()]), loop=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="loop must be an asyncio event loop"):
+        set_future(1, [Rec()]).to_asyncio(loop=object())  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio

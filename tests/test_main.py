@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -18,11 +21,12 @@ from typing import Any
 import pytest
 
 import cudafut
-from cudafut import __main__ as cli
-from cudafut import _headline, _selfcheck
-from tests.subproc import run_python
+from cudafut import _cli as cli
+from cudafut._cli import headline as _headline
+from cudafut._cli import selfcheck as _selfcheck
+from tests.subproc import ROOT, run_python
 
-MAIN = "import sys; from cudafut.__main__ import main; sys.exit(main(sys.argv[1:]))"
+MAIN = "import sys; from cudafut._cli import main; sys.exit(main(sys.argv[1:]))"
 NO_CUPY = "import sys; sys.modules['cupy'] = None; " + MAIN  # as if CuPy were not installed
 
 
@@ -165,7 +169,9 @@ def test_import_loads_no_optional_package() -> None:
     proc = run_python(
         """
         import sys
-        import cudafut, cudafut.__main__
+        import cudafut
+        assert "cudafut._cli" not in sys.modules  # the command line is not a part of the library
+        import cudafut.__main__, cudafut._cli.bench, cudafut._cli.headline, cudafut._cli.selfcheck
         print(sorted(m for m in ("rich", "matplotlib", "cupy", "numba", "torch") if m in sys.modules))
         """
     )
@@ -183,12 +189,47 @@ def test_bench_dispatches_to_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(argv)
         return 7
 
-    suite = types.ModuleType("benchmarks.suite")
+    suite = types.ModuleType("benchmarks.support.suite")
     suite.main = suite_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "benchmarks.suite", suite)
+    monkeypatch.setitem(sys.modules, "benchmarks.support.suite", suite)
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert cli.main(["bench", "--quick", "--only", "wake"]) == 7
     assert seen == [["--quick", "--only", "wake"]]
+
+
+def test_bench_outside_a_checkout_says_where_to_run_it(tmp_path: Path) -> None:
+    # An installed cudafut: the package alone, no benchmarks/ beside it.
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "cudafut", site / "cudafut", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "cudafut", "bench", "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "not installed\nwith the package" in proc.stderr
+    assert f"installed at {site / 'cudafut'}," in proc.stderr
+    assert "python -m cudafut bench --help" in proc.stderr
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    # `python -m cudafut` goes through cudafut/__main__.py, the shim.
+    proc = run_python("import runpy; runpy.run_module('cudafut', run_name='__main__')", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m cudafut")
+    proc = run_python(
+        "import runpy; runpy.run_module('cudafut', run_name='__main__')",
+        "--check-only",
+        "--json",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["ok"] is False
 
 
 def test_bench_help_is_the_suites() -> None:

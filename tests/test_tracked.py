@@ -416,6 +416,16 @@ def test_tracking_off_hands_out_the_array_and_touches_nothing(
     assert cudafut.set_tracking(True) is (how == "per array")
 
 
+def test_get_tracking_reads_what_set_tracking_set() -> None:
+    assert cudafut.get_tracking() is True
+    try:
+        assert cudafut.set_tracking(False) is True
+        assert cudafut.get_tracking() is False
+    finally:
+        assert cudafut.set_tracking(True) is False
+    assert cudafut.get_tracking() is True
+
+
 def test_blocks_run_while_tracking_was_off_are_not_recorded(fake: FakeCuda) -> None:
     t = fake.new()
     w = write(fake, t, S1)

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 s per run, 2 load processes (a smoke run)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    from cudafut._selfcheck import require_gpu
+    from cudafut._cli.selfcheck import require_gpu
 
     require_gpu()
     seconds, procs = (1.0, 2) if args.quick else (args.seconds, 4)

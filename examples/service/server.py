@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    from cudafut._selfcheck import require_gpu
+    from cudafut._cli.selfcheck import require_gpu
 
     ref = np.load(args.reference) if args.reference else None
     served = None

@@ -34,7 +34,7 @@ Sections (numbers as in the performance issue and docs/performance.md):
 8.   ``collectives``: NCCL collectives as futures against NCCL called
      directly, one worker process per GPU (docs/distributed.md).
 
-Each section is one module of this folder, named as in ``--only`` (``wake.py``
+Each section is one module of benchmarks/, named as in ``--only`` (``wake.py``
 ...), with the interface of ``common.Section``: ``NAME``, ``steps(quick)``,
 ``run(progress, quick)``, ``markdown(result)``, ``plots(result, out, stem)``;
 ``common.SECTIONS`` lists them in the order they run and are reported.
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Without a usable GPU: python -m cudafut's message and status 1, not
     # CuPy's traceback from the first measurement.
-    from cudafut._selfcheck import require_gpu
+    from cudafut._cli.selfcheck import require_gpu
 
     require_gpu()
     # Every section module is imported before anything runs (a missing one

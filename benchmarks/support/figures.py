@@ -2,9 +2,9 @@
 
 From the repository root, without a GPU (nor CuPy)::
 
-    python -m benchmarks.figures             # check README.md, docs/, examples/, benchmarks/*.md
-    python -m benchmarks.figures --write     # rewrite every figure that differs from its JSON
-    python -m benchmarks.figures docs/x.md   # some files only
+    python -m benchmarks.support.figures             # check README.md, docs/, examples/, benchmarks/*.md
+    python -m benchmarks.support.figures --write     # rewrite every figure that differs from its JSON
+    python -m benchmarks.support.figures docs/x.md   # some files only
 
 ``tests/test_doc_figures.py`` runs the check, so a figure that no longer says
 what its results file says fails the CPU suite. The markup is HTML comments,
@@ -67,7 +67,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 COMMENT = re.compile(r"<!--(.*?)-->", re.S)
@@ -584,7 +584,7 @@ def write(scans: Sequence[Scan]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.figures",
+        prog="python -m benchmarks.support.figures",
         description="Check the figures quoted in the docs against benchmarks/results/*.json.",
     )
     parser.add_argument("files", nargs="*", type=Path, help="Markdown files (default: all the docs)")

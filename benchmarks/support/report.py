@@ -2,7 +2,7 @@
 
 From the repository root, without a GPU (nor CuPy)::
 
-    python -m benchmarks.report benchmarks/results/bench-h200.json [--out DIR]
+    python -m benchmarks.support.report benchmarks/results/bench-h200.json [--out DIR]
 
 writes ``bench-h200.md`` and the PNGs next to the JSON (or into ``DIR``).
 Each section's module renders its own part (``markdown()``, ``plots()``);
@@ -70,7 +70,9 @@ def write_report(res: dict[str, Any], out: Path, stem: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.support.report", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("json", type=Path, help="a bench-<gpu>.json the suite wrote")
     parser.add_argument(
         "--out", type=Path, default=None, help="folder for Markdown and plots (default: the JSON's)"

@@ -2,7 +2,7 @@
 sections, progress lines, the wait-policy switch, statistics, CPU metering.
 
 Importing this (or a section module) needs neither CuPy nor a GPU, so that
-``python -m benchmarks.report`` redraws a committed JSON anywhere; GPU helpers
+``python -m benchmarks.support.report`` redraws a committed JSON anywhere; GPU helpers
 (kernels, streams) are in ``gpu.py``, which sections import inside ``run()``.
 """
 
@@ -13,6 +13,7 @@ import importlib
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +40,10 @@ SECTIONS = (
 #: JSON keys older results used for a section, newest last: report.py reads
 #: committed JSON written before a section had its own module.
 LEGACY_KEYS: dict[str, tuple[str, ...]] = {"many": ("many_awaits",)}
+
+# The sections sit one level above this support package: benchmarks/<name>.py.
+_SECTIONS_PACKAGE = __name__.rsplit(".", 2)[0]
+_SECTIONS_DIR = Path(__file__).resolve().parent.parent
 
 Samples = list[float]
 
@@ -70,15 +75,14 @@ def section(name: str) -> Section:
     lacks the interface."""
     if name not in SECTIONS:
         raise ValueError(f"unknown benchmark section {name!r}; the sections are {', '.join(SECTIONS)}")
-    full = f"{__package__}.{name}"
+    full = f"{_SECTIONS_PACKAGE}.{name}"
     try:
         module: ModuleType = importlib.import_module(full)
     except ModuleNotFoundError as exc:
         if exc.name != full:
             raise  # the module is there but one of its imports is not
         raise ModuleNotFoundError(
-            f"benchmark section {name!r} is registered but {Path(__file__).with_name(name + '.py')} "
-            "does not exist",
+            f"benchmark section {name!r} is registered but {_SECTIONS_DIR / (name + '.py')} does not exist",
             name=full,
         ) from exc
     missing = [attr for attr in ("NAME", "steps", "run", "markdown", "plots") if not hasattr(module, attr)]
@@ -88,6 +92,16 @@ def section(name: str) -> Section:
             + (f"it lacks {', '.join(missing)}" if missing else f"its NAME is {module.NAME!r}")
         )
     return cast(Section, module)
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` and the last three frames of its traceback on one line: what a
+    section stores in its JSON for a part that failed."""
+    return (
+        "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        + " | "
+        + "".join(traceback.format_tb(exc.__traceback__)[-3:]).replace("\n", " ")
+    )
 
 
 def stored(results: dict[str, Any], name: str) -> Any:

@@ -23,8 +23,8 @@ import sys
 import warnings
 from typing import Any
 
-from . import _cuda, _policy, _timer
-from ._errors import CudaUnavailableError
+from .. import _cuda, _policy, _timer
+from .._errors import CudaUnavailableError
 
 #: The optional packages reported (distribution names), besides NCCL.
 OPTIONAL = ("torch", "trio", "uvloop", "nvtx")
@@ -166,7 +166,7 @@ def gather() -> dict[str, Any]:
     ``problem`` says why (the :class:`cudafut.CudaUnavailableError`
     message) and ``fix`` lists what to do. ``devices`` lists each visible
     device (name, total memory in bytes, compute capability)."""
-    from . import __version__
+    from .. import __version__
 
     cp, cupy_facts = _cupy_facts()
     driver = nvidia_driver_version()

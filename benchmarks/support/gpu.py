@@ -10,8 +10,8 @@ from typing import Any
 
 import cupy as cp
 
+from cudafut._cli.selfcheck import nvidia_driver_version
 from cudafut._kernels import GSLEEP
-from cudafut._selfcheck import nvidia_driver_version
 
 from .common import CpuMeter, quantiles, timed
 
