@@ -101,7 +101,7 @@ MEASURE: dict[str, Callable[[int, Any], Coroutine[Any, Any, float]]] = {
 
 
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
-    from cudafut import _trace
+    from cudafut._trace import hooks as _trace
 
     from .support.gpu import stream, sync_all, token
 

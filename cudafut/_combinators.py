@@ -8,7 +8,17 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from ._errors import TimeoutError
-from ._future import CudaFuture, Pending, check_timeout, remaining
+from ._future import (
+    CudaFuture,
+    Pending,
+    adopt,
+    check_timeout,
+    remaining,
+    succeeded,
+    wait_for,
+    when_completed,
+    when_done,
+)
 from ._loops import current_driver, require_driver
 from ._waiter import Driver, thread_waiter
 
@@ -76,26 +86,26 @@ def gather(*futs: CudaFuture[Any]) -> CudaFuture[list[Any]]:
     items = list(futs)
     out: CudaFuture[list[Any]] = CudaFuture()
     if not items:
-        out._take_outcome((), gather=True)  # nothing waits on it yet: nothing to run
+        adopt(out, (), gather=True)  # nothing waits on it yet: nothing to run
         return out
-    out._wait_for(items)  # a then() fn returning it may not close a cycle
+    wait_for(out, items)  # a then() fn returning it may not close a cycle
     lock = threading.Lock()
     left = [len(items)]
 
     # A listener: it hands what it completes back to the loop that runs it
     # (no recursion through long chains of gathers).
     def one_completed(fut: CudaFuture[Any]) -> Pending | None:
-        if not fut._succeeded():
-            return out._take_outcome((fut,))  # the first failure or cancellation decides
+        if not succeeded(fut):
+            return adopt(out, (fut,))  # the first failure or cancellation decides
         with lock:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            return out._take_outcome(items, gather=True)
+            return adopt(out, items, gather=True)
         return None
 
     for fut in items:
-        fut._on_set(lambda fut=fut: one_completed(fut))  # type: ignore[misc]
+        when_completed(fut, lambda fut=fut: one_completed(fut))  # type: ignore[misc]
     return out
 
 
@@ -191,7 +201,7 @@ class _Arrivals:
         self.ready: collections.deque[CudaFuture[Any]] = collections.deque()
         self.wake = wake
         for fut in items:
-            fut._when_done(self._arrived, driver)
+            when_done(fut, self._arrived, driver)
 
     def _arrived(self, fut: CudaFuture[Any]) -> None:
         self.ready.append(fut)

@@ -529,7 +529,7 @@ def pointer_device(ptr: int) -> int:
 
 # -- copies, pinned memory, synchronisation -------------------------------------------
 # The raw calls of _copies and _pinned, one function each: the callers look
-# them up as ``_cuda.name`` at each call (or once per chunk on the copy
+# them up as ``_cuda.name`` at each call (once per share on the copy
 # threads), so a fake (cudafut.testing) or a test can replace them here.
 
 _H2D: Final = 1  # cudaMemcpyHostToDevice
@@ -545,8 +545,8 @@ def memcpy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     From pinned memory it enqueues and returns (a few µs): the copy engine
     reads ``src`` later, so keep it until an event recorded after it has
     completed. From pageable memory the driver stages it through its own
-    pinned buffer and blocks the calling thread until ``src`` has been read.
-    Holds the GIL (CuPy does not release it here)."""
+    pinned buffer and blocks the calling thread until ``src`` has been read
+    (the copy threads of :mod:`cudafut._copies` run these in parallel)."""
     runtime().memcpyAsync(dst, src, nbytes, _H2D, stream)
 
 
@@ -557,7 +557,7 @@ def memcpy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
     Into pinned memory it enqueues and returns (a few µs): ``dst`` is
     written later, once the stream reaches the copy. Into pageable memory
     the driver stages it and blocks the calling thread until the copy is
-    done. Holds the GIL (CuPy does not release it here)."""
+    done."""
     runtime().memcpyAsync(dst, src, nbytes, _D2H, stream)
 
 
@@ -597,14 +597,13 @@ def free_host(ptr: int) -> None:
 
 def event_synchronize(event: int) -> None:
     """``cudaEventSynchronize``: block the calling thread until ``event``
-    has completed (CuPy releases the GIL meanwhile)."""
+    has completed."""
     runtime().eventSynchronize(event)
 
 
 def stream_synchronize(stream: int) -> None:
     """``cudaStreamSynchronize``: block the calling thread until the work
-    enqueued on ``stream`` so far has completed (CuPy releases the GIL
-    meanwhile)."""
+    enqueued on ``stream`` so far has completed."""
     runtime().streamSynchronize(stream)
 
 
@@ -773,18 +772,28 @@ SEAM: Final = (
     "cupy_stream",
     "current_device",
     "current_stream",
+    "current_stream_getter",
     "device_count",
     "devices_of_host_value",
     "event_create",
     "event_destroy",
     "event_record",
+    "event_synchronize",
+    "free_host",
+    "host_alloc",
+    "initialise",
     "initialised",
+    "memcpy_to_device",
+    "memcpy_to_host",
     "new_stream",
     "on_device",
     "pointer_device",
+    "pointer_is_pinned",
     "runtime",
     "stream_device",
+    "stream_synchronize",
     "stream_wait",
+    "use_device",
 )
 
 #: Modules holding objects of the backend (pools of streams and events,

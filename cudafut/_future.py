@@ -22,10 +22,11 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _checks, _cuda, _events, _loops, _memory, _pools, _torch, _trace, _waiter
+from . import _checks, _cuda, _events, _loops, _memory, _pools, _torch, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._log import logger
+from ._trace import hooks as _trace
 from ._values import current_consumer, find_devices, gpu_arrays, normalize_devices, order_foreign
 
 __all__ = ["CudaFuture", "record", "submit"]
@@ -1475,7 +1476,9 @@ def when_completed(fut: CudaFuture[Any], listener: Listener) -> None:
     fut._on_set(listener)
 
 
-def adopt(fut: CudaFuture[Any], parents: Sequence[CudaFuture[Any]], *, gather: bool = False) -> Pending | None:
+def adopt(
+    fut: CudaFuture[Any], parents: Sequence[CudaFuture[Any]], *, gather: bool = False
+) -> Pending | None:
     """Complete ``fut`` with what its completed ``parents`` came to (their
     value, or with ``gather`` the list of their values; the first failure or
     cancellation decides); returns its listeners for the caller to run.

@@ -197,38 +197,15 @@ def _replay_torch(bucket: _Bucket, inputs: tuple[Any, ...], n: int) -> tuple[Any
 
 
 def _capture_cupy(fn: Callable[..., Any], example: Any, warmup: int) -> _Bucket:
-    cp = _cuda.cupy()
     inputs = _as_tuple(example)
-    stream = cp.cuda.Stream(non_blocking=True)
-    # A private pool for everything the capture allocates: blocks the graph
-    # uses (intermediates freed during capture included) must never be
-    # handed to other arrays, since every replay writes them again.
-    pool = cp.cuda.MemoryPool()
-    with cp.cuda.using_allocator(pool.malloc), stream:
-        for _ in range(warmup):
-            fn(*inputs)
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            outputs = fn(*inputs)
-        finally:
-            graph = stream.end_capture()
-    return _Bucket(graph, inputs, outputs, keep=(pool, stream))
+    graph, outputs, keep = _cuda.capture_cupy_graph(fn, inputs, warmup)
+    return _Bucket(graph, inputs, outputs, keep=keep)
 
 
 def _replay_cupy(bucket: _Bucket, inputs: tuple[Any, ...], n: int) -> tuple[Any, ...]:
-    cp = _cuda.cupy()
-    stream = cp.cuda.get_current_stream()
-    if bucket.last is not None:
-        stream.wait_event(bucket.last)
-    for static, x in zip(bucket.inputs, inputs, strict=True):
-        if isinstance(x, cp.ndarray):
-            static[:n] = x  # a device copy on the current stream
-        else:  # host data (NumPy): the first rows of a C-contiguous array are contiguous
-            static[:n].set(x, stream=stream)
-    bucket.graph.launch(stream)
-    outputs = tuple(out[:n].copy() for out in bucket.outputs)
-    bucket.last = stream.record()
+    outputs, bucket.last = _cuda.replay_cupy_graph(
+        bucket.graph, bucket.inputs, bucket.outputs, inputs, n, bucket.last
+    )
     return outputs
 
 
@@ -305,7 +282,7 @@ def graphed(
     if torch is not None and all(isinstance(x, torch.Tensor) and x.is_cuda for x in probe):
         framework = "torch"
     else:
-        cp = sys.modules.get("cupy")
+        cp = _cuda.imported_cupy()
         if cp is None or not all(isinstance(x, cp.ndarray) for x in probe):
             raise TypeError(
                 "example(size) must return PyTorch CUDA tensors or CuPy arrays (one, or a tuple), "

@@ -27,10 +27,10 @@ import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
-from . import _trace
 from ._events import EventRecord
 from ._policy import predictor
 from ._timer import make_timer
+from ._trace import hooks as _trace
 from ._waiter import Driver
 
 Register = Callable[[Callable[[], None]], Callable[[], None]]

@@ -65,8 +65,7 @@ _ndarray: type = _Never
 def _cupy_ndarray() -> type:
     """``cupy.ndarray`` once CuPy is imported (remembered), else a type no value has."""
     global _ndarray
-    cp = sys.modules.get("cupy")
-    ndarray = getattr(cp, "ndarray", None)
+    ndarray = getattr(_cuda.imported_cupy(), "ndarray", None)
     if isinstance(ndarray, type):
         _ndarray = ndarray
         return ndarray

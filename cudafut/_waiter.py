@@ -32,11 +32,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
-from . import _trace
 from ._errors import CudaError
 from ._events import EventRecord
 from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
+from ._trace import hooks as _trace
 
 #: Wake-ups run per poll at most. Work on a stream completes in order, so
 #: thousands of waits can complete at once; firing them in slices keeps each
@@ -500,7 +500,7 @@ class ThreadWaiter(Driver):
 
 _thread_waiter = ThreadWaiter()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_thread_waiter._reset_after_fork)
+    os.register_at_fork(after_in_child=_thread_waiter._reset_after_fork)  # noqa: SLF001 - this module's own
 
 
 def thread_waiter() -> ThreadWaiter:

@@ -239,6 +239,42 @@ class _Backend:
     def runtime(self) -> Any:
         raise CudaUnavailableError(_NOT_MODELLED)
 
+    def initialise(self) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)  # so task streams stay off (own_stream says why)
+
+    def current_stream_getter(self) -> Callable[[int], Any]:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def use_device(self, device: int) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    # Copies of NumPy values are made by cudafut._copies itself under the
+    # fake (a NumPy copy and an event), so these raw calls are never reached.
+
+    def memcpy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def memcpy_to_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def event_synchronize(self, event: int) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def stream_synchronize(self, stream: int) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def pointer_is_pinned(self, ptr: int) -> bool:
+        return False  # nothing is pinned under the fake
+
+    # Pinned memory is not faked: the pool would keep a fake block for CUDA
+    # after the fake is gone.
+
+    def host_alloc(self, nbytes: int) -> int:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
+    def free_host(self, ptr: int) -> None:
+        raise CudaUnavailableError(_NOT_MODELLED)
+
     def cupy(self) -> Any:
         raise CudaUnavailableError(_NOT_MODELLED)
 

@@ -57,9 +57,6 @@ def stream_records(n: int) -> list[FakeRecord]:
 
 def set_future(value: object, records: list[FakeRecord]) -> CudaFuture[Any]:
     """A CudaFuture set with fake records (no CUDA involved)."""
-    from cudafut import CudaFuture
-    from cudafut._future import _State
+    from cudafut._future import set_future as set_with
 
-    fut: CudaFuture[Any] = CudaFuture()
-    fut._complete(_State.SET, value, None, tuple(records))
-    return fut
+    return set_with(value, tuple(records))

@@ -17,7 +17,7 @@ import pytest
 
 import cudafut
 from cudafut import _waiter
-from cudafut._future import _State
+from cudafut._future import complete_with
 from cudafut._values import find_devices, gpu_arrays, placements
 from tests.fakes import FakeRecord, set_future
 
@@ -29,7 +29,7 @@ DEEP = 5000
 def host_set(fut: cudafut.CudaFuture[Any], value: object) -> None:
     """``fut.set_result(value)`` without CUDA: set with no events, running
     what waits on it before returning, as ``set_result`` does."""
-    fut._complete(_State.SET, value, None, ())
+    complete_with(fut, value)
 
 
 def raiser(exc: BaseException) -> Callable[[object], Any]:

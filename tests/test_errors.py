@@ -30,7 +30,7 @@ from numpy.lib.stride_tricks import as_strided
 import cudafut
 import cudafut.distributed as dist
 from cudafut import _copies, _cuda, _pinned
-from cudafut.distributed import _group
+from cudafut.distributed import _group, _nccl
 from tests.fakes import FakeRecord, set_future
 from tests.subproc import ROOT, run_python
 
@@ -383,23 +383,11 @@ def fake_cuda_for_dist(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
 
-    class Device:
-        def __init__(self, index: int) -> None:
-            pass
-
-        def use(self) -> None:
-            pass
-
-    class Nccl:
-        @staticmethod
-        def get_unique_id() -> tuple[int, ...]:
-            return (1, 2, 3)
-
-    cupy = type("cupy", (), {"cuda": type("cuda", (), {"Device": Device})})
     monkeypatch.setattr(_cuda, "device_count", lambda: 1)
     monkeypatch.setattr(_cuda, "check_device", lambda device: device)
-    monkeypatch.setattr(_cuda, "cupy", lambda: cupy)
-    monkeypatch.setattr(_group, "_nccl", lambda: Nccl)
+    monkeypatch.setattr(_cuda, "use_device", lambda device: None)
+    monkeypatch.setattr(_nccl, "check_available", lambda: None)
+    monkeypatch.setattr(_nccl, "unique_id", lambda: b"\x01\x02\x03")
 
 
 @pytest.fixture
@@ -457,21 +445,14 @@ def test_nobody_at_the_stores_address_fails_the_start_up_in_time() -> None:
                     print("SKIP", type(exc).__name__, exc)
                     sys.exit(0)
         from cudafut import _cuda
-        from cudafut.distributed import _group
+        from cudafut.distributed import _nccl
         import cudafut.distributed as dist
-
-        class Device:
-            def __init__(self, index): pass
-            def use(self): pass
-
-        class Nccl:
-            @staticmethod
-            def get_unique_id(): return (1, 2, 3)
 
         _cuda.device_count = lambda: 1
         _cuda.check_device = lambda device: device
-        _cuda.cupy = lambda: type("cupy", (), {"cuda": type("cuda", (), {"Device": Device})})
-        _group._nccl = lambda: Nccl
+        _cuda.use_device = lambda device: None
+        _nccl.check_available = lambda: None
+        _nccl.unique_id = lambda: b"\x01\x02\x03"
         t = time.monotonic()
         try:
             dist.init_process_group(rank=1, world_size=2, timeout=1.0)

@@ -21,7 +21,8 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _policy, _pools, _trace
+from cudafut import _cuda, _events, _policy, _pools
+from cudafut._trace import hooks, pool, recorder
 from tests.fakes import FakeRecord
 
 #: The phases a cudafut trace uses (Chrome trace-event format).
@@ -132,7 +133,7 @@ def sleeping(waiter: str) -> Callable[[], bool]:
     """Whether a traced waiter whose name holds ``waiter`` has planned a sleep."""
 
     def ready() -> bool:
-        tr = _trace.active
+        tr = hooks.active
         return tr is not None and any(
             waiter in w.name
             and ((w.open is not None and w.open[0] == "sleep") or any(s[0] == "sleep" for s in w.slices))
@@ -155,7 +156,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
     monkeypatch.setattr(
         _cuda, "call_on_streams", lambda streams, primary, fn, args, kwargs: fn(*args, **kwargs)
     )
-    monkeypatch.setattr(_trace, "_timing", gpu.timing)
+    monkeypatch.setattr(pool, "timing", gpu.timing)
     yield gpu
     gpu.complete_all()  # nothing left for the watcher thread to poll
 
@@ -166,9 +167,9 @@ def _no_trace_left() -> Iterator[None]:
     yield
     cudafut.set_wait_policy(old)
     _policy.predictor.clear()
-    leaked = _trace.active
+    leaked = hooks.active
     if leaked is not None:
-        _trace.active = None
+        hooks.active = None
         pytest.fail("a test left a trace recording")
 
 
@@ -440,7 +441,7 @@ def test_traces_cannot_nest_or_overlap() -> None:
         thread.start()
         thread.join()
         assert len(errors) == 1 and "cannot nest or overlap" in str(errors[0])
-        assert _trace.active is not None and repr(outer).startswith("<cudafut.Trace recording")
+        assert hooks.active is not None and repr(outer).startswith("<cudafut.Trace recording")
     with pytest.raises(RuntimeError, match="recorded already"), outer:
         pass  # pragma: no cover
     with pytest.raises(RuntimeError, match="not recording"):
@@ -473,7 +474,7 @@ def test_a_write_error_never_hides_the_blocks_own(tmp_path: Path, caplog: pytest
     assert "could not write the trace" in caplog.text
     with pytest.raises(FileNotFoundError), cudafut.trace(nowhere):
         pass
-    assert _trace.active is None
+    assert hooks.active is None
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:
@@ -495,10 +496,10 @@ def test_tracing_off_leaves_no_state(
     fake_gpu: FakeGpu, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with cudafut.trace(tmp_path / "trace.json") as tr:
-        assert _trace.active is not None
-        tracer = weakref.ref(_trace.active)
+        assert hooks.active is not None
+        tracer = weakref.ref(hooks.active)
         made = cudafut.submit(load, 1).then(double)
-    assert _trace.active is None and tr._tracer is None
+    assert hooks.active is None and tr._tracer is None
     gc.collect()
     assert tracer() is None  # nothing kept it: not the futures, drivers nor pools
     assert sorted(fake_gpu.timing.released) == fake_gpu.timing.acquired
@@ -507,14 +508,15 @@ def test_tracing_off_leaves_no_state(
     def called(*args: object, **kwargs: object) -> None:
         raise AssertionError("a trace hook ran with no trace recording")
 
-    hooks = [
+    names = [
         n
-        for n, v in vars(_trace).items()
-        if isinstance(v, types.FunctionType) and v.__module__ == _trace.__name__
+        for n, v in vars(hooks).items()
+        if isinstance(v, types.FunctionType) and v.__module__ == hooks.__name__
     ]
-    for name in hooks:
-        if not name.startswith("_") and name not in ("trace",):
-            monkeypatch.setattr(_trace, name, called)
+    assert "completing" in names and "polled" in names
+    for name in names:
+        if not name.startswith("_"):
+            monkeypatch.setattr(hooks, name, called)
     fake_gpu.complete_all()
     again = cudafut.submit(load, 2).then(double)
     again.add_done_callback(lambda fut: None)
@@ -528,8 +530,10 @@ def test_a_fault_of_the_tracer_never_breaks_the_work(
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("a tracer bug")
 
-    for method in ("created", "polled", "planned", "wait_start", "timed"):
-        monkeypatch.setattr(_trace.Tracer, method, broken)
+    # "completing"/"completed": the tracer only observes a completion; the
+    # future notifies its waiters and listeners whatever the tracer does.
+    for method in ("created", "polled", "planned", "wait_start", "timed", "completing", "completed"):
+        monkeypatch.setattr(recorder.Tracer, method, broken)
     with cudafut.trace(None) as tr:
         fut = cudafut.submit(load, 1).then(double)
         fake_gpu.complete_when(lambda: True)
@@ -602,7 +606,7 @@ def test_nvtx_true_needs_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nvtx", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install nvtx"):
         cudafut.trace(None, nvtx=True).start()
-    assert _trace.active is None
+    assert hooks.active is None
     with cudafut.trace(None):  # None: used if installed, else not
         pass
 

@@ -27,10 +27,9 @@ from datetime import timedelta
 from typing import Any, Final, Protocol
 
 from .. import _checks, _cuda, _events
-from .._errors import CudaUnavailableError
 from .._future import CudaFuture, set_future
 from .._log import logger
-from . import _env
+from . import _env, _nccl
 from ._errors import CollectiveError
 
 #: How often the watchdog looks while collectives are pending.
@@ -353,58 +352,16 @@ _world: _World | None = None
 _world_lock: Final = threading.Lock()
 
 
-def _nccl() -> Any:
-    cp = _cuda.cupy()
-    from cupy.cuda import nccl
-
-    if not getattr(nccl, "available", True):
-        raise CudaUnavailableError(
-            "cudafut.distributed needs NCCL, which this CuPy cannot load; install the NCCL "
-            "package matching your CUDA (e.g. pip install nvidia-nccl-cu12) or a CuPy with NCCL"
-        )
-    del cp
-    return nccl
-
-
 def _make_store(rank: int, size: int, timeout: float) -> Store:
     addr, port = _env.store_address()
     try:
         from torch.distributed import TCPStore
     except ImportError:
-        return _CupyxStore(rank, size, addr, port, timeout)
+        return _nccl.CupyxStore(rank, size, addr, port, timeout)
     # Under torchrun the agent hosts a store on MASTER_PORT already: every
     # rank is a client then (a second server on that port would fail).
     host = rank == 0 and not _env.agent_store()
     return TCPStore(addr, port, size, host, timedelta(seconds=timeout))  # type: ignore[no-any-return]
-
-
-class _CupyxStore:
-    """cupyx.distributed's TCP store (used when torch is absent), with a
-    blocking ``get``. It is a private module of CuPy: if it changes, pass a
-    store of your own (``store=``)."""
-
-    def __init__(self, rank: int, size: int, addr: str, port: int, timeout: float) -> None:
-        from cupyx.distributed import _store
-
-        self._server = None
-        if rank == 0:
-            self._server = _store.TCPStore(size)
-            self._server.run(addr, port)
-        self._proxy = _store.TCPStoreProxy(addr, port)
-        self._timeout = timeout
-
-    def set(self, key: str, value: bytes) -> None:
-        self._proxy[key] = value
-
-    def get(self, key: str) -> bytes:
-        deadline = time.monotonic() + self._timeout
-        while True:
-            try:
-                return bytes(self._proxy[key])
-            except Exception:  # not there yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
 
 
 def _bounded(fn: Callable[[], Any], deadline: float, name: str) -> tuple[bool, Any]:
@@ -433,11 +390,11 @@ def _communicator(
     """``ncclCommInitRank`` in a thread, so that a peer that never comes
     fails the call at ``deadline`` (``time.monotonic``; the start-up's
     ``timeout`` runs out then) instead of hanging it."""
-    nccl = _nccl()
+    _nccl.check_available()
 
-    def init() -> Any:
+    def init() -> _nccl.Communicator:
         with _cuda.on_device(device):
-            return nccl.NcclCommunicator(size, uid, rank)
+            return _nccl.communicator(size, uid, rank)
 
     done, comm = _bounded(init, deadline, "cudafut-nccl-init")
     if not done:
@@ -485,10 +442,10 @@ def _rendezvous(
     thread bounded by ``deadline`` (``timeout`` is what the message says):
     a store that never answers, or nobody listening at its address, is a
     :class:`CollectiveError` in time."""
-    nccl = _nccl()
+    _nccl.check_available()
     if store is None and make_store is None:  # one rank
-        return bytes(nccl.get_unique_id()), None
-    uid = bytes(nccl.get_unique_id()) if leader else b""
+        return _nccl.unique_id(), None
+    uid = _nccl.unique_id() if leader else b""
 
     def exchange() -> tuple[bytes, Store]:
         s = make_store() if make_store is not None else store
@@ -571,7 +528,7 @@ def init_process_group(
         if _world is not None:
             raise ValueError("the process group is initialised already; call destroy_process_group() first")
         deadline = time.monotonic() + limit
-        _cuda.cupy().cuda.Device(dev).use()
+        _cuda.use_device(dev)
         make = None
         if n > 1 and store is None:
             make = functools.partial(_make_store, r, n, limit)

@@ -12,6 +12,7 @@ from typing import Any, Final
 
 from .. import _cuda
 from .._future import CudaFuture
+from . import _nccl
 from ._group import ProcessGroup, resolve
 
 OPS: Final = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
@@ -161,8 +162,8 @@ def all_reduce(
     nop = check_op(op)
     buf = _Buffer(array, "array", g)
 
-    def launch(comm: Any, stream: int) -> None:
-        comm.allReduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, stream)
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
+        comm.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, stream)
 
     return g.enqueue("all_reduce", launch, array, array, timeout)
 
@@ -184,8 +185,8 @@ def all_gather(
     buf = _Buffer(array, "array", g)
     dst = _out(out, g, (g.size, *buf.shape), buf)
 
-    def launch(comm: Any, stream: int) -> None:
-        comm.allGather(buf.ptr, dst.ptr, buf.count, buf.dtype, stream)
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
+        comm.all_gather(buf.ptr, dst.ptr, buf.count, buf.dtype, stream)
 
     return g.enqueue("all_gather", launch, dst.array, (array, dst.array), timeout)
 
@@ -212,8 +213,8 @@ def reduce_scatter(
     buf = _Buffer(array, "array", g)
     dst = _out(out, g, _blocks(buf, g, "array"), buf)
 
-    def launch(comm: Any, stream: int) -> None:
-        comm.reduceScatter(buf.ptr, dst.ptr, dst.count, buf.dtype, nop, stream)
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
+        comm.reduce_scatter(buf.ptr, dst.ptr, dst.count, buf.dtype, nop, stream)
 
     return g.enqueue("reduce_scatter", launch, dst.array, (array, dst.array), timeout)
 
@@ -233,7 +234,7 @@ def broadcast(
     root = _peer(src, g, "src")
     buf = _Buffer(array, "array", g)
 
-    def launch(comm: Any, stream: int) -> None:
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
         comm.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, root, stream)
 
     return g.enqueue("broadcast", launch, array, array, timeout)
@@ -261,7 +262,7 @@ def reduce(
     nop = check_op(op)
     buf = _Buffer(array, "array", g)
 
-    def launch(comm: Any, stream: int) -> None:
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
         comm.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, root, stream)
 
     return g.enqueue("reduce", launch, array, array, timeout)
@@ -286,15 +287,14 @@ def all_to_all(
     block = buf.count // g.size
     step = block * buf.itemsize
 
-    def launch(comm: Any, stream: int) -> None:
-        nccl = _nccl()
-        nccl.groupStart()
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
+        _nccl.group_start()
         try:
             for peer in range(g.size):
                 comm.send(buf.ptr + peer * step, block, buf.dtype, peer, stream)
                 comm.recv(dst.ptr + peer * step, block, buf.dtype, peer, stream)
         finally:
-            nccl.groupEnd()
+            _nccl.group_end()
 
     return g.enqueue("all_to_all", launch, dst.array, (array, dst.array), timeout)
 
@@ -314,7 +314,7 @@ def send(
     peer = _peer(dst, g, "dst")
     buf = _Buffer(array, "array", g)
 
-    def launch(comm: Any, stream: int) -> None:
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
         comm.send(buf.ptr, buf.count, buf.dtype, peer, stream)
 
     return g.enqueue("send", launch, array, array, timeout)
@@ -335,13 +335,7 @@ def recv(
     peer = _peer(src, g, "src")
     buf = _Buffer(array, "array", g)
 
-    def launch(comm: Any, stream: int) -> None:
+    def launch(comm: _nccl.Communicator, stream: int) -> None:
         comm.recv(buf.ptr, buf.count, buf.dtype, peer, stream)
 
     return g.enqueue("recv", launch, array, array, timeout)
-
-
-def _nccl() -> Any:
-    from cupy.cuda import nccl
-
-    return nccl

@@ -1,0 +1,161 @@
+"""The seam to NCCL and to cupyx's TCP store: the only module of
+cudafut.distributed that reaches CuPy (through ``cupy.cuda.nccl`` and
+``cupyx.distributed``), as :mod:`cudafut._cuda` is for the rest of cudafut.
+
+NCCL is loaded on first use, after :func:`cudafut._cuda.cupy` has checked
+that CUDA is usable. The collectives of :class:`Communicator` enqueue on a
+stream and return: a few µs on the host each, plus what NCCL does on its
+first call to a peer (which may block until the peer calls too).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .. import _cuda
+from .._errors import CudaUnavailableError
+
+_module: Any = None
+
+
+def _nccl() -> Any:
+    """``cupy.cuda.nccl``, after checking once that CUDA and NCCL are usable."""
+    nccl = _module
+    if nccl is None:
+        nccl = _load()
+    return nccl
+
+
+def _load() -> Any:
+    global _module
+    _cuda.cupy()  # CUDA usable (the fork check, the driver), before NCCL loads
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", True):
+        raise CudaUnavailableError(
+            "cudafut.distributed needs NCCL, which this CuPy cannot load; install the NCCL "
+            "package matching your CUDA (e.g. pip install nvidia-nccl-cu12) or a CuPy with NCCL"
+        )
+    _module = nccl
+    return nccl
+
+
+def check_available() -> None:
+    """Load NCCL, once (later calls cost a global read).
+
+    Raises:
+        CudaUnavailableError: CUDA cannot be used here, or this CuPy cannot
+            load NCCL.
+    """
+    _nccl()
+
+
+def unique_id() -> bytes:
+    """A new ``ncclUniqueId`` (what the leader of a group hands the other
+    ranks): a few µs on the host, no GPU work."""
+    return bytes(_nccl().get_unique_id())
+
+
+def communicator(size: int, uid: bytes, rank: int) -> Communicator:
+    """``ncclCommInitRank`` on the current device: blocks the calling
+    thread until all ``size`` ranks have called it with ``uid`` (no time
+    limit: call it in a thread you can leave)."""
+    return Communicator(_nccl().NcclCommunicator(size, uid, rank))
+
+
+def group_start() -> None:
+    """``ncclGroupStart``: the point-to-point calls until :func:`group_end`
+    are issued as one (no host wait)."""
+    _nccl().groupStart()
+
+
+def group_end() -> None:
+    """``ncclGroupEnd``: issue the calls since :func:`group_start`."""
+    _nccl().groupEnd()
+
+
+class Communicator:
+    """One rank's NCCL communicator: its collectives, typed.
+
+    Buffers are device addresses; ``count`` is in elements of ``dtype``
+    (``ncclDataType_t``); ``op`` is an ``ncclRedOp_t``; ``stream`` the
+    handle of a stream of the communicator's device. Each call enqueues and
+    returns (a few µs on the host, the GIL held), except that a first call
+    to a peer may block until the peer calls too. NCCL's errors are raised
+    as CuPy's ``NcclError``.
+    """
+
+    __slots__ = ("_comm",)
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
+        self._comm.allReduce(send, recv, count, dtype, op, stream)
+
+    def all_gather(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None:
+        self._comm.allGather(send, recv, count, dtype, stream)
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
+        self._comm.reduceScatter(send, recv, count, dtype, op, stream)
+
+    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None:
+        self._comm.broadcast(send, recv, count, dtype, root, stream)
+
+    def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int, stream: int) -> None:
+        self._comm.reduce(send, recv, count, dtype, op, root, stream)
+
+    def send(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        self._comm.send(buf, count, dtype, peer, stream)
+
+    def recv(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        self._comm.recv(buf, count, dtype, peer, stream)
+
+    def check_async_error(self) -> None:
+        """``ncclCommGetAsyncError``: raise the error NCCL met in the
+        background, if any (about a µs)."""
+        self._comm.check_async_error()
+
+    def destroy(self) -> None:
+        """``ncclCommDestroy``: free the communicator once its work is done
+        (blocks the calling thread until then)."""
+        self._comm.destroy()
+
+    def abort(self) -> None:
+        """``ncclCommAbort``: end the communicator's pending work now. May
+        hang on a broken network: call it in a thread you can leave."""
+        self._comm.abort()
+
+
+class CupyxStore:
+    """cupyx.distributed's TCP store (used when torch is absent), with a
+    blocking ``get``. It is a private module of CuPy: if it changes, pass a
+    store of your own (``store=``).
+
+    Making one on rank 0 starts the server (a process of cupyx's); ``set``
+    and ``get`` are a round trip to it each, ``get`` retrying every 10 ms
+    until the key is there or ``timeout`` seconds have passed."""
+
+    def __init__(self, rank: int, size: int, addr: str, port: int, timeout: float) -> None:
+        from cupyx.distributed import _store
+
+        self._server = None
+        if rank == 0:
+            self._server = _store.TCPStore(size)
+            self._server.run(addr, port)
+        self._proxy = _store.TCPStoreProxy(addr, port)
+        self._timeout = timeout
+
+    def set(self, key: str, value: bytes) -> None:
+        self._proxy[key] = value
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return bytes(self._proxy[key])
+            except Exception:  # not there yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
