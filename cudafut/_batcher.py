@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import inspect
 import math
 import numbers
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
+from . import _cuda
 from ._errors import InvalidStateError
+from ._events import EventRecord
 from ._future import CudaFuture
-from ._launch import launch
+from ._launch import caller_records, enqueue
+from ._log import logger
+from ._values import find_devices
 
 __all__ = ["Batcher", "BatcherStatistics"]
 
@@ -76,12 +81,13 @@ class _TrioSlot:
     """Where a trio request waits for its result: the part of an asyncio
     future's interface the batcher uses."""
 
-    __slots__ = ("_cancelled", "_error", "_event", "_value")
+    __slots__ = ("_cancelled", "_error", "_event", "_traceback", "_value")
 
     def __init__(self, trio: Any) -> None:
         self._event = trio.Event()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._traceback: Any = None
         self._cancelled = False
 
     def done(self) -> bool:
@@ -96,6 +102,7 @@ class _TrioSlot:
 
     def set_exception(self, error: BaseException) -> None:
         self._error = error
+        self._traceback = error.__traceback__  # each waiter raises it from here, not from the last
         self._event.set()
 
     async def wait(self) -> Any:
@@ -105,7 +112,7 @@ class _TrioSlot:
             self._cancelled = True  # its batch, if not run yet, drops it
             raise
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(self._traceback)
         return self._value
 
 
@@ -236,8 +243,8 @@ class Batcher(Generic[In, Out]):
 
     Args:
         run_batch: the function that runs one batch (see above).
-        max_batch: the most requests in one batch (default 64; at most the
-            largest bucket).
+        max_batch: the most requests in one batch (default: the largest
+            bucket, or 64 without buckets; at most the largest bucket).
         max_delay_s: the longest a request waits for others to join its
             batch, in seconds (default 0.002).
         buckets: the batch sizes ``run_batch`` accepts, or None (default:
@@ -260,7 +267,8 @@ class Batcher(Generic[In, Out]):
     device: int | None
     run_batch: Callable[[list[In]], Any]
     _async: bool
-    _queue: collections.deque[tuple[Any, Any, float]]
+    _queue: collections.deque[tuple[Any, Any, float, tuple[EventRecord, ...]]]
+    _broken: BaseException | None
     _rt: Any
     _nursery_cm: Any
     _want: int
@@ -279,7 +287,7 @@ class Batcher(Generic[In, Out]):
         self: Batcher[In, Out],
         run_batch: Callable[[list[In]], Awaitable[Sequence[Out]]] | Callable[[list[In]], Sequence[Out]],
         *,
-        max_batch: int = ...,
+        max_batch: int | None = ...,
         max_delay_s: float = ...,
         buckets: Sequence[int] | None = ...,
         max_in_flight: int = ...,
@@ -290,7 +298,7 @@ class Batcher(Generic[In, Out]):
         self: Batcher[In, Any],
         run_batch: Callable[[list[In]], Any],
         *,
-        max_batch: int = ...,
+        max_batch: int | None = ...,
         max_delay_s: float = ...,
         buckets: Sequence[int] | None = ...,
         max_in_flight: int = ...,
@@ -300,7 +308,7 @@ class Batcher(Generic[In, Out]):
         self,
         run_batch: Callable[[list[In]], Any],
         *,
-        max_batch: int = 64,
+        max_batch: int | None = None,
         max_delay_s: float = 0.002,
         buckets: Sequence[int] | None = None,
         max_in_flight: int = 2,
@@ -310,6 +318,12 @@ class Batcher(Generic[In, Out]):
             raise TypeError(
                 f"run_batch must be a function of a list of items, not {type(run_batch).__name__}"
             )
+        if max_batch is None:  # the largest bucket, or 64
+            largest = None
+            if isinstance(buckets, Sequence) and not isinstance(buckets, (str, bytes)) and buckets:
+                with contextlib.suppress(TypeError, ValueError):
+                    largest = max(_check_count("a bucket", b) for b in buckets)
+            max_batch = 64 if largest is None else largest
         self.max_batch = _check_count("max_batch", max_batch)
         self.max_in_flight = _check_count("max_in_flight", max_in_flight)
         if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, numbers.Real):
@@ -341,6 +355,7 @@ class Batcher(Generic[In, Out]):
         self._want = _IDLE
         self._closing = False
         self._closed = False
+        self._broken = None
         self._in_flight = 0
         self._batches = 0
         self._items = 0
@@ -366,19 +381,30 @@ class Batcher(Generic[In, Out]):
         """
         rt = self._rt
         if rt is None or self._closing:
+            if self._broken is not None:
+                raise InvalidStateError(
+                    "this Batcher's batch-forming task ended; create a new Batcher"
+                ) from self._broken
             raise InvalidStateError(
                 "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`"
             )
+        # GPU arrays in the item: its batch's stream must first wait for what
+        # this task enqueued (it may run on a stream of its own).
+        after = _submitter_events(item)
         if isinstance(rt, _Asyncio):
-            if asyncio.get_running_loop() is not rt.loop:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not rt.loop:
                 raise InvalidStateError("Batcher.submit() must run on the event loop the Batcher runs on")
             slot: Any = rt.loop.create_future()
-            self._queue.append((item, slot, rt.loop.time()))
+            self._queue.append((item, slot, rt.loop.time(), after))
             self._wake_for_item()
             result: Out = await slot
             return result
         slot = _TrioSlot(rt.trio)
-        self._queue.append((item, slot, rt.now()))
+        self._queue.append((item, slot, rt.now(), after))
         self._wake_for_item()
         value: Out = await slot.wait()
         return value
@@ -414,6 +440,8 @@ class Batcher(Generic[In, Out]):
             rt = _Asyncio(loop)
             self._rt = rt
             rt.spawn(self._form)
+            for task in rt.tasks:  # the former: if it ends early, nothing may hang
+                task.add_done_callback(self._former_ended)
             return self
         trio = sys.modules.get("trio")
         if trio is None:
@@ -441,7 +469,9 @@ class Batcher(Generic[In, Out]):
                     for task in rt.tasks:
                         task.cancel()
                 while rt.tasks:
-                    await asyncio.gather(*rt.tasks, return_exceptions=True)
+                    for outcome in await asyncio.gather(*rt.tasks, return_exceptions=True):
+                        if isinstance(outcome, BaseException) and not _is_cancellation(outcome):
+                            logger.error("cudafut: a Batcher task failed", exc_info=outcome)
                 return None
             if exc is not None:
                 # The exception leaves the block as it came, not wrapped in
@@ -455,9 +485,18 @@ class Batcher(Generic[In, Out]):
             self._closed = True
             self._fail_queued()
 
+    def _former_ended(self, task: asyncio.Task[None]) -> None:
+        if self._closing:
+            return
+        error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+        self._broken = error or RuntimeError("the batch-forming task returned")
+        self._closing = True
+        logger.error("cudafut: a Batcher's batch-forming task ended: %r", self._broken)
+        self._fail_queued()
+
     def _fail_queued(self) -> None:
         while self._queue:
-            _, slot, _ = self._queue.popleft()
+            slot = self._queue.popleft()[1]
             if not slot.done():
                 slot.set_exception(InvalidStateError("the Batcher closed before this item's batch ran"))
 
@@ -488,7 +527,7 @@ class Batcher(Generic[In, Out]):
                     self._want = _WANT_FULL
                     await rt.sleep(deadline)
                 self._want = _IDLE
-                batch: list[tuple[Any, Any, float]] = []
+                batch: list[tuple[Any, Any, float, tuple[EventRecord, ...]]] = []
                 while queue and len(batch) < self.max_batch:
                     entry = queue.popleft()
                     if entry[1].done():
@@ -510,7 +549,7 @@ class Batcher(Generic[In, Out]):
                 return size
         return n  # unreachable: max_batch <= the largest bucket
 
-    async def _run(self, batch: list[tuple[Any, Any, float]]) -> None:
+    async def _run(self, batch: list[tuple[Any, Any, float, tuple[EventRecord, ...]]]) -> None:
         n = len(batch)
         try:
             items = [entry[0] for entry in batch]
@@ -521,13 +560,30 @@ class Batcher(Generic[In, Out]):
             self._items += n
             self._padded += size - n
             self._sizes[n] += 1
+            after = _newest_per_stream(entry[3] for entry in batch)
             try:
                 if self._async:
+                    for rec in after:  # this task's stream waits for the submitters'
+                        rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
                     out = await self.run_batch(items)
                     if isinstance(out, CudaFuture):
                         out = await out
                 else:
-                    out = await launch(self.run_batch, items, device=self.device)
+                    _cuda.check_usable()
+                    dev = _cuda.current_device() if self.device is None else _cuda.check_device(self.device)
+                    fut = enqueue(self.run_batch, (items,), {}, dev, caller_records(dev) + after)
+                    try:
+                        out = await fut
+                    except BaseException:
+                        fut.cancel()  # not started: never runs; started: its result is dropped
+                        raise
+                    if inspect.isawaitable(out):
+                        if inspect.iscoroutine(out):
+                            out.close()
+                        raise TypeError(
+                            "run_batch returned an awaitable from a launcher thread: declare it "
+                            "`async def` to run it on the loop"
+                        )
                 results = _split(out, n, size)
             except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
                 self._failed += 1
@@ -538,13 +594,15 @@ class Batcher(Generic[In, Out]):
             for entry, result in zip(batch, results):  # noqa: B905 - results may hold padding
                 if not entry[1].done():
                     entry[1].set_result(result)
-        except BaseException:
-            # Cancelled (the batcher left with an exception): nobody may wait for ever.
+        except BaseException as exc:
+            # Cancelled (the batcher left with an exception), or a
+            # KeyboardInterrupt/SystemExit from run_batch: nobody may wait for ever.
+            error: BaseException = exc
+            if _is_cancellation(exc):
+                error = InvalidStateError("the Batcher closed while this item's batch ran")
             for entry in batch:
                 if not entry[1].done():
-                    entry[1].set_exception(
-                        InvalidStateError("the Batcher closed while this item's batch ran")
-                    )
+                    entry[1].set_exception(error)
             raise
         finally:
             self._in_flight -= 1
@@ -555,7 +613,7 @@ class Batcher(Generic[In, Out]):
 def _split(out: Any, n: int, size: int) -> Sequence[Any]:
     """The ``n`` requests' results in what ``run_batch`` returned for
     ``size`` items (padding included)."""
-    if isinstance(out, (list, tuple)):
+    if isinstance(out, Sequence) and not isinstance(out, (str, bytes)):
         if len(out) not in (size, n):
             raise ValueError(f"run_batch returned {len(out)} results for a batch of {size} items")
         return out
@@ -575,3 +633,30 @@ def _split(out: Any, n: int, size: int) -> Sequence[Any]:
         "run_batch must return one result per item: a list or tuple, or an array whose first "
         f"axis is the batch, not {type(out).__name__}"
     )
+
+
+def _submitter_events(item: object) -> tuple[EventRecord, ...]:
+    """Events after the calling task's work on the devices of ``item``'s
+    GPU arrays; () for an item on the host (no CUDA touched)."""
+    devices = find_devices(item)
+    if not devices:
+        return ()
+    return tuple(rec for device in devices for rec in caller_records(device))
+
+
+def _newest_per_stream(groups: Iterable[tuple[EventRecord, ...]]) -> tuple[EventRecord, ...]:
+    """One event per stream, the newest: events on a stream complete in order."""
+    newest: dict[tuple[int, ...], EventRecord] = {}
+    for group in groups:
+        for rec in group:
+            old = newest.get(rec.stream_key)
+            if old is None or rec.seq > old.seq:
+                newest[rec.stream_key] = rec
+    return tuple(newest.values())
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and isinstance(exc, trio.Cancelled)

@@ -35,7 +35,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from . import _cuda, _events, _pinned, _pools, _torch
+from . import _cuda, _events, _lifetimes, _pinned, _pools, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture, complete_future, set_future
@@ -139,8 +139,7 @@ def _reset_after_fork() -> None:
     _executor = None  # the parent's threads do not exist in the child
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+_lifetimes.at_fork_in_child(_reset_after_fork)
 
 
 # -- arguments ------------------------------------------------------------------

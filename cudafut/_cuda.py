@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
+from . import _lifetimes
 from ._errors import CudaError, CudaUnavailableError
 
 #: ``cudaErrorNotReady``: what a query returns while the work is pending.
@@ -85,8 +86,7 @@ def check_usable() -> None:
         raise CudaUnavailableError(_FORK_MESSAGE)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_lifetimes.at_fork_in_child(_after_fork_in_child)
 
 
 def runtime() -> Any:
@@ -699,6 +699,8 @@ def capture_cupy_graph(fn: Callable[..., Any], inputs: tuple[Any, ...], warmup: 
     # uses (intermediates freed during capture included) must never be
     # handed to other arrays, since every replay writes them again.
     pool = cp.cuda.MemoryPool()
+    # The inputs were made on the caller's stream: the warm-up comes after.
+    stream.wait_event(cp.cuda.get_current_stream().record())
     with cp.cuda.using_allocator(pool.malloc), stream:
         for _ in range(warmup):
             fn(*inputs)

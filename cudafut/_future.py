@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _checks, _cuda, _events, _loops, _memory, _pools, _torch, _waiter
+from . import _checks, _cuda, _events, _lifetimes, _loops, _memory, _pools, _torch, _waiter
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._log import logger
@@ -986,16 +986,14 @@ class CudaFuture(Generic[T]):
                 exc_info=(type(exc), exc, self._traceback),
             )
         elif state is _SET:
-            # A query (under 2 µs) spares the watcher thread work already done.
-            try:
-                pending = [r for r in self._records if r.query() is None]
+            # Other streams may still read these buffers; freeing them now
+            # would let the memory pool hand them out again (docs/design.md,
+            # hazard 5). A query (under 2 µs) spares the watcher thread work
+            # already done.
+            try:  # noqa: SIM105 - cheaper than contextlib.suppress in a finalizer
+                _lifetimes.keep_until(self._records, (self._value, self._keep))
             except CudaUnavailableError:  # in a forked child: nothing to protect
-                return
-            if pending:
-                # Other streams may still read these buffers; freeing them now
-                # would let the memory pool hand them out again
-                # (docs/design.md, hazard 5).
-                _waiter.thread_waiter().hold(pending, (self._value, self._keep))
+                pass
 
 
 def _record_consumers(value: object, streams: Mapping[int, Any], *, untracked: bool) -> None:
@@ -1417,7 +1415,9 @@ def settle_launched(
     except Exception as exc:  # noqa: BLE001 - the future carries it
         fut._try_fail(exc)
         return
-    _record_consumers(keep, streams, untracked=False)
+    # The launcher's stream is known to read them (not guessed): untracked
+    # arrays are recorded too.
+    _record_consumers(keep, streams, untracked=True)
     _settle(fut, fn, args, kwargs, streams, keep)
 
 

@@ -87,6 +87,8 @@ class Graphed:
         self._example = example
         self._warmup = warmup
         self._graphs: dict[int, _Bucket] = {}
+        self._arity: int | None = None
+        self._last: Any = None  # the event after the last replay's copies out
         # One lock for all buckets: a replay's few enqueues are short, and a
         # capture must not interleave with another thread's replay of the
         # same memory.
@@ -129,12 +131,26 @@ class Graphed:
         if not inputs:
             raise TypeError("a graphed function takes its batch inputs (at least one array)")
         n = _batch_of(inputs)
-        bucket = self._bucket(self.bucket_for(n))
+        size = self.bucket_for(n)
+        arity = self._arity
+        if arity is not None and len(inputs) != arity:  # checked before a capture, once known
+            raise TypeError(f"this graph takes {arity} input(s), not {len(inputs)}")
+        bucket = self._bucket(size)
+        self._arity = len(bucket.inputs)
         if len(inputs) != len(bucket.inputs):
             raise TypeError(f"this graph takes {len(bucket.inputs)} input(s), not {len(inputs)}")
+        for static, x in zip(bucket.inputs, inputs, strict=True):
+            if tuple(x.shape[1:]) != tuple(static.shape[1:]):
+                raise ValueError(
+                    f"a graphed input of shape {tuple(x.shape)} does not match the captured "
+                    f"{tuple(static.shape)} beyond its batch axis"
+                )
         replay = _replay_torch if self.framework == "torch" else _replay_cupy
         with self._lock:
-            outputs = replay(bucket, inputs, n)
+            # All replays of this object are ordered on the GPU, one after
+            # the other, whatever their bucket: two graphs captured by one
+            # library may share workspace memory (cuBLAS's, per stream).
+            outputs, self._last = replay(bucket, inputs, n, self._last)
         return outputs[0] if bucket.single else outputs
 
     def __repr__(self) -> str:
@@ -179,18 +195,20 @@ def _capture_torch(fn: Callable[..., Any], example: Any, warmup: int) -> _Bucket
     return _Bucket(graph, inputs, outputs)
 
 
-def _replay_torch(bucket: _Bucket, inputs: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+def _replay_torch(bucket: _Bucket, inputs: tuple[Any, ...], n: int, last: Any) -> tuple[tuple[Any, ...], Any]:
     torch = sys.modules["torch"]
     stream = torch.cuda.current_stream()
-    if bucket.last is not None:
-        stream.wait_event(bucket.last)
+    if last is not None:
+        stream.wait_event(last)
     for static, x in zip(bucket.inputs, inputs, strict=True):
+        if x.dtype != static.dtype:
+            raise ValueError(f"a graphed input of dtype {x.dtype} does not match the captured {static.dtype}")
         static[:n].copy_(x, non_blocking=True)
     bucket.graph.replay()
     outputs = tuple(out[:n].clone() for out in bucket.outputs)
-    last = bucket.last = torch.cuda.Event()
-    last.record(stream)
-    return outputs
+    event = torch.cuda.Event()
+    event.record(stream)
+    return outputs, event
 
 
 # -- CuPy -----------------------------------------------------------------------
@@ -199,14 +217,17 @@ def _replay_torch(bucket: _Bucket, inputs: tuple[Any, ...], n: int) -> tuple[Any
 def _capture_cupy(fn: Callable[..., Any], example: Any, warmup: int) -> _Bucket:
     inputs = _as_tuple(example)
     graph, outputs, keep = _cuda.capture_cupy_graph(fn, inputs, warmup)
-    return _Bucket(graph, inputs, outputs, keep=keep)
+    bucket = _Bucket(graph, inputs, outputs, keep=keep)
+    bucket.last = keep[1].record()  # after the capture stream's work (the warm-up)
+    return bucket
 
 
-def _replay_cupy(bucket: _Bucket, inputs: tuple[Any, ...], n: int) -> tuple[Any, ...]:
-    outputs, bucket.last = _cuda.replay_cupy_graph(
-        bucket.graph, bucket.inputs, bucket.outputs, inputs, n, bucket.last
+def _replay_cupy(bucket: _Bucket, inputs: tuple[Any, ...], n: int, last: Any) -> tuple[tuple[Any, ...], Any]:
+    # The first replay also waits for the capture (its stream's last event).
+    out: tuple[tuple[Any, ...], Any] = _cuda.replay_cupy_graph(
+        bucket.graph, bucket.inputs, bucket.outputs, inputs, n, last if last is not None else bucket.last
     )
-    return outputs
+    return out
 
 
 def graphed(
@@ -219,8 +240,9 @@ def graphed(
     """Capture ``fn`` as one CUDA graph per batch size; return a function that replays them.
 
     Serving a model eagerly costs its whole host dispatch per batch (4-8 ms
-    for a ResNet-50 in PyTorch); replaying a captured graph costs about
-    20 µs (docs/serving.md). Use it with :class:`cudafut.Batcher`'s
+    for a ResNet-50 in PyTorch); its captured graph enqueues in 0.02 ms at
+    batch 1 and 0.13 ms at batch 64 (an H100), to which a call here adds a
+    copy per input and output and an event (docs/serving.md). Use it with :class:`cudafut.Batcher`'s
     ``buckets`` (the same sizes) and :func:`cudafut.launch`::
 
         g = cudafut.graphed(

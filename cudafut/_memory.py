@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Final
 
-from . import _cuda, _events, _pinned, _waiter
+from . import _cuda, _events, _lifetimes, _pinned
 from ._log import logger
 
 __all__ = ["MemoryStatistics", "install", "memory_statistics", "record_stream", "record_streams_of"]
@@ -82,10 +82,8 @@ class _Block:
             return  # back to CuPy's pool now, as without cudafut
         try:
             records = [_events.record(stream, device) for stream, (device, _) in readers.items()]
-            pending = [r for r in records if r.query() is None]
-            if pending:
+            if _lifetimes.keep_until(records, (self.memory, readers)):
                 _state["frees_delayed"] += 1
-                _waiter.thread_waiter().hold(pending, (self.memory, readers))
         except Exception:  # noqa: BLE001 - a finalizer must not raise (a dead device, shutdown)
             pass
 
@@ -189,10 +187,8 @@ def _record(array: Any, stream: int, device: int, owner: object) -> None:
             array.record_stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", device)))
         return
     # Untracked memory: keep the array until what is queued on stream now is done.
-    rec = _events.record(stream, device)
-    if rec.query() is None:
+    if _lifetimes.keep_until([_events.record(stream, device)], array):
         _state["untracked_holds"] += 1
-        _waiter.thread_waiter().hold([rec], array)
 
 
 def record_streams_of(
@@ -272,7 +268,7 @@ def memory_statistics() -> MemoryStatistics:
         allocator_wrapped=installed(),
         frees_delayed=_state["frees_delayed"],
         untracked_holds=_state["untracked_holds"],
-        held=_waiter.thread_waiter().holding,
+        held=_lifetimes.holding(),
     )
 
 

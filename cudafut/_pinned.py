@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from . import _cuda, _waiter
+from . import _cuda, _lifetimes
 from ._errors import CudaError
 from ._events import EventRecord
 
@@ -120,16 +120,11 @@ class HostBuffer:
         if not guard:
             return
         try:
-            pending = [r for r in guard if r.query() is None]
-            if pending:
-                _waiter.thread_waiter().hold(pending, self.allocation)
-        except Exception:  # noqa: BLE001 - a finalizer must not raise; keep the block for ever
-            _leaked.append(self.allocation)
-
-
-# Blocks whose guard could not be checked (CUDA failed at that moment): never
-# reused, since a copy may still be writing them.
-_leaked: list[Allocation] = []
+            _lifetimes.keep_until(guard, self.allocation)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            # The guard could not be checked (CUDA failed at that moment): a
+            # copy may still be writing the block, so it is never reused.
+            _lifetimes.keep_forever(self.allocation)
 
 
 class PinnedPool:

@@ -25,13 +25,13 @@ from __future__ import annotations
 import abc
 import bisect
 import functools
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
+from . import _lifetimes
 from ._errors import CudaError
 from ._events import EventRecord
 from ._log import logger
@@ -499,8 +499,22 @@ class ThreadWaiter(Driver):
 
 
 _thread_waiter = ThreadWaiter()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_thread_waiter._reset_after_fork)  # noqa: SLF001 - this module's own
+_lifetimes.at_fork_in_child(_thread_waiter._reset_after_fork)  # noqa: SLF001 - this module's own
+
+
+class _Keeper:
+    """The watcher thread as the keeper of ``_lifetimes.hold``."""
+
+    def keep(self, records: Sequence[_lifetimes.Record], obj: object) -> None:
+        # The only records cudafut holds on are EventRecords.
+        _thread_waiter.hold(cast("Sequence[EventRecord]", records), obj)
+
+    @property
+    def holding(self) -> int:
+        return _thread_waiter.holding
+
+
+_lifetimes.set_keeper(_Keeper())
 
 
 def thread_waiter() -> ThreadWaiter:

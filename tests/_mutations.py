@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import cudafut
-from cudafut import _cuda, _events, _future, _pools, _tasks, _tracked, _values, _waiter
+from cudafut import _cuda, _events, _future, _lifetimes, _pools, _tasks, _tracked, _values
 from cudafut._future import _SET, CudaFuture
 
 _idle: dict[int, Any] = {}
@@ -164,8 +164,9 @@ MUTATIONS = {
     "keep": lambda: setattr(_future, "_settle", _settle_without_keep),
     # record(keep=...) keeps nothing
     "record_keep": lambda: _patch_record(_record_without_keep),
-    # a dropped pending future's value is no longer held until its events complete
-    "hold": lambda: setattr(_waiter.ThreadWaiter, "hold", lambda self, records, obj: None),
+    # nothing is kept alive until its events complete: a dropped pending future's
+    # value, a pinned block under a copy, a CuPy block whose free waits (_lifetimes)
+    "hold": lambda: setattr(_lifetimes, "hold", lambda records, obj: None),
     # own_stream: a finished task's work is no longer joined to its awaiter or parent
     "task_join": lambda: setattr(_tasks, "_finish", lambda state, root: None),
     # own_stream: the task's steps no longer run with its stream current

@@ -4,6 +4,7 @@ and trio."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _batcher
+from cudafut import testing
 from tests.fakes import FakeRecord, set_future
 
 pytestmark = pytest.mark.anyio
@@ -239,31 +240,56 @@ async def test_an_async_run_batch_may_return_a_cuda_future() -> None:
         assert await _submit_all(batcher, [1, 2, 3]) == [2, 3, 4]
 
 
-async def test_a_plain_run_batch_runs_through_launch_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_plain_run_batch_runs_through_launch_off_the_loop(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
     loop_thread = threading.get_ident()
-    threads: list[int] = []
-    calls: list[dict[str, Any]] = []
-
-    def fake_launch(fn: Any, /, *args: Any, device: Any = None) -> cudafut.CudaFuture[Any]:
-        calls.append({"device": device})
-        out: list[Any] = []
-        t = threading.Thread(target=lambda: out.append(fn(*args)))
-        t.start()
-        t.join()
-        rec = FakeRecord()
-        rec.complete()
-        return set_future(out[0], [rec])
-
-    monkeypatch.setattr(_batcher, "launch", fake_launch)
+    threads: list[str] = []
 
     def run_batch(items: list[int]) -> list[int]:
-        threads.append(threading.get_ident())
+        threads.append(threading.current_thread().name)
         return [x * 2 for x in items]
 
     async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.01, device=0) as batcher:
         assert await _submit_all(batcher, [1, 2, 3, 4, 5]) == [2, 4, 6, 8, 10]
-    assert threads and loop_thread not in threads
-    assert all(c["device"] == 0 for c in calls)
+    assert threads and all(name.startswith("cudafut-launcher-0-") for name in threads)
+    assert threading.get_ident() == loop_thread
+
+
+async def test_a_launched_batch_whose_waiter_is_cancelled_never_runs(fake_cuda: testing.FakeCuda) -> None:
+    """Leaving the block with an exception cancels the running batches'
+    launches: a batch still queued behind them never runs."""
+    started = threading.Event()
+    release = threading.Event()
+    ran: list[list[int]] = []
+
+    def run_batch(items: list[int]) -> list[int]:
+        ran.append(items)
+        started.set()
+        release.wait(10)
+        return items
+
+    raised: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0, max_in_flight=8) as batcher:
+                for i in range(40):  # more than the launcher threads: some wait in their queue
+                    tg.start_soon(_swallow, batcher.submit(i))
+                for _ in range(20):
+                    await anyio.sleep(0)
+                await anyio.to_thread.run_sync(started.wait, 10)
+                raise ZeroDivisionError
+    except BaseException as exc:  # the task group wraps it in an exception group
+        raised = exc
+    assert "ZeroDivisionError" in repr(raised)
+    release.set()
+    for _ in range(50):
+        await anyio.sleep(0.01)
+    assert 0 < len(ran) < 8  # the queued launches were cancelled before they started
+
+
+async def _swallow(aw: Any) -> None:
+    with contextlib.suppress(Exception):
+        await aw
 
 
 async def test_leaving_the_block_runs_what_is_queued() -> None:

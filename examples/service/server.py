@@ -45,7 +45,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BUCKETS, MODELS, Served, top_of
+from models import BUCKETS, IMAGES, MODELS, Served, top_of
 
 import cudafut
 
@@ -147,8 +147,8 @@ def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | None) -> web
     async def predict(request: web.Request) -> web.Response:
         body = await request.json()
         i = body.get("i") if isinstance(body, dict) else None
-        if not isinstance(i, int) or not 0 <= i < 256:
-            raise web.HTTPBadRequest(text='send {"i": k} with 0 <= k < 256')
+        if type(i) is not int or not 0 <= i < IMAGES:
+            raise web.HTTPBadRequest(text=f'send {{"i": k}} with 0 <= k < {IMAGES}')
         counts["requests"] += 1
         return web.json_response({"top": await compute(i)})
 

@@ -1,0 +1,165 @@
+"""_lifetimes: keep-alives, deferred frees and the one fork registry (CPU)."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from cudafut import _copies, _cuda, _launch, _lifetimes, _waiter
+from tests.fakes import FakeRecord
+from tests.subproc import ROOT, run_python
+
+
+def _calls_to_register_at_fork(path: Path) -> int:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return sum(
+        1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "register_at_fork"
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "os"
+    )
+
+
+def test_one_module_registers_with_os_at_fork() -> None:
+    # Every reset goes through _lifetimes.at_fork_in_child, so their order is
+    # the registry's (the order of import) and one place lists them.
+    sites = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted((ROOT / "cudafut").rglob("*.py"))
+        if (n := _calls_to_register_at_fork(path))
+    }
+    assert sites == {"cudafut/_lifetimes.py": 1}, (
+        f"os.register_at_fork is called in {sites}; register a reset with "
+        "_lifetimes.at_fork_in_child() instead"
+    )
+
+
+def test_the_resets_run_in_import_order_cuda_first() -> None:
+    resets = _lifetimes._fork_resets
+    assert resets[0] is _cuda._after_fork_in_child  # the child refuses CUDA before anything else resets
+    for reset in (
+        _waiter.thread_waiter()._reset_after_fork,
+        _launch._after_fork_in_child,
+        _copies._reset_after_fork,
+    ):
+        assert reset in resets
+
+
+def test_the_memory_modules_sit_below_the_waiter() -> None:
+    for name in ("_pinned", "_memory"):
+        tree = ast.parse((ROOT / "cudafut" / f"{name}.py").read_text(encoding="utf-8"))
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None
+            for alias in node.names
+        } | {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        }
+        assert "_waiter" not in imported and "_future" not in imported, name
+
+
+class _Value:
+    pass
+
+
+def _gone(ref: weakref.ref[_Value]) -> bool:
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
+        gc.collect()
+    return ref() is None
+
+
+def test_keep_until_holds_while_a_record_is_pending() -> None:
+    done, pending = FakeRecord(), FakeRecord()
+    done.complete()
+    value = _Value()
+    ref = weakref.ref(value)
+    assert _lifetimes.keep_until([done, pending], value)
+    del value
+    time.sleep(0.02)
+    gc.collect()
+    assert ref() is not None  # kept by the watcher thread
+    pending.complete()
+    assert _gone(ref)
+
+
+def test_keep_until_holds_nothing_when_the_records_are_done() -> None:
+    rec = FakeRecord()
+    rec.complete()
+    holding = _lifetimes.holding()
+    assert not _lifetimes.keep_until([rec], _Value())
+    assert _lifetimes.holding() == holding
+
+
+def test_a_failed_reset_is_logged_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ran: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("an injected bug")
+
+    monkeypatch.setattr(_lifetimes, "_fork_resets", [broken, lambda: ran.append("after")])
+    _lifetimes._after_fork_in_child()
+    assert ran == ["after"]
+    assert any("reset after fork failed" in r.getMessage() for r in caplog.records)
+
+
+FORK = """
+import gc, os, sys, time, weakref
+import cudafut
+from cudafut import _lifetimes, _waiter
+from tests.fakes import FakeRecord
+
+class Value:
+    pass
+
+rec = FakeRecord()
+_lifetimes.hold([rec], Value())                  # the parent's watcher thread runs
+assert _waiter.thread_waiter()._thread is not None
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        waiter = _waiter.thread_waiter()
+        assert waiter._thread is None and waiter.holding == 0   # reset: no thread, nothing held
+        child_rec, value = FakeRecord(), Value()
+        ref = weakref.ref(value)
+        _lifetimes.hold([child_rec], value)       # a new watcher thread keeps it
+        del value
+        gc.collect()
+        assert ref() is not None
+        child_rec.complete()
+        deadline = time.monotonic() + 5
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            gc.collect()
+        assert ref() is None
+        code = 0
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+rec.complete()
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork (Linux)")
+def test_a_forked_child_gets_a_fresh_watcher_thread() -> None:
+    proc = run_python(FORK, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["child 0"], proc.stdout + proc.stderr
