@@ -4,6 +4,7 @@ and trio."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import threading
@@ -441,3 +442,79 @@ async def test_an_exception_leaves_the_block_unwrapped() -> None:
     with pytest.raises(ZeroDivisionError):
         async with cudafut.Batcher(run_batch):
             1 / 0  # noqa: B018
+
+
+async def test_max_batch_defaults_to_the_largest_bucket() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    assert cudafut.Batcher(run_batch, buckets=(1, 2, 4, 8, 16, 32)).max_batch == 32
+    assert cudafut.Batcher(run_batch).max_batch == 64
+
+
+class _StopError(BaseException):
+    pass
+
+
+async def test_a_base_exception_from_an_async_run_batch_reaches_its_requests() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        raise _StopError("stop")
+
+    outcomes: list[BaseException] = []
+
+    async def one(b: cudafut.Batcher[int, int]) -> None:
+        try:
+            await b.submit(1)
+        except _StopError as exc:
+            outcomes.append(exc)
+
+    with contextlib.suppress(BaseException):
+        async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0) as batcher:
+            await one(batcher)
+    assert len(outcomes) == 1 and isinstance(outcomes[0], _StopError)
+
+
+def test_a_batch_former_that_dies_fails_the_queue_and_later_submits() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    async def main() -> None:
+        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60) as batcher:
+            waiting = asyncio.ensure_future(batcher.submit(1))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            for task in list(batcher._rt.tasks):  # the former, the only task so far
+                task.cancel()
+            with pytest.raises(cudafut.InvalidStateError):
+                await waiting
+            with pytest.raises(cudafut.InvalidStateError, match="batch-forming task ended"):
+                await batcher.submit(2)
+
+    asyncio.run(main())
+
+
+def test_submit_outside_any_loop_is_an_invalid_state_error() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    async def main() -> cudafut.Batcher[int, int]:
+        async with cudafut.Batcher(run_batch, max_delay_s=60) as batcher:
+            coro = batcher.submit(1)
+            result: list[BaseException] = []
+
+            def other_thread() -> None:
+                loop = asyncio.new_event_loop()
+                try:
+                    loop.run_until_complete(coro)
+                except BaseException as exc:
+                    result.append(exc)
+                finally:
+                    loop.close()
+
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+            assert isinstance(result[0], cudafut.InvalidStateError)
+        return batcher
+
+    asyncio.run(main())

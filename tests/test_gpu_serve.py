@@ -351,3 +351,25 @@ def test_a_graph_replayed_through_the_batcher_gives_the_eager_answers(cp: Any, t
         got = run_on(backend, main)
         for g_row, w_row in zip(got, wants, strict=True):
             torch.testing.assert_close(g_row, w_row, rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_waits_for_each_submitters_own_stream(cp: Any) -> None:
+    """Items made by tasks on streams of their own (a slow producer each):
+    the batch's launch waits for every submitter's stream."""
+    import asyncio
+
+    def run_batch(items: list[Any]) -> Any:
+        return cp.stack(items).sum(axis=1)
+
+    async def main() -> list[float]:
+        async with cudafut.Batcher(run_batch, max_batch=8, max_delay_s=0.005) as batcher:
+
+            @cudafut.own_stream
+            async def one(value: float) -> float:
+                x = cp.zeros(N, dtype=cp.float32)
+                spin_fill(x, value, SLOW_MS)  # on this task's stream
+                return float(await batcher.submit(x))
+
+            return list(await asyncio.gather(*(one(float(i + 1)) for i in range(4))))
+
+    assert run_on("asyncio", main) == [float((i + 1) * N) for i in range(4)]

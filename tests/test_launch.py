@@ -1,0 +1,103 @@
+"""launch()'s host logic on the fake CUDA (cudafut.testing): launcher
+threads, their streams, cancellation and failures. GPU ordering is proved in
+tests/test_gpu_serve.py."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cudafut
+from cudafut import _cuda, _lifetimes, testing
+
+
+def test_a_stream_cuda_refuses_fails_the_launch_and_kills_no_thread(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda.auto_complete = True
+    real = _cuda.new_stream
+
+    def refuse(device: int, priority: int) -> Any:
+        raise cudafut.CudaError(2, "cudaErrorMemoryAllocation", "out of memory")
+
+    monkeypatch.setattr(_cuda, "new_stream", refuse)
+    with pytest.raises(cudafut.CudaError, match="cudaErrorMemoryAllocation"):
+        cudafut.launch(np.arange, 3)
+    monkeypatch.setattr(_cuda, "new_stream", real)
+    assert cudafut.launch(np.arange, 3).result(timeout=10).tolist() == [0, 1, 2]
+
+
+def test_fn_runs_on_a_launcher_thread_and_keeps_its_exception_type(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    names = cudafut.launch(lambda: threading.current_thread().name).result(timeout=10)
+    assert names.startswith("cudafut-launcher-0-")
+
+    class OddError(Exception):
+        pass
+
+    error = OddError("odd")
+
+    def boom() -> None:
+        raise error
+
+    with pytest.raises(OddError) as info:
+        cudafut.launch(boom).result(timeout=10)
+    assert info.value is error
+
+
+def test_a_launch_cancelled_before_it_starts_never_runs_nor_keeps_its_arguments(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    fake_cuda.auto_complete = True
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def hold() -> int:
+        started.release()
+        release.wait(10)
+        return 0
+
+    cudafut.launch(lambda: 0).result(timeout=10)
+    from cudafut import _launch
+
+    threads = len(_launch._launchers[0].threads)  # type: ignore[union-attr]
+    holders = [cudafut.launch(hold) for _ in range(threads)]
+    for _ in range(threads):
+        assert started.acquire(timeout=10)
+    ran: list[int] = []
+    victim = cudafut.launch(ran.append, 1)
+    assert victim.cancel()
+    release.set()
+    for fut in holders:
+        fut.result(timeout=10)
+    for _ in range(threads + 1):
+        cudafut.launch(lambda: 0).result(timeout=10)
+    assert ran == []
+
+
+def test_a_launch_cancelled_while_fn_runs_keeps_its_arguments_until_its_stream_passes(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[object] = []
+    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: held.append(obj))
+    inside = threading.Event()
+    release = threading.Event()
+
+    def slow(arg: object) -> int:
+        inside.set()
+        release.wait(10)
+        return 1
+
+    arg = object()
+    fut = cudafut.launch(slow, arg)
+    assert inside.wait(10)
+    assert fut.cancel()
+    release.set()
+    for _ in range(200):
+        if held:
+            break
+        threading.Event().wait(0.01)
+    assert held and held[0] == ((arg,), {})
