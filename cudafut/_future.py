@@ -1015,6 +1015,15 @@ def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *
         devices = dict.fromkeys(r.device for r in records)
         currents = [(d, _cuda.current_stream(d)) for d in devices]
         _memory.record_streams_of(arrays, [(int(s.ptr), d, s) for d, s in currents], untracked=untracked)
+        if not untracked:  # await, result(): wait() records torch's stream itself (_torch.wait_current)
+            torch = _torch.loaded()
+            if torch is not None:
+                # A tensor made on another stream (a launcher's): torch's
+                # allocator must not hand its memory out before what the
+                # caller's torch stream enqueues on it has run.
+                tensors = [a for a in arrays if isinstance(a, torch.Tensor)]
+                if tensors:
+                    _torch.record_tensors(tensors, {d: torch.cuda.current_stream(d) for d in devices})
 
 
 _WAITING: Final = 0
