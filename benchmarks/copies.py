@@ -533,7 +533,7 @@ async def _awaited(fut: Any) -> Any:
 
 def _snapshot() -> dict[str, int]:
     m = cudafut.memory_statistics()
-    p = _pools.statistics()
+    p = _pools.pool_statistics()
     return {
         "pinned_in_use": m.pinned_in_use,
         "pinned_blocks_in_use": m.pinned_blocks_in_use,

@@ -36,7 +36,7 @@ def resources() -> dict[str, float]:
     pool = cp.get_default_memory_pool()
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
-    pools = _pools.statistics()
+    pools = _pools.pool_statistics()
     events_free = sum(pools.events_free.values())
     return {
         "events_created": _pools.events.created,

@@ -49,6 +49,8 @@ from ._pinned import set_pinned_limit as set_pinned_limit
 from ._policy import WaitPolicy as WaitPolicy
 from ._policy import get_wait_policy as get_wait_policy
 from ._policy import set_wait_policy as set_wait_policy
+from ._pools import PoolStatistics as PoolStatistics
+from ._pools import pool_statistics as pool_statistics
 from ._tasks import own_stream as own_stream
 from ._tasks import task_stream as task_stream
 from ._tasks import use_stream as use_stream
@@ -72,6 +74,7 @@ __all__ = [
     "Graphed",
     "InvalidStateError",
     "MemoryStatistics",
+    "PoolStatistics",
     "TimeoutError",
     "Trace",
     "Tracked",
@@ -90,6 +93,7 @@ __all__ = [
     "launch",
     "memory_statistics",
     "own_stream",
+    "pool_statistics",
     "record",
     "record_stream",
     "set_pinned_limit",

@@ -8,8 +8,8 @@ rings, docs/design.md, hazard 7).
 Streams are shared round-robin, as PyTorch does: 32 per device and priority,
 created on first use.
 
-:func:`statistics` is a snapshot of both pools, for tests, benchmarks and
-leak hunts.
+:func:`pool_statistics` (public as ``cudafut.pool_statistics``) is a
+snapshot of the pools, for tests, benchmarks and leak hunts.
 """
 
 from __future__ import annotations
@@ -46,19 +46,26 @@ def check_priority(priority: object) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PoolStatistics:
-    """A snapshot of the event and stream pools, as :func:`statistics` returns.
+    """A snapshot of cudafut's event and stream pools (:func:`pool_statistics`).
 
-    Not atomic: other threads may acquire and release events meanwhile (the
-    free lists take no lock), so a device's counts may be off by the events
-    changing hands at that instant.
+    Frozen; its mappings are fresh dicts (keyed by device) that no
+    pool changes afterwards. Not atomic: other threads may acquire and
+    release events meanwhile (the free lists take no lock), so a device's
+    counts may be off by the events changing hands at that instant.
 
     Attributes:
         events_created: events created since the process started, all devices.
         events_free: per device, handles in the pool, ready for reuse.
         events_in_use: per device, handles owned by live event records
-            (created, neither free nor destroyed).
+            (created, neither free nor destroyed): a live future set with
+            a value holds one per device of the value, so for leak checks
+            this returns to where it started once the futures are dropped.
         streams: per ``(device, priority)``, pool streams created (at most
-            32 each); ``priority`` is ``"normal"`` or ``"high"``.
+            32 each; ``then()`` and ``submit()`` use them); ``priority`` is
+            ``"normal"`` or ``"high"``.
+        copy_streams: per device, streams of the copies created (at most 8;
+            :func:`to_device` and :func:`to_host` use them when given no
+            stream).
         task_streams: per device, ``(streams created, leases)``: the task
             streams made so far (at most 64), and how many tasks hold one now.
     """
@@ -67,6 +74,7 @@ class PoolStatistics:
     events_free: Mapping[int, int]
     events_in_use: Mapping[int, int]
     streams: Mapping[tuple[int, str], int]
+    copy_streams: Mapping[int, int]
     task_streams: Mapping[int, tuple[int, int]]
 
 
@@ -247,17 +255,25 @@ def _swap_pools(backend: object) -> Callable[[], None]:
 _cuda.on_swap(_swap_pools)
 
 
-def statistics() -> PoolStatistics:
-    """A snapshot of the event and stream pools (see :class:`PoolStatistics`).
+def pool_statistics() -> PoolStatistics:
+    """A snapshot of cudafut's event and stream pools (see :class:`PoolStatistics`).
 
-    Costs a few µs per device on the host; no CUDA call; blocks nothing but
-    stream creation, for the instant it takes to count.
+    Process-wide, so a function (an object's statistics are its
+    ``statistics()`` method: :meth:`Batcher.statistics`,
+    :meth:`Tracked.statistics`). Costs a few µs per device on the host; no
+    CUDA call, no GPU needed; blocks nothing but stream creation, for the
+    instant it takes to count. Under :func:`cudafut.testing.fake_cuda`, the
+    counts are the fake GPU's own pools, fresh when it is installed.
     """
     free, in_use = events.counts()
+    copies: dict[int, int] = {}
+    for (device, _priority), n in copy_streams.counts().items():
+        copies[device] = copies.get(device, 0) + n
     return PoolStatistics(
         events_created=events.created,
         events_free=free,
         events_in_use=in_use,
         streams=streams.counts(),
+        copy_streams=copies,
         task_streams=task_streams.counts(),
     )

@@ -289,7 +289,7 @@ def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     gc.collect()
     before = cudafut.memory_statistics()
     others = _other_threads()
-    events_before = sum(_pools.statistics().events_in_use.values())
+    events_before = sum(_pools.pool_statistics().events_in_use.values())
     for _ in range(20):
         futs = []
         for _ in range(50):
@@ -311,7 +311,7 @@ def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     assert _other_threads() == others  # nothing started per copy
     copy_threads = [t for t in threading.enumerate() if t.name.startswith("cudafut-copy")]
     assert len(copy_threads) <= _copies.WORKERS
-    assert sum(_pools.statistics().events_in_use.values()) <= events_before + 8
+    assert sum(_pools.pool_statistics().events_in_use.values()) <= events_before + 8
 
 
 def test_a_pinned_limit_falls_back_to_pageable_and_refuses_empty_pinned() -> None:

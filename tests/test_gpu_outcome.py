@@ -197,16 +197,16 @@ def _no_holds() -> None:
 
 def test_pool_statistics_count_live_records(cp: Any) -> None:
     _no_holds()
-    before = _pools.statistics()
+    before = _pools.pool_statistics()
     x = cp.ones(N, dtype=cp.float32)
     futs = [cudafut.record(x) for _ in range(8)]
-    during = _pools.statistics()
+    during = _pools.pool_statistics()
     assert during.events_in_use.get(0, 0) - before.events_in_use.get(0, 0) == 8
     for fut in futs:
         fut.result(timeout=60)
     del futs, fut  # the loop variable holds the last future (and its record)
     gc.collect()
-    after = _pools.statistics()
+    after = _pools.pool_statistics()
     assert after.events_in_use.get(0, 0) == before.events_in_use.get(0, 0)
     assert after.events_free.get(0, 0) >= 8
     assert after.events_created == _pools.events.created

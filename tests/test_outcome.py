@@ -15,6 +15,7 @@ import traceback
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import cudafut
@@ -361,17 +362,39 @@ def test_pool_counts_events_and_streams(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_pools_statistics_under_the_fake(fake_cuda: testing.FakeCuda) -> None:
-    before = _pools.statistics()  # the fake's own pools: nothing yet
+    before = _pools.pool_statistics()  # the fake's own pools: nothing yet
     assert (before.events_created, before.streams) == (0, {})
     fut = cudafut.record(1).then(lambda v: v)
-    stats = _pools.statistics()
+    stats = _pools.pool_statistics()
     assert stats.events_created == 2
     assert stats.events_in_use == {0: 2}
     assert stats.streams == {(0, "normal"): 1}
     fake_cuda.complete(fut)
     del fut
     gc.collect()
-    assert _pools.statistics().events_free == {0: 2}  # handles back in the pool
+    assert _pools.pool_statistics().events_free == {0: 2}  # handles back in the pool
+
+
+def test_pool_statistics_counts_an_event_taken_and_returned(fake_cuda: testing.FakeCuda) -> None:
+    # The public face of the pools' counts; under the fake, its own pools.
+    assert cudafut.pool_statistics() == cudafut.PoolStatistics(0, {}, {}, {}, {}, {})
+    fut = cudafut.record(1)
+    taken = cudafut.pool_statistics()
+    assert (taken.events_created, taken.events_in_use, taken.events_free) == (1, {0: 1}, {})
+    fake_cuda.complete(fut)
+    del fut
+    gc.collect()
+    returned = cudafut.pool_statistics()
+    assert (returned.events_created, returned.events_in_use, returned.events_free) == (1, {0: 0}, {0: 1})
+    again = cudafut.record(2)  # the returned handle, reused
+    assert cudafut.pool_statistics().events_created == 1
+    fake_cuda.complete(again)
+    copy = cudafut.to_device(np.zeros(3))
+    fake_cuda.complete(copy)
+    copied = cudafut.pool_statistics()
+    assert (copied.copy_streams, copied.task_streams) == ({0: 1}, {})
+    with pytest.raises(AttributeError):
+        copied.events_created = 0  # type: ignore[misc]
 
 
 def _check_pool_counts(events: _pools.EventPool, streams: _pools.StreamPool) -> None:
@@ -393,7 +416,7 @@ def _check_pool_counts(events: _pools.EventPool, streams: _pools.StreamPool) -> 
 
 
 def test_pool_statistics_is_a_frozen_snapshot_of_the_process_pools() -> None:
-    stats = _pools.statistics()
+    stats = _pools.pool_statistics()
     assert isinstance(stats, _pools.PoolStatistics)
     assert stats.events_created == _pools.events.created
     assert sum(stats.events_in_use.values()) + sum(stats.events_free.values()) <= stats.events_created
