@@ -373,3 +373,50 @@ def test_a_batch_waits_for_each_submitters_own_stream(cp: Any) -> None:
             return list(await asyncio.gather(*(one(float(i + 1)) for i in range(4))))
 
     assert run_on("asyncio", main) == [float((i + 1) * N) for i in range(4)]
+
+
+def _reuse_race(torch: Any, consume: Any) -> tuple[float, float]:
+    """A tensor made on a side stream, read later by the caller's (busy)
+    torch stream, dropped, and its stream's next allocation filled at once:
+    what the caller's read sees. ``consume(fut)`` takes the value."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = torch.full((N,), 3.0, device="cuda")
+        fut = cudafut.record(y, stream=side)
+    del y
+    y = consume(fut)
+    out = torch.empty(N, device="cuda")
+    torch.cuda._sleep(int(100e6))  # the caller's stream is busy for about 50 ms
+    out.copy_(y)  # ... so this read runs after what follows
+    del y, fut
+    with torch.cuda.stream(side):  # the side stream reuses its freed blocks at once
+        z = torch.full((N,), 9.0, device="cuda")
+    torch.cuda.synchronize()
+    del z
+    return float(out.min()), float(out.max())
+
+
+def test_control_a_tensor_freed_to_its_stream_is_reused_under_a_pending_read(cp: Any, torch: Any) -> None:
+    def consume(fut: Any) -> Any:
+        torch.cuda.current_stream().wait_stream(torch.cuda.Stream())  # no record_stream
+        value = fut._value
+        torch.cuda.synchronize()
+        return value
+
+    assert _reuse_race(torch, consume)[1] == 9.0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "result"])
+def test_await_and_result_record_a_torch_value_on_the_callers_stream(
+    cp: Any, torch: Any, backend: str
+) -> None:
+    def consume(fut: Any) -> Any:
+        if backend == "result":
+            return fut.result(timeout=30)
+
+        async def main() -> Any:
+            return await fut
+
+        return run_on("asyncio", main)
+
+    assert _reuse_race(torch, consume) == (3.0, 3.0)
