@@ -41,9 +41,9 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 
 class _Bucket:
-    """One captured graph: its static inputs and outputs, and the event
-    after its last use (a replay's inputs must not be overwritten before the
-    previous replay has read them, nor its outputs before they were copied)."""
+    """One captured graph: its static inputs and outputs; for CuPy, the
+    event after its capture (the first replay waits for it). The event after
+    the last replay is the :class:`Graphed` object's, shared by its buckets."""
 
     __slots__ = ("graph", "inputs", "last", "outputs", "single", "stream_keep")
 
@@ -278,9 +278,10 @@ def graphed(
     inference models in eval mode, not of batch statistics).
 
     What is safe: calls from several threads at once (cudafut's launchers):
-    each replay waits on the GPU for the previous replay of its graph to
-    have copied its outputs before overwriting the inputs, and the host
-    side is serialised by a lock; the returned outputs are fresh arrays
+    each replay waits on the GPU for the previous replay of this object
+    (whatever its bucket: two graphs of one library may share workspace
+    memory) to have copied its outputs before overwriting inputs, and the
+    host side is serialised by a lock; the returned outputs are fresh arrays
     (the graph's own memory is overwritten by the next replay). Each bucket
     keeps its graph's memory (its own PyTorch graph pool, or a private CuPy
     memory pool) for the life of the :class:`Graphed` object.
