@@ -22,11 +22,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
-from . import _cuda
+from . import _cuda, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture
-from ._launch import caller_records, enqueue
+from ._launch import enqueue
 from ._log import logger
 from ._values import find_devices
 
@@ -571,7 +571,7 @@ class Batcher(Generic[In, Out]):
                 else:
                     _cuda.check_usable()
                     dev = _cuda.current_device() if self.device is None else _cuda.check_device(self.device)
-                    fut = enqueue(self.run_batch, (items,), {}, dev, caller_records(dev) + after)
+                    fut = enqueue(self.run_batch, (items,), {}, dev, _torch.current_records(dev) + after)
                     try:
                         out = await fut
                     except BaseException:
@@ -641,7 +641,7 @@ def _submitter_events(item: object) -> tuple[EventRecord, ...]:
     devices = find_devices(item)
     if not devices:
         return ()
-    return tuple(rec for device in devices for rec in caller_records(device))
+    return tuple(rec for device in devices for rec in _torch.current_records(device))
 
 
 def _newest_per_stream(groups: Iterable[tuple[EventRecord, ...]]) -> tuple[EventRecord, ...]:

@@ -84,15 +84,22 @@ class EventRecord:
         if status is None:
             raw = _cuda.event_query(self.handle)
             if raw != _cuda.NOT_READY and self.failure is None:
-                confirm = self.confirm
-                if raw == 0 and confirm is not None:
-                    error = confirm()
-                    if error is not None:
-                        self.fail_with(error)
-                        return self.status
-                self.status = raw
+                return self.settle(raw)
             return self.status
         return status
+
+    def settle(self, raw: int) -> int | None:
+        """Take ``raw``, the event's final status (0 or an error code), once
+        the event is no longer pending; a ``confirm`` that finds an error
+        fails the record instead. Returns the status kept."""
+        confirm = self.confirm
+        if raw == 0 and confirm is not None:
+            error = confirm()
+            if error is not None:
+                self.fail_with(error)
+                return self.status
+        self.status = raw
+        return raw
 
     def error(self) -> CudaError | None:
         """The :class:`CudaError` this record reported, if any."""

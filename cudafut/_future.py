@@ -1396,11 +1396,10 @@ def submit(
     _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
-    _events.record_current(dev).wait_on(int(stream.ptr), dev)
-    order_foreign((args, kwargs), lambda _d: (int(stream.ptr), dev))  # and for JAX's streams
-    torch = _torch.loaded()
-    if torch is not None:  # and for what it enqueued with torch
-        _torch.follow_current(torch, dev, int(stream.ptr))
+    ptr = int(stream.ptr)
+    for rec in _torch.current_records(dev):  # the caller's CuPy and torch streams
+        rec.wait_on(ptr, dev)
+    order_foreign((args, kwargs), lambda _d: (ptr, dev))  # and JAX's streams
     _record_consumers((args, kwargs), {dev: stream}, untracked=False)
     fut: CudaFuture[Any] = CudaFuture()
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))

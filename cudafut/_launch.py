@@ -41,7 +41,7 @@ from ._events import EventRecord
 from ._future import CudaFuture, fail_future, settle_launched
 from ._log import logger
 
-__all__ = ["caller_records", "enqueue", "launch", "launcher_threads"]
+__all__ = ["enqueue", "launch", "launcher_threads"]
 
 U = TypeVar("U")
 
@@ -219,20 +219,7 @@ def launch(
         raise TypeError(f"launch() needs a callable, not {fn!r}")
     _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
-    return enqueue(fn, args, kwargs, dev, caller_records(dev))
-
-
-def caller_records(device: int) -> tuple[EventRecord, ...]:
-    """Events after what the calling thread (or task) has enqueued so far on
-    its current streams of ``device``: CuPy's, and PyTorch's where it
-    differs. A launcher's stream waits for them before its job runs."""
-    rec = _events.record_current(device)
-    torch = _torch.loaded()
-    if torch is not None:
-        handle = _torch.current_handle(torch, device)
-        if handle != rec.stream:
-            return (rec, _events.record(handle, device))
-    return (rec,)
+    return enqueue(fn, args, kwargs, dev, _torch.current_records(dev))
 
 
 def enqueue(

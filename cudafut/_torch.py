@@ -38,6 +38,7 @@ from ._values import gpu_arrays, placements
 __all__ = [
     "call_on_streams",
     "current_handle",
+    "current_records",
     "follow_current",
     "loaded",
     "module",
@@ -206,14 +207,34 @@ def call_on_streams(
     return _cuda.call_on_streams(streams, primary, run, (), {})
 
 
-def follow_current(torch: Any, device: int, stream: int) -> None:
-    """For ``submit()`` and ``to_host(tensor)``: ``stream`` (a pool or copy
-    stream of ``device``) waits for what the caller enqueued on PyTorch's
-    current stream, where that is not CuPy's current stream (which
-    ``stream`` waited for already)."""
+def _record_if_other(torch: Any, device: int, cupy_stream: int) -> EventRecord | None:
+    """An event on PyTorch's current stream of ``device``, unless that is
+    ``cupy_stream`` (CuPy's current stream, recorded by the caller)."""
     handle = current_handle(torch, device)
-    if handle != int(_cuda.current_stream(device).ptr):
-        _events.record(handle, device).wait_on(stream, device)
+    return None if handle == cupy_stream else _events.record(handle, device)
+
+
+def current_records(device: int) -> tuple[EventRecord, ...]:
+    """Events after what the calling thread (or task) has enqueued so far on
+    its current streams of ``device``: CuPy's, and PyTorch's where the
+    program imported torch and its current stream is another. ``submit()``'s
+    pool stream, a launcher's stream and a batch's stream wait for them."""
+    rec = _events.record_current(device)
+    torch = loaded()
+    if torch is not None:
+        other = _record_if_other(torch, device, rec.stream)
+        if other is not None:
+            return (rec, other)
+    return (rec,)
+
+
+def follow_current(torch: Any, device: int, stream: int) -> None:
+    """For ``to_host(tensor)``: ``stream`` (a copy stream of ``device``)
+    waits for what the caller enqueued on PyTorch's current stream, where
+    that is not CuPy's current stream."""
+    other = _record_if_other(torch, device, int(_cuda.current_stream(device).ptr))
+    if other is not None:
+        other.wait_on(stream, device)
 
 
 def wait_current(torch: Any, records: Iterable[EventRecord], value: object) -> None:

@@ -357,13 +357,7 @@ def _record_type(backend: _Backend) -> type[EventRecord]:
             if self.status is None:
                 raw = self.event.status
                 if raw is not None and self.failure is None:
-                    confirm = self.confirm
-                    if raw == 0 and confirm is not None:
-                        error = confirm()
-                        if error is not None:
-                            self.fail_with(error)
-                            return self.status
-                    self.status = raw
+                    return self.settle(raw)
             return self.status
 
         def error(self) -> CudaError | None:

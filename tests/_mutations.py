@@ -136,8 +136,8 @@ def _patch_launch_wait() -> None:
 
     from cudafut import _launch
 
-    _launch._events = types.SimpleNamespace(  # type: ignore[attr-defined,assignment]
-        record_current=_idle_record, record=lambda handle, device: _idle_record(device)
+    _launch._torch = types.SimpleNamespace(  # type: ignore[attr-defined,assignment]
+        current_records=lambda device: (_idle_record(device),)
     )
 
 

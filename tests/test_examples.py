@@ -171,6 +171,10 @@ print([await f async for f in cudafut.as_completed(futs)])
     [
         ("pipeline.py", "cupy"),
         ("trio_app.py", "trio"),
+        ("service/server.py", "aiohttp"),
+        ("service/load.py", "aiohttp"),
+        ("service/compare.py", "aiohttp"),
+        ("service/litserve_server.py", "litserve"),
     ],
 )
 def test_every_example_explains_itself(script: str, needs: str) -> None:

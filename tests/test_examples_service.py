@@ -1,6 +1,6 @@
 """examples/service/ without a GPU: the answer check, the load generator
-against the no-GPU server on loopback, the comparison table, and each
-script's ``--help``."""
+against the no-GPU server on loopback, and the comparison table (each
+script's ``--help``: tests/test_examples.py)."""
 
 from __future__ import annotations
 
@@ -107,26 +107,3 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     finally:
         server.terminate()
         server.wait(timeout=30)
-
-
-@pytest.mark.parametrize(
-    ("script", "needs"),
-    [
-        ("service/server.py", "aiohttp"),
-        ("service/load.py", "aiohttp"),
-        ("service/compare.py", "aiohttp"),
-        ("service/litserve_server.py", "litserve"),
-    ],
-)
-def test_every_service_script_explains_itself(script: str, needs: str) -> None:
-    pytest.importorskip(needs)
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "usage:" in proc.stdout

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -210,13 +211,14 @@ def compare(
             row: dict[str, Any] = {"closed": {}, "open": {}, "threads": {}}
             row["reference_s"] = round(time.perf_counter() - t0, 1)
             results[model] = row
+
+            run = functools.partial(measure, ref_path=ref_path, seconds=seconds, warmup=warmup, procs=procs)
+
             for mode in modes:
                 port += 1
                 log = Path(tmp) / f"{model}-{mode}.log"
                 with serving(model, mode, port, ref_path, log) as proc:
-                    r = measure(
-                        proc, port, ref_path, seconds=seconds, warmup=warmup, clients=clients, procs=procs
-                    )
+                    r = run(proc, port, clients=clients)
                     row["closed"][mode] = r
                     step(f"{model} {mode} closed: {_line(r)}")
                     if open_loop:
@@ -224,16 +226,7 @@ def compare(
                             if mode not in group or base not in row["closed"]:
                                 continue
                             rate = round(row["closed"][base]["rps"] / 2, 1)
-                            r = measure(
-                                proc,
-                                port,
-                                ref_path,
-                                seconds=seconds,
-                                warmup=warmup,
-                                clients=0,
-                                rate=rate,
-                                procs=procs,
-                            )
+                            r = run(proc, port, clients=0, rate=rate)
                             row["open"].setdefault(f"{base}/2", {"rate": rate})[mode] = r
                             step(f"{model} {mode} open at {rate}/s: {_line(r)}")
             if threads and model == models[0]:
@@ -242,15 +235,7 @@ def compare(
                         port += 1
                         log = Path(tmp) / f"{model}-{mode}-{n}.log"
                         with serving(model, mode, port, ref_path, log, threads=n) as proc:
-                            r = measure(
-                                proc,
-                                port,
-                                ref_path,
-                                seconds=seconds,
-                                warmup=warmup,
-                                clients=clients,
-                                procs=procs,
-                            )
+                            r = run(proc, port, clients=clients)
                         row["threads"].setdefault(mode, {})[str(n)] = r
                         step(f"{model} {mode} with {n} launcher threads: {_line(r)}")
     return results
