@@ -144,6 +144,7 @@ def _failed_future() -> CudaFuture[Any]:
 def _done_future() -> CudaFuture[Any]:
     rec = FakeRecord()
     rec.complete()
+    rec.query()  # known complete: nothing ever hands its fake handle to CUDA
     return set_future(5, [rec])
 
 

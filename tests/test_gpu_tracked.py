@@ -15,7 +15,6 @@ tests/test_gpu_tracked.py``.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import random
 from collections.abc import Callable
@@ -370,7 +369,7 @@ def free_race(cp: Any, enabled: bool) -> tuple[np.ndarray[Any, Any], bool]:
     read, and whether A's next allocations got the block back (see
     tests/test_gpu_memory.py)."""
     from tests.test_gpu_memory import N as MEM_N
-    from tests.test_gpu_memory import fresh_pool, overwrite_on
+    from tests.test_gpu_memory import _reallocate_and_read, fresh_pool
 
     with fresh_pool():
         a, b = stream(), stream()
@@ -384,13 +383,7 @@ def free_race(cp: Any, enabled: bool) -> tuple[np.ndarray[Any, Any], bool]:
                 spin_copy(v, out, 300.0)
         ptr = x.data.ptr
         del x, v, t
-        gc.collect()
-        taken = overwrite_on(a, ptr)
-        reused = taken[-1].data.ptr == ptr
-        b.synchronize()
-        a.synchronize()
-        del taken
-        return host(out), reused
+        return _reallocate_and_read(a, b, ptr, out)
 
 
 def test_a_dropped_tracked_array_is_freed_after_the_streams_that_used_it(cp: Any, warm: None) -> None:
