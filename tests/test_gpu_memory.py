@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -74,7 +74,7 @@ def fresh_pool() -> Iterator[None]:
     pool.free_all_blocks()
 
 
-def race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], bool]:
+def race(protect: Callable[[Any, Any], None]) -> Race:
     """What B read of an array of ones that A's next allocation overwrites
         with twos as soon as the array is dropped; ``protect(array, B)`` runs
         after B's read is enqueued. Also: whether A's allocations got the block
@@ -83,7 +83,7 @@ def race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], boo
         return _race(protect)
 
 
-def _race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], bool]:
+def _race(protect: Callable[[Any, Any], None]) -> Race:
     cp = _cuda.cupy()
     a, b = stream(), stream()
     with a:
@@ -98,22 +98,33 @@ def _race(protect: Callable[[Any, Any], None]) -> tuple[np.ndarray[Any, Any], bo
     return _reallocate_and_read(a, b, ptr, out)
 
 
-def _reallocate_and_read(a: Any, b: Any, ptr: int, out: Any) -> tuple[np.ndarray[Any, Any], bool]:
+class Race(NamedTuple):
+    """What a race between B's slow read and A's reallocations came to."""
+
+    #: What B read: ones, unless A's twos overwrote the block first.
+    got: np.ndarray[Any, Any]
+    #: Whether A's allocations got the block back (the controls need it).
+    reused: bool
+    #: Whether they got it back while B still read it (a protection must
+    #: prevent that). A block that comes back after B is done is a correct
+    #: delayed free: on a loaded host (the suite beside other GPU work) the
+    #: allocations can outlast B's spin.
+    reused_under_reader: bool
+
+
+def _reallocate_and_read(a: Any, b: Any, ptr: int, out: Any) -> Race:
     """After the last reference to the block at ``ptr`` is dropped: overwrite
     what the pool hands back on ``a`` (the block itself, unless protected),
-    then B's result, and whether the block came back while B still read it.
-
-    A block that comes back after B is done is a correct delayed free: on a
-    loaded host (the suite run beside other GPU work) the 64 allocations
-    can outlast B's spin, so "came back" alone would fail a correct run."""
+    then B's result (see :class:`Race`)."""
     gc.collect()
     taken = overwrite_on(a, ptr)
-    reused = taken[-1].data.ptr == ptr and not b.done
+    reused = taken[-1].data.ptr == ptr
+    under_reader = reused and not b.done
     b.synchronize()
     a.synchronize()
     del taken
     got: np.ndarray[Any, Any] = _cuda.cupy().asnumpy(out)
-    return got, reused
+    return Race(got, reused, under_reader)
 
 
 def test_the_allocator_is_wrapped() -> None:
@@ -121,15 +132,15 @@ def test_the_allocator_is_wrapped() -> None:
 
 
 def test_control_without_record_stream_the_block_is_reused_under_the_reader() -> None:
-    got, reused = race(lambda x, b: None)
+    got, reused, _ = race(lambda x, b: None)
     assert reused, "the pool did not hand the block back: the test below would prove nothing"
     assert (got == 2.0).any(), "the block came back, but B's read was not overwritten"
 
 
 def test_record_stream_keeps_the_block_until_the_reader_is_done() -> None:
     before = cudafut.memory_statistics().frees_delayed
-    got, reused = race(cudafut.record_stream)
-    assert not reused
+    got, _, reused_under_reader = race(cudafut.record_stream)
+    assert not reused_under_reader
     assert np.all(got == 1.0)
     assert cudafut.memory_statistics().frees_delayed == before + 1
 
@@ -146,19 +157,19 @@ def test_record_stream_of_the_allocating_stream_does_nothing() -> None:
 
 def test_control_wait_without_the_mark_is_corrupted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_memory, "record_streams_of", lambda *args, **kwargs: None)
-    got, reused = _wait_race()
+    got, reused, _ = _wait_race()
     assert reused, "the pool did not hand the block back: the test below would prove nothing"
     assert (got == 2.0).any(), "the block came back, but B's read was not overwritten"
 
 
-def _wait_race() -> tuple[np.ndarray[Any, Any], bool]:
+def _wait_race() -> Race:
     """What B read of a future's value, taken with wait() (no keep=) and
     dropped at once, while A reallocates its block."""
     with fresh_pool():
         return _wait_race_in_pool()
 
 
-def _wait_race_in_pool() -> tuple[np.ndarray[Any, Any], bool]:
+def _wait_race_in_pool() -> Race:
     cp = _cuda.cupy()
     a, b = stream(), stream()
     with a:
@@ -176,8 +187,8 @@ def _wait_race_in_pool() -> tuple[np.ndarray[Any, Any], bool]:
 
 
 def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> None:
-    got, reused = _wait_race()
-    assert not reused
+    got, _, reused_under_reader = _wait_race()
+    assert not reused_under_reader
     assert np.all(got == 1.0)
 
 

@@ -30,6 +30,7 @@ import cudafut
 from cudafut import _cuda, _pools
 from tests.kernels import spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
+from tests.test_gpu_memory import Race
 
 pytestmark = pytest.mark.gpu
 
@@ -363,11 +364,11 @@ def test_to_host_bad_arguments_are_refused_before_anything_is_enqueued(cp: Any, 
 # -- the free --------------------------------------------------------------------------------
 
 
-def free_race(cp: Any, enabled: bool) -> tuple[np.ndarray[Any, Any], bool]:
+def free_race(cp: Any, enabled: bool) -> Race:
     """An array allocated on stream A, read through Tracked on B by a slow
     kernel, then dropped (array and Tracked) while B still reads: what B
-    read, and whether A's next allocations got the block back (see
-    tests/test_gpu_memory.py)."""
+    read, and whether A's next allocations got the block back, while B
+    still read it or at all (see tests/test_gpu_memory.py)."""
     from tests.test_gpu_memory import N as MEM_N
     from tests.test_gpu_memory import _reallocate_and_read, fresh_pool
 
@@ -387,13 +388,13 @@ def free_race(cp: Any, enabled: bool) -> tuple[np.ndarray[Any, Any], bool]:
 
 
 def test_a_dropped_tracked_array_is_freed_after_the_streams_that_used_it(cp: Any, warm: None) -> None:
-    got, reused = free_race(cp, enabled=True)
-    assert not reused
+    got, _, reused_under_reader = free_race(cp, enabled=True)
+    assert not reused_under_reader
     assert np.all(got == 1.0)
 
 
 def test_control_an_untracked_array_is_reused_under_its_reader(cp: Any, warm: None) -> None:
-    got, reused = free_race(cp, enabled=False)
+    got, reused, _ = free_race(cp, enabled=False)
     assert reused, "the pool did not hand the block back: the test above would prove nothing"
     assert (got == 2.0).any(), "the block came back, but B's read was not overwritten"
 
