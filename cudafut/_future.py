@@ -18,7 +18,7 @@ import enum
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
@@ -195,7 +195,8 @@ class CudaFuture(Generic[T]):
         """
         if self._state is not _PENDING:
             self._check_pending()
-        _cuda.check_usable()
+        if _cuda.forked:  # a flag test, without a call
+            _cuda.check_usable()
         # Other libraries' work (JAX's streams) before the streams recorded on
         # (docs/design.md, hazard 9); nothing for CuPy arrays and torch tensors.
         order_foreign(value, current_consumer if self._devices is None else _onto(self._devices))
@@ -391,7 +392,8 @@ class CudaFuture(Generic[T]):
             ValueError: ``timeout`` is negative or NaN.
             TypeError: ``timeout`` is not a number.
         """
-        _cuda.check_usable()
+        if _cuda.forked:  # a flag test, without a call
+            _cuda.check_usable()
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state is _SET:
@@ -428,7 +430,8 @@ class CudaFuture(Generic[T]):
                 :class:`CancelledError`).
             Exception: whatever the producer set with :meth:`set_exception`.
         """
-        _cuda.check_usable()
+        if _cuda.forked:  # a flag test, without a call
+            _cuda.check_usable()
         if self._state is _SET and self._events_done():
             if _trace.active is not None:
                 _trace.waited_at_once(self, "await")
@@ -441,11 +444,13 @@ class CudaFuture(Generic[T]):
         driver = _loops.require_driver()
         token = _trace.wait_start(self, "await") if _trace.active is not None else None
         if self._state is _PENDING:
-            yield from driver.until(
-                lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake))
-            ).__await__()
-        if self._state is _SET and first_error(self._records) is None:
-            pending = [r for r in self._records if r.status is None]
+            yield from self._until_set(driver).__await__()
+        if self._state is _SET:
+            records = self._records
+            if len(records) == 1:  # the common case, inline
+                pending: Sequence[EventRecord] = records if records[0].status is None else ()
+            else:
+                pending = _pending_records(records)
             if pending:
                 yield from driver.wait(pending)
         if token is not None:
@@ -454,6 +459,12 @@ class CudaFuture(Generic[T]):
         if self._records:
             _record_current_consumers(value, self._records, untracked=False)
         return value
+
+    def _until_set(self, driver: _loops.LoopDriver) -> Coroutine[Any, Any, None]:
+        """Wait in ``driver``'s loop until this future is set, failed or
+        cancelled. A method, not a closure in ``__await__``: a closure there
+        would give every await two cells for the collector, pending or not."""
+        return driver.until(lambda wake: self._on_set_removable(lambda: driver.call_soon_threadsafe(wake)))
 
     @overload
     def then(self, fn: Callable[[T], CudaFuture[U]], *, priority: Priority = ...) -> CudaFuture[U]: ...
@@ -507,7 +518,8 @@ class CudaFuture(Generic[T]):
         """
         _check_callable(fn, "then()")
         prio = _pools.check_priority(priority)
-        _cuda.check_usable()
+        if _cuda.forked:  # a flag test, without a call
+            _cuda.check_usable()
         child: CudaFuture[Any] = CudaFuture()
         child._keep = self  # what it waits for (see __init__)
         if _trace.active is not None:
@@ -718,7 +730,8 @@ class CudaFuture(Generic[T]):
         completions, made by a listener, use it (see ``_run_listeners``).
         """
         with self._lock:
-            self._check_pending()
+            if self._state is not _PENDING:
+                self._check_pending()
             self._value = value
             self._exception = exception
             self._traceback = traceback
@@ -731,7 +744,7 @@ class CudaFuture(Generic[T]):
             return self._announce(event, listeners)
         if _trace.active is not None:
             self._notify_traced(event, listeners)
-        else:
+        elif event is not None or listeners is not None:  # most futures: nobody waits yet
             self._notify(event, listeners)
         return None
 
@@ -926,7 +939,8 @@ class CudaFuture(Generic[T]):
 
     def _block_until_done(self, timeout: float | None) -> None:
         """Block until set, then until the events complete (or one fails)."""
-        _cuda.check_usable()
+        if _cuda.forked:  # a flag test, without a call
+            _cuda.check_usable()
         token = _trace.wait_start(self, "result()") if _trace.active is not None else None
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
@@ -950,9 +964,11 @@ class CudaFuture(Generic[T]):
             # As asyncio does: each raise starts from the stored traceback,
             # instead of growing it with every earlier result() or await.
             raise self._exception.with_traceback(self._traceback)
-        error = first_error(self._records)
-        if error is not None:
-            raise error
+        for rec in self._records:  # first_error(), inline: every await comes here
+            if rec.status:
+                error = rec.error()
+                assert error is not None  # a failed record has an error
+                raise error
         self._keep = None
         return self._value  # type: ignore[no-any-return]
 
@@ -989,7 +1005,13 @@ class CudaFuture(Generic[T]):
             # Other streams may still read these buffers; freeing them now
             # would let the memory pool hand them out again (docs/design.md,
             # hazard 5). A query (under 2 µs) spares the watcher thread work
-            # already done.
+            # already done; records known complete (an awaited future's)
+            # need not even that.
+            for rec in self._records:
+                if rec.status is None:
+                    break
+            else:
+                return
             try:  # noqa: SIM105 - cheaper than contextlib.suppress in a finalizer
                 _lifetimes.keep_until(self._records, (self._value, self._keep))
             except CudaUnavailableError:  # in a forked child: nothing to protect
@@ -1012,9 +1034,16 @@ def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *
     ``result()``, most likely: ``untracked`` is off there)."""
     arrays = gpu_arrays(value)
     if arrays:
-        devices = dict.fromkeys(r.device for r in records)
-        currents = [(d, _cuda.current_stream(d)) for d in devices]
-        _memory.record_streams_of(arrays, [(int(s.ptr), d, s) for d, s in currents], untracked=untracked)
+        if len(records) == 1:  # the common case, without the generic comprehensions
+            device = records[0].device
+            devices: Iterable[int] = (device,)
+            stream = _cuda.current_stream(device)
+            consumers = [(int(stream.ptr), device, stream)]
+        else:
+            devices = dict.fromkeys(r.device for r in records)
+            currents = [(d, _cuda.current_stream(d)) for d in devices]
+            consumers = [(int(s.ptr), d, s) for d, s in currents]
+        _memory.record_streams_of(arrays, consumers, untracked=untracked)
         if not untracked:  # await, result(): wait() records torch's stream itself (_torch.wait_current)
             torch = _torch.loaded()
             if torch is not None:
@@ -1024,6 +1053,22 @@ def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *
                 tensors = [a for a in arrays if isinstance(a, torch.Tensor)]
                 if tensors:
                     _torch.record_tensors(tensors, {d: torch.cuda.current_stream(d) for d in devices})
+
+
+def _pending_records(records: tuple[EventRecord, ...]) -> Sequence[EventRecord]:
+    """The records an await must still wait for: those not known complete,
+    ``records`` itself when that is all of them (no list); none if one
+    failed (its error is raised at once)."""
+    pending: list[EventRecord] | None = None
+    for i, rec in enumerate(records):
+        status = rec.status
+        if status:
+            return ()
+        if status is not None and pending is None:  # complete: the first one not waited for
+            pending = list(records[:i])
+        elif status is None and pending is not None:
+            pending.append(rec)
+    return records if pending is None else pending
 
 
 _WAITING: Final = 0
@@ -1256,12 +1301,17 @@ def _settle_later(
             order_foreign(out, lambda d: (int(streams[d].ptr), d) if d in streams else current_consumer(d))
         except ValueError as exc:
             return fut._fail_later(exc)
-    records = tuple(_events.record(int(s.ptr), d) for d, s in streams.items())
+    # Loops, not comprehensions: each comprehension is a call (Python 3.11).
+    records: tuple[EventRecord, ...] = ()
+    for d, s in streams.items():
+        records += (_events.record(int(s.ptr), d),)
     if isinstance(out, CudaFuture):
         return fut._follow(out, records, keep)
     # Arrays fn placed on other devices were made on those devices' streams.
     if torch is None:
-        records += tuple(_events.record_current(d) for d in find_devices(out) if d not in streams)
+        for d in find_devices(out):
+            if d not in streams:
+                records += (_events.record_current(d),)
     else:
         records += _torch.record_value(torch, out, None, skip=streams)
     return fut._try_complete(_SET, out, None, records, keep, None, True)
@@ -1306,7 +1356,8 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         ValueError: no ``stream`` and ``value`` holds no GPU array; or
             ``value`` holds an array whose producer cannot be ordered.
     """
-    _cuda.check_usable()
+    if _cuda.forked:  # a flag test, without a call
+        _cuda.check_usable()
     if stream is None:
         order_foreign(value)  # docs/design.md, hazard 9
         torch = _torch.loaded()
@@ -1393,7 +1444,8 @@ def submit(
     """
     _check_callable(fn, "submit()")
     prio = _pools.check_priority(priority)
-    _cuda.check_usable()
+    if _cuda.forked:  # a flag test, without a call
+        _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
     ptr = int(stream.ptr)
@@ -1528,7 +1580,8 @@ def _to_asyncio(fut: CudaFuture[T], loop: asyncio.AbstractEventLoop | None) -> a
         loop = running
     elif not isinstance(loop, asyncio.AbstractEventLoop):
         raise TypeError(f"loop must be an asyncio event loop, not {type(loop).__name__}")
-    _cuda.check_usable()
+    if _cuda.forked:  # a flag test, without a call
+        _cuda.check_usable()
     out: asyncio.Future[T] = loop.create_future()
 
     def copy(done: CudaFuture[T]) -> None:  # on the loop
@@ -1593,7 +1646,8 @@ def torch_module(what: str) -> Any:
 
 def _to_torch(fut: CudaFuture[T]) -> Any:
     torch = torch_module("to_torch()")
-    _cuda.check_usable()
+    if _cuda.forked:  # a flag test, without a call
+        _cuda.check_usable()
 
     def tensor_devices() -> set[int]:
         return {t.get_device() for t in _torch.torch_tensors(torch, fut._value)}

@@ -108,9 +108,10 @@ def placements(value: object, tensor: type | None) -> dict[int, int]:
 def gpu_arrays(value: object) -> list[object]:
     """Every GPU array in ``value``, in order of appearance (the host walks
     the containers; no CUDA call)."""
+    ndarray = _ndarray if _ndarray is not _Never else _cupy_ndarray()
+    if type(value) is ndarray:  # the common case: one CuPy array, nothing to walk
+        return [value]
     found: list[object] = []
-    if _ndarray is _Never:
-        _cupy_ndarray()
     _walk(value, lambda array, _where: found.append(array), set(), _tensor_type())
     return found
 

@@ -135,7 +135,11 @@ class Watchlist:
         queue = self._queues.get(record.stream_key)
         if queue is None:
             queue = self._queues[record.stream_key] = _Queue()
-        queue.add(watch)
+        watches = queue.watches
+        if watches and watches[-1].seq > watch.seq:
+            queue.add(watch)  # out of order: a sorted insert
+        else:
+            watches.append(watch)  # _Queue.add's common case, inline: every wait comes here
         self._live += 1
         return watch
 
@@ -257,7 +261,8 @@ class Driver(abc.ABC):
         completes or fails; the common case, with the fewest objects alive
         per wait. Must be called from the driver's thread; cancel with
         ``self.watchlist.remove(watch)``."""
-        self._new_wait()
+        self.pacer.new_wait(time.perf_counter())  # _new_wait(), inline: every wait comes here
+        self.ensure_polling()
         return self.watchlist.add(record, callback)
 
     def watch_all(self, records: Sequence[EventRecord], on_done: DoneCallback) -> Callable[[], None]:

@@ -22,16 +22,16 @@ from benchmarks import calls
 
 #: cudafut's own Python calls per operation, at most.
 CALL_BUDGETS = {
-    ("single", "record(x, stream=s)"): 26,
-    ("single", "result() of done work"): 15,
-    ("single", "then() per link, on done work"): 49,
-    ("single", "await of done work"): 12,
-    ("concurrent", "cudafut await (record on a stream, completed in bulk)"): 58,
+    ("single", "record(x, stream=s)"): 23,
+    ("single", "result() of done work"): 13,
+    ("single", "then() per link, on done work"): 44,
+    ("single", "await of done work"): 10,
+    ("concurrent", "cudafut await (record on a stream, completed in bulk)"): 45,
 }
 
 #: Objects tracked by the garbage collector per pending await, over what a
 #: plain asyncio future's await keeps (its task, coroutine, future...).
-GC_OBJECTS_OVER_PLAIN = 16.1
+GC_OBJECTS_OVER_PLAIN = 12.1
 
 PLAIN = "peer: plain asyncio futures, set in bulk"
 CONCURRENT = "cudafut await (record on a stream, completed in bulk)"

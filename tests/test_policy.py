@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -320,7 +320,7 @@ class _SimDriver(_loops.LoopDriver):
     async def _checkpoint(self) -> None:
         pass
 
-    def wait_records(self, records: list[Any]) -> Any:
+    def wait_records(self, records: Sequence[Any]) -> Any:
         raise NotImplementedError
 
     async def until(self, register: Any) -> None:
