@@ -74,6 +74,7 @@ def _after_fork_in_child() -> None:
     if _rt is not None:  # CUDA was initialised in the parent
         _cupy = _rt = _Forked()
         forked = True
+    _notice_streams.clear()  # the parent's streams: nothing in the child
 
 
 def check_usable() -> None:
@@ -512,6 +513,74 @@ def stream_wait(stream: int, event: int, device: int) -> None:
     _on_device_of(stream, device, _rt.streamWaitEvent, stream, event)
 
 
+# -- notices: CUDA closes a file descriptor when work ends ------------------------------
+
+# libcuda's cuLaunchHostFunc and libc's close(), loaded on the first notice;
+# False where they cannot be had.
+_host_close: Any = None
+# Per lane (a watched stream's key), the stream the notices of that lane wait
+# on: one per watched stream, so that a notice never waits behind another
+# stream's work (a host function holds up its stream until it has run).
+_notice_streams: dict[object, Any] = {}
+_notice_lock = threading.Lock()
+
+
+def _load_host_close() -> Any:
+    global _host_close
+    with _notice_lock:
+        if _host_close is None:
+            try:
+                libcuda = ctypes.CDLL("libcuda.so.1")
+                launch = libcuda.cuLaunchHostFunc
+                launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                launch.restype = ctypes.c_int
+                close = ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value
+                _host_close = (launch, close)
+            except (OSError, AttributeError):
+                _host_close = False
+    return _host_close
+
+
+def close_after(record: Any, fd: int) -> None:
+    """Have CUDA close ``fd`` once the work before ``record``'s event is
+    done: the record's notice stream (one per watched stream, made on first
+    use) waits for the event, then runs a host function that is libc's
+    ``close`` itself. No Python runs on CUDA's thread, and nothing takes the
+    GIL there (docs/design.md, hazard 1). A few µs on the calling thread;
+    blocks neither it nor the GPU.
+
+    CUDA runs no host function after a context error (hazard 2), so ``fd``
+    may never be closed: callers keep a poll to fall back on. Once this
+    returns, ``fd`` belongs to CUDA: closing it too would close whatever
+    file takes its number next.
+
+    Raises:
+        CudaUnavailableError: no ``libcuda`` to launch host functions with.
+        CudaError: the launch failed (``fd`` is then still the caller's).
+    """
+    loaded = _host_close if _host_close is not None else _load_host_close()
+    if loaded is False:
+        raise CudaUnavailableError("cuLaunchHostFunc is not available (no libcuda.so.1)")
+    launch, close = loaded
+    device = record.device
+    lane = record.stream_key
+    stream = _notice_streams.get(lane)
+    if stream is None:
+        with _notice_lock:
+            stream = _notice_streams.get(lane)
+            if stream is None:
+                stream = _notice_streams[lane] = new_stream(device, 0)
+    ptr = int(stream.ptr)
+    stream_wait(ptr, record.handle, device)
+    if _rt.getDevice() != device:
+        with on_device(device):
+            rc = launch(ptr, close, fd)
+    else:
+        rc = launch(ptr, close, fd)
+    if rc:
+        raise cuda_error(rc, device)
+
+
 def _on_device_of(stream: int, device: int, call: Callable[[int, int], object], a: int, b: int) -> None:
     # The special handles mean "the default stream of the *current* device",
     # so switch to the device they are meant for; explicit streams carry it.
@@ -770,6 +839,7 @@ def devices_of_host_value() -> tuple[int, ...]:
 #: The functions a backend replaces, by name.
 SEAM: Final = (
     "call_on_streams",
+    "close_after",
     "cupy",
     "cupy_stream",
     "current_device",

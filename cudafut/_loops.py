@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
 import sys
 import threading
 import time
@@ -27,7 +28,10 @@ import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final
 
+from . import _cuda
+from ._errors import CudaError, CudaUnavailableError
 from ._events import EventRecord
+from ._log import logger
 from ._policy import predictor
 from ._timer import make_timer
 from ._trace import hooks as _trace
@@ -170,6 +174,12 @@ class AsyncioDriver(LoopDriver):
         self._later: asyncio.TimerHandle | None = None
         self._timer = make_timer()
         self._reading = False
+        # Armed notices, per stream key: (the record's sequence number, the
+        # pipe's read end the loop watches). CUDA closes the write end.
+        self._notices: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.arm = self._arm
+        # The read ends still watched when the driver goes (its loop closed).
+        weakref.finalize(self, _close_all, self._notices)
 
     def ensure_polling(self) -> None:
         if self._mode == _SPIN:
@@ -221,6 +231,55 @@ class AsyncioDriver(LoopDriver):
             loop.add_reader(timer.fd, self._on_timer)
             self._reading = True
         timer.arm(delay)
+
+    def _arm(self, record: EventRecord) -> bool:
+        """Have CUDA wake this loop when ``record``'s work ends (see
+        ``_cuda.close_after``): a pipe whose write end CUDA closes, its read
+        end watched by the loop. One notice per stream at a time: one armed
+        for this record or an older one of its stream serves (the stream
+        completes in order). False where notices cannot be had (then the
+        waiter polls on timers, as ``notify=False`` does)."""
+        key = record.stream_key
+        armed = self._notices.get(key)
+        if armed is not None and armed[0] <= record.seq:
+            return True
+        loop = self._loop()
+        if loop is None:
+            return False
+        try:
+            r, w = os.pipe()
+        except OSError:  # out of descriptors: poll instead
+            return False
+        try:
+            _cuda.close_after(record, w)
+        except (CudaError, CudaUnavailableError) as exc:
+            os.close(r)
+            os.close(w)
+            self.arm = None  # this process cannot have notices: stop asking
+            logger.debug("cudafut: %s: no CUDA notices (%s); polling on timers", self.name, exc)
+            return False
+        if armed is not None:  # one of a newer record only (rare): replaced
+            self._forget(key)
+        loop.add_reader(r, self._on_notice, key, r)
+        self._notices[key] = (record.seq, r)
+        return True
+
+    def _forget(self, key: tuple[int, ...]) -> None:
+        _seq, r = self._notices.pop(key)
+        loop = self._loop()
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(r)
+        os.close(r)
+
+    def _on_notice(self, key: tuple[int, ...], r: int) -> None:
+        """CUDA closed a notice's pipe: the work it followed is done. Poll now."""
+        armed = self._notices.get(key)
+        if armed is not None and armed[1] == r:
+            self._forget(key)
+        if self._mode == _SLEEP:
+            self._cancel_sleep()
+            self._tick(False)
+        # Spinning: a poll is queued already. Idle: nothing is watched.
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         loop = self._loop()
@@ -275,6 +334,17 @@ class AsyncioDriver(LoopDriver):
             await waiter
         finally:
             cancel()
+
+
+def _close_all(notices: dict[tuple[int, ...], tuple[int, int]]) -> None:
+    """Close the read ends of notices left when a driver goes (the write
+    ends are CUDA's to close)."""
+    for _seq, r in notices.values():
+        try:  # noqa: SIM105 - a finalizer: no contextlib
+            os.close(r)
+        except OSError:
+            pass
+    notices.clear()
 
 
 class TrioDriver(LoopDriver):

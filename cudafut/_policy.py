@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
@@ -103,7 +103,10 @@ class WaitPolicy:
     Whatever the policy and whatever was learnt, no sleep between two polls
     is longer than ``max_sleep_s``: a completion is noticed at most
     ``max_sleep_s`` after it happens, plus the operating system's wake-up
-    delay (docs/performance.md, "Bounded regret").
+    delay (docs/performance.md, "Bounded regret"). The one exception is a
+    sleep with a notice armed (``notify``) for every stream it waits on: it
+    lasts up to ``notice_sleep_s``, and the notice ends it when the work
+    completes (a notice lost to a context error is caught by that poll).
 
     Attributes:
         spin_s: after a new wait, poll continuously (yielding to the event
@@ -118,17 +121,32 @@ class WaitPolicy:
             the expected ends of durations that repeat.
         cpu_budget: for predicted work, the largest share of the wait that
             may be spent spinning before the expected end (0 to 1).
+        notify: where no learnt duration says when work ends (unknown or
+            unpredictable work), an asyncio or uvloop waiter asks CUDA for
+            a notice instead of polling on a timer: a host function that is
+            libc's ``close()`` of a pipe the loop watches, launched on a
+            notice stream after the oldest pending event of each stream (no
+            Python runs on CUDA's threads: docs/design.md, hazard 1). One
+            notice per stream at a time, not one per await. Trio and
+            blocking waits (``result()``) poll as before.
+        notice_sleep_s: the longest sleep while notices are armed for every
+            stream waited on: a poll that also catches what a notice cannot
+            report (CUDA runs no host function after a context error, so a
+            sticky error is seen at most this late). Less than
+            ``max_sleep_s`` counts as ``max_sleep_s``.
 
     Every number may be any real number (NumPy scalars and ``Fraction``
     included, bools not).
 
     Raises:
-        TypeError: a field that is not a number (``predict``: not a bool).
+        TypeError: a field that is not a number (``predict``, ``notify``:
+            not a bool).
         ValueError: a negative or NaN number, one too large for a float (an
             ``int`` beyond 1.8e308: use ``math.inf`` for ``spin_s``),
             ``first_sleep_s`` not in ``(0, max_sleep_s]``, a ``max_sleep_s``
             longer than a thread can sleep (``threading.TIMEOUT_MAX``, about
-            292 years; infinite included), or a ``cpu_budget`` over 1.
+            292 years; infinite included), a ``cpu_budget`` over 1, or a
+            ``notice_sleep_s`` longer than a thread can sleep.
     """
 
     spin_s: float = 100e-6
@@ -136,18 +154,21 @@ class WaitPolicy:
     max_sleep_s: float = 1e-3
     predict: bool = True
     cpu_budget: float = 0.05
+    notify: bool = True
+    notice_sleep_s: float = 20e-3
 
     def __post_init__(self) -> None:
         values = {}
-        for name in ("spin_s", "first_sleep_s", "max_sleep_s", "cpu_budget"):
+        for name in ("spin_s", "first_sleep_s", "max_sleep_s", "cpu_budget", "notice_sleep_s"):
             value = values[name] = _checks.real_number(getattr(self, name), f"WaitPolicy.{name}")
             if value < 0:
                 raise ValueError(f"WaitPolicy.{name} must not be negative, not {getattr(self, name)!r}")
             # Plain floats for the waiters' arithmetic (a Fraction or NumPy
             # scalar would slow every plan down, or change its types).
             object.__setattr__(self, name, value)
-        if not isinstance(self.predict, bool):
-            raise TypeError(f"WaitPolicy.predict must be True or False, not {self.predict!r}")
+        for flag in ("predict", "notify"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"WaitPolicy.{flag} must be True or False, not {getattr(self, flag)!r}")
         first, most = values["first_sleep_s"], values["max_sleep_s"]
         if not 0 < first <= most < math.inf:
             raise ValueError(
@@ -160,6 +181,12 @@ class WaitPolicy:
                 f"({MAX_SLEEP_LIMIT_S:g} s, threading.TIMEOUT_MAX); it bounds how late a completion "
                 "is noticed: a few ms is usual"
             )
+        if values["notice_sleep_s"] > MAX_SLEEP_LIMIT_S:
+            raise ValueError(
+                f"WaitPolicy.notice_sleep_s={self.notice_sleep_s!r} is longer than a thread can sleep "
+                f"({MAX_SLEEP_LIMIT_S:g} s): it bounds how late an error a notice cannot report is "
+                "seen; tens of ms is usual"
+            )
         if values["cpu_budget"] > 1:
             raise ValueError(f"WaitPolicy.cpu_budget is a share of the wait, 0 to 1, not {self.cpu_budget!r}")
 
@@ -168,7 +195,7 @@ PolicyName = Literal["balanced", "low_latency", "low_cpu"]
 
 PRESETS: Final[dict[str, WaitPolicy]] = {
     "balanced": WaitPolicy(),
-    "low_latency": WaitPolicy(spin_s=math.inf, predict=False),
+    "low_latency": WaitPolicy(spin_s=math.inf, predict=False, notify=False),
     "low_cpu": WaitPolicy(spin_s=20e-6, first_sleep_s=200e-6, max_sleep_s=2e-3, cpu_budget=0.01),
 }
 
@@ -179,10 +206,11 @@ def set_wait_policy(policy: WaitPolicy | PolicyName) -> WaitPolicy:
     """Set how every waiter in the process polls; return the previous policy.
 
     ``policy`` is a :class:`WaitPolicy` or a preset's name: ``"balanced"``
-    (default: spins around learnt durations, sleeps of at most 1 ms
-    otherwise), ``"low_latency"`` (spin for the whole wait: one busy core
-    per waiting thread or loop) or ``"low_cpu"`` (short spins, sleeps of up
-    to 2 ms). Takes effect at each waiter's next poll. Costs nothing.
+    (default: spins around learnt durations; otherwise, on asyncio and
+    uvloop, a CUDA notice, else sleeps of at most 1 ms), ``"low_latency"``
+    (spin for the whole wait: one busy core per waiting thread or loop) or
+    ``"low_cpu"`` (short spins, sleeps of up to 2 ms). Takes effect at each
+    waiter's next poll. Costs nothing.
 
     Raises:
         ValueError: an unknown preset name.
@@ -470,18 +498,31 @@ class Pacer:
         than ``cpu_budget`` of the wait on average."""
         return min(self._late_q + _WARM_S, self._late_median + policy.cpu_budget * duration)
 
-    def next_poll(self, records: Sequence[EventRecord], now: float) -> float:
+    def next_poll(
+        self, records: Sequence[EventRecord], now: float, arm: Callable[[EventRecord], bool] | None = None
+    ) -> float:
         """When to poll next for ``records`` (the oldest pending record of
         each stream); a time not after ``now`` means "poll again at once",
         and :attr:`spin_ends` then says for how long that holds.
 
-        Never later than ``now + max_sleep_s``: the bound on regret.
+        ``arm(record)``, if given and the policy says ``notify``, is asked
+        for a notice when ``record``'s work ends, for each record that no
+        learnt duration covers (once the spin after a new wait is over);
+        True means one is armed (now or earlier), so that no timed poll is
+        needed for it.
+
+        Never later than ``now + max_sleep_s``: the bound on regret; or
+        ``now + notice_sleep_s`` when every record has a notice armed.
         """
         policy = _policy
         spin_s = policy.spin_s
         bound = now + policy.max_sleep_s
         best = math.inf
         backoff = False
+        noticed = False
+        bounded = False
+        if not policy.notify:
+            arm = None
         spin_ends = 0.0
         for rec in records:
             modes, surprised = predictor.modes(rec) if policy.predict else ((), True)
@@ -500,12 +541,17 @@ class Pacer:
                         ahead = True
                         break
             if ahead and not surprised:
+                # Predicted: polled by the bound until its window opens, in
+                # case it ends early (no notice is asked for it).
+                bounded = True
                 continue
             # Unknown work, work past every mode (it runs longer than learnt
             # this time), or a stream whose work just changed: spin after a
             # new wait, then sleep in growing steps.
             if now < self.spin_until:
                 spin_ends = max(spin_ends, self.spin_until)
+            elif arm is not None and arm(rec):
+                noticed = True  # the notice wakes the waiter: no timed poll for it
             else:
                 backoff = True
         if spin_ends:
@@ -517,6 +563,8 @@ class Pacer:
         if backoff and now + self._backoff < best:
             best = now + self._backoff
             self._backoff = min(self._backoff * 2, policy.max_sleep_s)
+        elif noticed and not backoff and not bounded:  # every record has a notice
+            bound = now + max(policy.notice_sleep_s, policy.max_sleep_s)
         when = min(best, bound)
         if logger.isEnabledFor(_DEBUG):
             self._explain(records, now, when, policy)

@@ -247,6 +247,10 @@ class Driver(abc.ABC):
 
     #: What the debug log and traces call this waiter.
     name = "waiter"
+    #: ``arm(record)`` asks for a notice when ``record``'s work ends, so that
+    #: no timed poll is needed for it (see ``Pacer.next_poll``); True once
+    #: one is armed. None: this driver polls on timers only.
+    arm: Callable[[EventRecord], bool] | None = None
 
     def __init__(self, *, learn: bool = True) -> None:
         self.watchlist = Watchlist(learn=learn)
@@ -299,7 +303,7 @@ class Driver(abc.ABC):
             return now  # more may have completed: fire them at the next loop iteration
         if not fired and now < self.pacer.spin_ends:
             return now  # the plan still says spin: keep the spinning poll lean
-        return self.pacer.next_poll(self.watchlist.oldest(), time.perf_counter())
+        return self.pacer.next_poll(self.watchlist.oldest(), time.perf_counter(), self.arm)
 
     def run_fired(self, fired: Iterable[tuple[RecordCallback, EventRecord]]) -> None:
         for callback, record in fired:

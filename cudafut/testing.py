@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
@@ -139,6 +140,10 @@ class _Backend:
         self._defaults = [FakeStream(self, d, 0) for d in range(devices)]
         self._made: dict[int, FakeStream] = {s.ptr: s for s in self._defaults}
         self.record_type = _record_type(self)
+        # Notices (close_after): file descriptors to close when their event
+        # completes; and those of failed events, which CUDA never closes.
+        self._notices: list[tuple[_Event, int]] = []
+        self._unclosed: list[int] = []
 
     # -- the seam (cudafut._cuda.SEAM) --
 
@@ -228,6 +233,43 @@ class _Backend:
 
     def stream_wait(self, stream: int, event: int, device: int) -> None:
         pass  # an event of no fake record (real CUDA's, a test's): nothing to order
+
+    def close_after(self, record: Any, fd: int) -> None:
+        # As CUDA's host function: ``fd`` is closed when the record's event
+        # completes (in the thread that completes it), never if it fails.
+        ev: _Event | None = getattr(record, "event", None)
+        with self._lock:
+            if ev is not None and ev.status is None:
+                self._notices.append((ev, fd))
+                return
+            if ev is not None and ev.status:
+                self._unclosed.append(fd)
+                return
+        os.close(fd)
+
+    def _fire_notices(self) -> None:
+        """Close the descriptors of the notices whose event is no longer
+        pending (under the lock)."""
+        if not self._notices:
+            return
+        waiting = []
+        for ev, fd in self._notices:
+            if ev.status is None:
+                waiting.append((ev, fd))
+            elif ev.status:
+                self._unclosed.append(fd)
+            else:
+                os.close(fd)
+        self._notices = waiting
+
+    def close_notices(self) -> None:
+        """The fake GPU is going: close every descriptor left to it (a
+        process's exit does the same for CUDA's)."""
+        with self._lock:
+            fds = [fd for _ev, fd in self._notices] + self._unclosed
+            self._notices, self._unclosed = [], []
+        for fd in fds:
+            os.close(fd)
 
     def stream_device(self, stream: int) -> int:
         made = self._made.get(stream)
@@ -323,6 +365,7 @@ class _Backend:
                 ev.status = code
                 ev.deps = ()
                 self._pending.pop(ev.number, None)
+        self._fire_notices()
 
     def complete(self, events: list[_Event]) -> None:
         with self._lock:
@@ -529,3 +572,4 @@ def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[Fake
             restore()
         finally:
             backend.complete_all()  # what the fake's launchers recorded last
+            backend.close_notices()

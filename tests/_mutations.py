@@ -141,6 +141,16 @@ def _patch_launch_wait() -> None:
     )
 
 
+def _close_never(record: Any, fd: int) -> None:
+    pass  # the descriptor is kept open: CUDA never closes it (a lost notice)
+
+
+def _close_at_once(record: Any, fd: int) -> None:
+    import os
+
+    os.close(fd)  # before the work ends: a notice that orders nothing
+
+
 MUTATIONS = {
     # every cudaStreamWaitEvent becomes a no-op
     "stream_wait": lambda: setattr(_cuda, "stream_wait", _no_stream_wait),
@@ -177,6 +187,10 @@ MUTATIONS = {
     "tracked_record": _patch_tracked_record,
     # Tracked: the streams that used the array are not recorded for its free
     "tracked_free": _patch_tracked_free,
+    # notices never come (as after a context error): the waiter falls back to polls
+    "notice_drop": lambda: setattr(_cuda, "close_after", _close_never),
+    # notices come at once, before the work they follow has ended
+    "notice_early": lambda: setattr(_cuda, "close_after", _close_at_once),
 }
 
 

@@ -448,6 +448,165 @@ def test_every_completion_is_noticed_within_the_bound(
         assert max(lates) <= bound, f"result() noticed a completion {max(lates) * 1e3:.3f} ms late"
 
 
+# -- notices (WaitPolicy.notify): the bound holds whatever they do ----------------------
+#
+# A notice is CUDA closing a pipe when a record's work ends (_cuda.close_after).
+# On the fake clock it arrives on time (a wake-up delay after the end), late,
+# early (before the work ends: a spurious wake-up), twice, or never (CUDA runs
+# no host function after a context error). Whatever it does, every completion
+# is noticed within notice_sleep_s (or max_sleep_s where no notice was armed)
+# plus the OS's lateness; on time, within its delay or the usual bound.
+
+_NOTICE_KINDS = ("on time", "late", "early", "twice", "never")
+
+
+def _run_driver_with_notices(
+    clock: _Clock, streams: list[list[float]], kind: str, delay: float, armable: bool = True
+) -> tuple[list[float], int]:
+    """As :func:`_run_driver`, the driver asking for notices that behave as
+    ``kind`` says; returns how late each completion was seen and how many
+    notices were armed."""
+    driver = _SimDriver()
+    deliveries: list[float] = []  # clock times at which a notice wakes the driver
+    armed: dict[tuple[int, ...], int] = {}
+
+    def arm(rec: Any) -> bool:
+        if not armable:
+            return False
+        seq = armed.get(rec.stream_key)
+        if seq is not None and seq <= rec.seq:
+            return True
+        armed[rec.stream_key] = rec.seq
+        end = rec.end
+        if kind == "on time":
+            deliveries.append(end + delay)
+        elif kind == "late":
+            deliveries.append(end + 5e-3)
+        elif kind == "early":
+            deliveries.append(min(clock.now + delay, end))
+        elif kind == "twice":
+            deliveries.extend((end + delay, end + 2 * delay))
+        return True
+
+    driver.arm = arm
+    lates: list[float] = []
+    queues = [list(durations) for durations in streams]
+    seqs = [0] * len(streams)
+    notices = 0
+
+    def launch(i: int) -> None:
+        if not queues[i]:
+            return
+        seqs[i] += 1
+        rec = _job(clock, 0x9000 + i, seqs[i], queues[i].pop(0))
+
+        def noticed(r: Any, i: int = i, rec: _TimedRecord = rec) -> None:
+            lates.append(clock.now - rec.end)
+            armed.pop(rec.stream_key, None)  # its notice, if any, fired or is moot
+            launch(i)
+
+        driver.watch_one(rec, noticed)
+
+    for i in range(len(streams)):
+        launch(i)
+    policy = cudafut.get_wait_policy()
+    longest = max(policy.max_sleep_s, policy.notice_sleep_s)
+    timer_fired = False
+    while True:
+        before = clock.now
+        n_armed = len(armed)
+        when = driver.poll(timer_fired)
+        notices += max(0, len(armed) - n_armed)
+        if when is None:
+            return lates, notices
+        assert when - clock.now <= longest + 1e-9, "a sleep longer than the policy allows was planned"
+        deliveries.sort()
+        delay_s = when - clock.perf_counter()
+        if deliveries and deliveries[0] < clock.now + max(delay_s, 0.0):
+            clock.now = max(clock.now, deliveries.pop(0)) + clock.lateness  # woken by the notice
+            timer_fired = False
+        else:
+            timer_fired = delay_s >= _loops.MIN_SLEEP_S
+            if timer_fired:
+                driver.pacer.sleeping_until(when)
+                clock.sleep(delay_s)
+        while deliveries and deliveries[0] <= clock.now:  # arrived while awake: no extra wake-up
+            deliveries.pop(0)
+        assert clock.now > before
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pattern=st.sampled_from(sorted(_PATTERNS)),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 30),
+    nstreams=st.integers(1, 4),
+    lateness=st.sampled_from([0.0, 50e-6, 400e-6]),
+    kind=st.sampled_from(_NOTICE_KINDS),
+    delay=st.sampled_from([0.0, 100e-6, 300e-6]),
+    notice_sleep_s=st.sampled_from([1e-3, 5e-3, 20e-3]),
+)
+def test_every_completion_is_noticed_within_the_bound_whatever_the_notices_do(
+    clock: _Clock,
+    pattern: str,
+    seed: int,
+    n: int,
+    nstreams: int,
+    lateness: float,
+    kind: str,
+    delay: float,
+    notice_sleep_s: float,
+) -> None:
+    cudafut.set_wait_policy(WaitPolicy(notice_sleep_s=notice_sleep_s))
+    _policy.predictor.clear()
+    clock.lateness = lateness
+    rnd = random.Random(seed)
+    streams = [_PATTERNS[pattern](rnd, n) for _ in range(nstreams)]
+    policy = cudafut.get_wait_policy()
+    slack = lateness + 20 * _TICK_S
+    lates, _armed = _run_driver_with_notices(clock, streams, kind, delay)
+    assert len(lates) == sum(map(len, streams))
+    assert max(lates) <= max(policy.notice_sleep_s, policy.max_sleep_s) + slack
+    if kind in ("on time", "twice"):
+        assert max(lates) <= max(delay, policy.max_sleep_s) + slack, (
+            f"a notice on time, yet a completion was noticed {max(lates) * 1e3:.3f} ms late"
+        )
+
+
+def test_unknown_work_is_noticed_by_its_notice_not_by_timed_polls(clock: _Clock) -> None:
+    # 5 ms of work of no learnt duration: without notices the waiter polls
+    # every max_sleep_s (1 ms) at most; with one, it sleeps until the notice.
+    _policy.predictor.clear()
+    lates, armed = _run_driver_with_notices(clock, [[5e-3]], "on time", 100e-6)
+    assert armed == 1
+    assert lates[0] <= 100e-6 + 20 * _TICK_S
+    polls = []
+    driver_poll = _waiter.Driver.poll
+
+    def counted(self: Any, timer_fired: bool) -> Any:
+        polls.append(timer_fired)
+        return driver_poll(self, timer_fired)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_waiter.Driver, "poll", counted)
+        _policy.predictor.clear()
+        _run_driver_with_notices(clock, [[5e-3]], "on time", 100e-6)
+        with_notice = polls.count(True)
+        polls.clear()
+        _policy.predictor.clear()
+        _run_driver_with_notices(clock, [[5e-3]], "never", 0.0, armable=False)
+        without = polls.count(True)
+    assert with_notice < without, (with_notice, without)
+
+
+def test_no_notice_is_asked_for_when_the_policy_says_so(clock: _Clock) -> None:
+    cudafut.set_wait_policy(WaitPolicy(notify=False))
+    _policy.predictor.clear()
+    lates, armed = _run_driver_with_notices(clock, [[5e-3, 3e-3]], "on time", 0.0)
+    assert armed == 0 and len(lates) == 2
+    assert max(lates) <= WaitPolicy().max_sleep_s + 20 * _TICK_S
+
+
 def test_the_step_that_broke_the_old_predictor(clock: _Clock) -> None:
     # One 50 ms job, then forty of 2 ms: each 2 ms wait used to sleep until
     # the 50 ms estimate's end (34 ms late at the median on an H200).

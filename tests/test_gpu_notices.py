@@ -1,0 +1,118 @@
+"""Notices on a GPU (WaitPolicy.notify): for work of no learnt duration, an
+asyncio or uvloop waiter has CUDA close a pipe when the work ends (a host
+function that is libc's ``close()``, launched by address) and sleeps until
+then, instead of polling every ``max_sleep_s``.
+
+What is checked: the notice, not a timer, ends the wait (``_on_notice``
+runs); one notice serves a wait, not one per poll (a notice fired before
+the work ends would be asked for again and again: the ``notice_early``
+mutation); every pipe is closed afterwards and no thread is left; the
+function CUDA runs is libc's ``close`` itself, so no Python runs on CUDA's
+threads. The bound when notices never come is proved on the CPU
+(tests/test_policy.py); ``notice_drop`` is the mutation that stops them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import cudafut
+from cudafut import _cuda, _loops, _policy
+from tests import kernels
+from tests.runners import run_on
+
+pytestmark = pytest.mark.gpu
+
+LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
+SPIN_MS = 50.0
+
+
+@pytest.fixture(autouse=True)
+def _balanced() -> Iterator[None]:
+    old = cudafut.set_wait_policy("balanced")
+    _policy.predictor.clear()  # a reused stream handle must not bring a learnt duration
+    yield
+    cudafut.set_wait_policy(old)
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.armed = 0
+        self.fired = 0
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> _Seen:
+    """Counts the notices armed (``_cuda.close_after``) and received
+    (``AsyncioDriver._on_notice``)."""
+    counts = _Seen()
+    close_after = _cuda.close_after
+    on_notice = _loops.AsyncioDriver._on_notice
+
+    def counting_close_after(record: Any, fd: int) -> None:
+        counts.armed += 1
+        close_after(record, fd)
+
+    def counting_on_notice(self: Any, key: Any, r: int) -> None:
+        counts.fired += 1
+        on_notice(self, key, r)
+
+    monkeypatch.setattr(_cuda, "close_after", counting_close_after)
+    monkeypatch.setattr(_loops.AsyncioDriver, "_on_notice", counting_on_notice)
+    return counts
+
+
+async def _slow_value(value: float) -> float:
+    cp = _cuda.cupy()
+    out = cp.zeros(1, dtype=cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        kernels.spin_fill(out, value, SPIN_MS)
+        fut = cudafut.record(out)
+    got = await fut
+    return float(got[0])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_notice_ends_the_wait_for_work_of_unknown_duration(seen: _Seen, loop: str) -> None:
+    assert run_on(loop, _slow_value, 7.0) == 7.0
+    assert seen.fired >= 1, "no notice ended the wait: it was polled on timers"
+    # One notice per wait: a notice that fired before the work ended would
+    # be asked for again at every plan (hundreds in 50 ms).
+    assert 1 <= seen.armed <= 3, seen.armed
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_notices_leave_no_pipe_and_no_thread(seen: _Seen, loop: str) -> None:
+    run_on(loop, _slow_value, 1.0)  # the first loop of a kind may keep descriptors
+    gc.collect()
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    for i in range(5):
+        assert run_on(loop, _slow_value, float(i)) == float(i)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert threading.active_count() == threads
+    assert seen.fired >= 5
+
+
+def test_without_notify_the_wait_is_polled(seen: _Seen) -> None:
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=False))
+    assert run_on("asyncio", _slow_value, 3.0) == 3.0
+    assert seen.armed == 0 and seen.fired == 0
+
+
+def test_the_host_function_is_libc_close_itself() -> None:
+    # What CUDA calls on its own thread: libc's close, by address; nothing
+    # that could take the GIL (docs/design.md, hazard 1).
+    loaded = _cuda._load_host_close()
+    assert loaded, "libcuda's cuLaunchHostFunc could not be loaded"
+    _launch, function = loaded
+    assert function == ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value

@@ -1,0 +1,140 @@
+"""Notices (WaitPolicy.notify) on the fake GPU: an asyncio or uvloop waiter
+with work of no learnt duration asks CUDA to close a pipe when the work ends
+(``_cuda.close_after``), one notice per stream, and sleeps until then; a
+failed event, whose notice never comes, is still seen by the fallback poll.
+The bound itself is proved on a fake clock in tests/test_policy.py."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.util
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cudafut
+from cudafut import _cuda, testing
+from tests.runners import run_on
+
+LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(autouse=True)
+def _policy() -> Iterator[None]:
+    old = cudafut.get_wait_policy()
+    yield
+    cudafut.set_wait_policy(old)
+
+
+@pytest.fixture
+def notices() -> Iterator[tuple[testing.FakeCuda, list[int]]]:
+    """The fake GPU, and the descriptors handed to its close_after()."""
+    with testing.fake_cuda() as fake, pytest.MonkeyPatch.context() as mp:
+        # Patched inside the fake and undone before it goes: the fake's
+        # removal puts real CUDA's close_after back.
+        handed: list[int] = []
+        fake_close_after = _cuda.close_after
+
+        def counting(record: Any, fd: int) -> None:
+            handed.append(fd)
+            fake_close_after(record, fd)
+
+        mp.setattr(_cuda, "close_after", counting)
+        yield fake, handed
+
+
+async def _await_completed_later(fake: testing.FakeCuda, futs: list[Any], after_s: float) -> list[Any]:
+    async def finish() -> None:
+        await asyncio.sleep(after_s)
+        fake.complete(*futs)
+
+    finisher = asyncio.ensure_future(finish())
+    values = [await f for f in futs]
+    await finisher
+    return values
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_an_await_of_unknown_work_asks_for_one_notice_per_stream(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str
+) -> None:
+    fake, handed = notices
+    run_on(loop, asyncio.sleep, 0)  # uvloop's first loop opens a pipe it keeps
+    before = _open_fds()
+    streams = [fake.stream(), fake.stream()]
+    futs = [cudafut.record(np.full(2, i), stream=streams[i % 2]) for i in range(6)]
+    values = run_on(loop, _await_completed_later, fake, futs, 0.02)
+    assert [v[0] for v in values] == [0, 1, 2, 3, 4, 5]
+    # A notice for the oldest pending record of a stream serves its later
+    # ones: at most one per stream at a time, never one per await.
+    assert 1 <= len(handed) <= 2 * 3
+    del futs, values
+    gc.collect()
+    assert _open_fds() == before, "a notice's pipe was left open"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_without_notify_the_waiter_polls_on_timers(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str
+) -> None:
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=False))
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+    (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.01)
+    assert value.sum() == 2 and handed == []
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_failed_event_whose_notice_never_comes_is_seen_by_the_fallback_poll(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str
+) -> None:
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=5e-3))
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+
+    async def main() -> None:
+        async def fail() -> None:
+            await asyncio.sleep(0.01)
+            fake.fail(fut, 700)
+
+        failer = asyncio.ensure_future(fail())
+        with pytest.raises(cudafut.CudaError):
+            await fut
+        await failer
+
+    run_on(loop, main)
+    assert handed, "no notice was armed: the test would prove nothing"
+
+
+def test_trio_polls_on_timers(notices: tuple[testing.FakeCuda, list[int]]) -> None:
+    trio = pytest.importorskip("trio")
+    fake, handed = notices
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+
+    async def main() -> Any:
+        async def finish() -> None:
+            await trio.sleep(0.01)
+            fake.complete(fut)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(finish)
+            return await fut
+
+    assert trio.run(main).sum() == 2 and handed == []
+
+
+def test_real_cuda_without_libcuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: the real close_after refuses, and the waiter then polls.
+    if _cuda._load_host_close() is not False:
+        pytest.skip("libcuda is loadable here")
+    with pytest.raises(cudafut.CudaUnavailableError, match="cuLaunchHostFunc"):
+        _cuda.close_after(object(), -1)
