@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import cudafut
+from cudafut import WaitPolicy
 
 from .support.common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure
 
@@ -41,8 +42,15 @@ LOW_LATENCY = "cudafut await (low_latency)"
 THREAD = "peer: blocking-sync event in a thread"
 EXECUTOR = "peer: run_in_executor(event.synchronize)"
 SLEEP0 = "peer: asyncio sleep(0) polling"
-STRATEGIES = (BALANCED, LOW_CPU, LOW_LATENCY, THREAD, EXECUTOR, SLEEP0)
-_PRESETS = {BALANCED: "balanced", LOW_CPU: "low_cpu", LOW_LATENCY: "low_latency"}
+#: The balanced policy without CUDA notices (WaitPolicy.notify): the waiter before them.
+BALANCED_TIMED = "cudafut await (balanced, timed polls)"
+STRATEGIES = (BALANCED, BALANCED_TIMED, LOW_CPU, LOW_LATENCY, THREAD, EXECUTOR, SLEEP0)
+_PRESETS: dict[str, WaitPolicy | str] = {
+    BALANCED: "balanced",
+    BALANCED_TIMED: WaitPolicy(notify=False),
+    LOW_CPU: "low_cpu",
+    LOW_LATENCY: "low_latency",
+}
 
 #: Layouts: one task on one stream, and 8 tasks on 8 streams at once.
 LAYOUTS = {"1 stream": 1, "8 streams": 8}
