@@ -1,7 +1,10 @@
 """Reliability runs that take minutes: leaks over 1,000,000 futures, a
-loopback server under 64 clients, Ctrl-C latency, mass cancellation.
+loopback server under 64 clients, Ctrl-C latency, mass cancellation, and a
+soak of 64 tasks awaiting work that changes duration (steps and random:
+the waiter's notices and polls in turn).
 
-    python -m benchmarks.reliability [--futures 1000000] [--seconds 60] [--out DIR]
+    python -m benchmarks.reliability [--futures 1000000] [--seconds 60]
+        [--soak-seconds 60] [--only cancel|ctrl_c|leak|load|soak ...] [--out DIR]
 
 Prints a summary and writes ``reliability-<gpu>.json``. docs/reliability.md
 explains the results committed in benchmarks/results/.
@@ -13,7 +16,9 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -93,6 +98,69 @@ def leak_run(n_futures: int, workers: int = 8) -> dict[str, Any]:
         "peak": peak,
         "end": end,
         "samples": len(samples),
+    }
+
+
+LOG_50_US, LOG_20_MS = math.log(0.05), math.log(20.0)  # in ms
+
+
+def soak_run(seconds: float, tasks: int = 64) -> dict[str, Any]:
+    """``tasks`` tasks on their own streams for ``seconds``, each launching
+    work and awaiting it: half in steps (blocks of 2 ms jobs, then of 20 ms),
+    half of random duration (log-uniform, 50 µs to 20 ms), so that the
+    waiter spins around what it learnt, polls, and asks for notices in turn.
+    Every answer is checked; resources are sampled every 5 s: a leak of
+    threads, descriptors (a notice's pipe), events or memory grows them."""
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(tasks)]
+    samples: list[dict[str, float]] = []
+    counts = {"awaits": 0, "wrong": 0}
+    deadline = 0.0
+
+    async def task(k: int) -> None:
+        rnd = random.Random(k)
+        s = streams[k]
+        with s:
+            x = cp.zeros(16, dtype=cp.float32)
+        i = 0
+        while time.perf_counter() < deadline:
+            random_work = k % 2
+            ms = math.exp(rnd.uniform(LOG_50_US, LOG_20_MS)) if random_work else (2.0, 20.0)[(i // 8) % 2]
+            work(int(ms * 1e6), on=s)
+            with s:
+                fut = cudafut.record(x + i)
+            y = await fut
+            if i % 16 == 0 and float(y[0].get()) != i:
+                counts["wrong"] += 1
+            counts["awaits"] += 1
+            i += 1
+
+    async def sampler() -> None:
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(5.0)
+            samples.append(resources())
+
+    async def main() -> None:
+        nonlocal deadline
+        deadline = time.perf_counter() + seconds
+        await asyncio.gather(sampler(), *(task(k) for k in range(tasks)))
+
+    gc.collect()
+    start = resources()
+    t = time.perf_counter()
+    asyncio.run(main())
+    wall = time.perf_counter() - t
+    gc.collect()
+    time.sleep(0.1)
+    end = resources()
+    peak = {k: max(s[k] for s in [start, *samples, end]) for k in start}
+    return {
+        "tasks": tasks,
+        "seconds": wall,
+        **counts,
+        "start": start,
+        "peak": peak,
+        "end": end,
+        "samples": samples,
     }
 
 
@@ -229,6 +297,9 @@ def cancel_run(n: int = 10_000) -> dict[str, Any]:
     return asyncio.run(main())
 
 
+RUNS = ("cancel", "ctrl_c", "leak", "load", "soak")
+
+
 async def _await(fut: cudafut.CudaFuture[Any]) -> Any:
     return await fut
 
@@ -237,26 +308,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.reliability", description=__doc__)
     parser.add_argument("--futures", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--soak-seconds", type=float, default=60)
+    parser.add_argument("--only", action="append", choices=RUNS, help="run only these (repeatable)")
+    parser.add_argument("--name", help="results file stem (default: reliability-<gpu>)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    only = set(args.only or RUNS)
     env = environment()
     res: dict[str, Any] = {"meta": {**env, "cudafut": cudafut.__version__}}
-    print("cancellations ...", file=sys.stderr, flush=True)
-    res["cancel"] = cancel_run()
-    print(json.dumps(res["cancel"]), file=sys.stderr, flush=True)
-    print("ctrl-c ...", file=sys.stderr, flush=True)
-    res["ctrl_c"] = ctrl_c_runs()
-    print(json.dumps(res["ctrl_c"]), file=sys.stderr, flush=True)
-    print(f"leak run, {args.futures} futures ...", file=sys.stderr, flush=True)
-    res["leak"] = leak_run(args.futures)
-    print(json.dumps({k: res["leak"][k] for k in ("futures", "seconds", "start", "end")}), file=sys.stderr)
-    print(f"load run, 64 clients, {args.seconds} s ...", file=sys.stderr, flush=True)
-    res["load"] = load_run(args.seconds)
-    summary = {k: v for k, v in res["load"].items() if k not in ("start", "end", "peak")}
-    print(json.dumps(summary), file=sys.stderr)
+    if "cancel" in only:
+        print("cancellations ...", file=sys.stderr, flush=True)
+        res["cancel"] = cancel_run()
+        print(json.dumps(res["cancel"]), file=sys.stderr, flush=True)
+    if "ctrl_c" in only:
+        print("ctrl-c ...", file=sys.stderr, flush=True)
+        res["ctrl_c"] = ctrl_c_runs()
+        print(json.dumps(res["ctrl_c"]), file=sys.stderr, flush=True)
+    if "leak" in only:
+        print(f"leak run, {args.futures} futures ...", file=sys.stderr, flush=True)
+        res["leak"] = leak_run(args.futures)
+        keys = ("futures", "seconds", "start", "end")
+        print(json.dumps({k: res["leak"][k] for k in keys}), file=sys.stderr)
+    if "load" in only:
+        print(f"load run, 64 clients, {args.seconds} s ...", file=sys.stderr, flush=True)
+        res["load"] = load_run(args.seconds)
+        summary = {k: v for k, v in res["load"].items() if k not in ("start", "end", "peak")}
+        print(json.dumps(summary), file=sys.stderr)
+    if "soak" in only:
+        print(f"soak, 64 tasks, {args.soak_seconds} s ...", file=sys.stderr, flush=True)
+        res["soak"] = soak_run(args.soak_seconds)
+        keys = ("awaits", "wrong", "start", "end")
+        print(json.dumps({k: res["soak"][k] for k in keys}), file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"reliability-{env['gpu'].lower().replace('nvidia ', '').split()[0]}.json"
+    stem = args.name or f"reliability-{env['gpu'].lower().replace('nvidia ', '').split()[0]}"
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}", file=sys.stderr)
     return 0
