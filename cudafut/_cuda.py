@@ -12,6 +12,7 @@ under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -74,7 +75,10 @@ def _after_fork_in_child() -> None:
     if _rt is not None:  # CUDA was initialised in the parent
         _cupy = _rt = _Forked()
         forked = True
-    _notice_streams.clear()  # the parent's streams: nothing in the child
+    # The parent's notice streams: kept, never destroyed (their finalizers
+    # would call CUDA here), never used.
+    _inherited.extend(_notice_streams.values())
+    _notice_streams.clear()
 
 
 def check_usable() -> None:
@@ -518,11 +522,17 @@ def stream_wait(stream: int, event: int, device: int) -> None:
 # libcuda's cuLaunchHostFunc and libc's close(), loaded on the first notice;
 # False where they cannot be had.
 _host_close: Any = None
-# Per lane (a watched stream's key), the stream the notices of that lane wait
-# on: one per watched stream, so that a notice never waits behind another
-# stream's work (a host function holds up its stream until it has run).
-_notice_streams: dict[object, Any] = {}
+# Per lane, the stream its notices wait on: the caller gives one lane per
+# watched stream and waiter, so that a notice never waits behind another
+# stream's work nor another waiter's notice (a host function holds up its
+# stream until it has run). Least recently used first; at most
+# _NOTICE_STREAMS_KEPT (dropping one with notices queued is safe: CUDA
+# frees a destroyed stream once its work is done).
+_notice_streams: collections.OrderedDict[object, Any] = collections.OrderedDict()
+_NOTICE_STREAMS_KEPT: Final = 256
 _notice_lock = threading.Lock()
+# What a forked child must not destroy (a stream's finalizer calls CUDA).
+_inherited: list[Any] = []
 
 
 def _load_host_close() -> Any:
@@ -541,42 +551,64 @@ def _load_host_close() -> Any:
     return _host_close
 
 
-def close_after(record: Any, fd: int) -> None:
-    """Have CUDA close ``fd`` once the work before ``record``'s event is
-    done: the record's notice stream (one per watched stream, made on first
-    use) waits for the event, then runs a host function that is libc's
-    ``close`` itself. No Python runs on CUDA's thread, and nothing takes the
-    GIL there (docs/design.md, hazard 1). A few µs on the calling thread;
-    blocks neither it nor the GPU.
+def _notice_stream(lane: object, device: int) -> Any:
+    with _notice_lock:
+        stream = _notice_streams.get(lane)
+        if stream is not None:
+            _notice_streams.move_to_end(lane)
+            return stream
+    stream = new_stream(device, 0)
+    with _notice_lock:
+        _notice_streams[lane] = stream
+        while len(_notice_streams) > _NOTICE_STREAMS_KEPT:
+            _notice_streams.popitem(last=False)
+    return stream
 
-    CUDA runs no host function after a context error (hazard 2), so ``fd``
-    may never be closed: callers keep a poll to fall back on. Once this
-    returns, ``fd`` belongs to CUDA: closing it too would close whatever
-    file takes its number next.
+
+def close_after(record: Any, fd: int, lane: object) -> None:
+    """Have CUDA close ``fd`` once the work before ``record``'s event is
+    done: the notice stream of ``lane`` (made on first use) waits for the
+    event, then runs a host function that is libc's ``close`` itself. No
+    Python runs on CUDA's thread, and nothing takes the GIL there
+    (docs/design.md, hazard 1). A few µs on the calling thread; blocks
+    neither it nor the GPU. Notices of one lane run in the order they were
+    asked for: give one lane per watched stream and waiter.
+
+    Takes ``fd``, whatever happens: the caller never closes it. If the
+    launch was not attempted, it is closed here before raising; if CUDA
+    refused the launch, it is left open (a failed launch may still have
+    been queued, and closing the number twice would close whatever file
+    took it next). CUDA runs no host function after a context error
+    (hazard 2), so ``fd`` may never be closed: callers keep a poll to fall
+    back on.
 
     Raises:
         CudaUnavailableError: no ``libcuda`` to launch host functions with.
-        CudaError: the launch failed (``fd`` is then still the caller's).
+        CudaError: the notice could not be set up or launched.
     """
-    loaded = _host_close if _host_close is not None else _load_host_close()
-    if loaded is False:
-        raise CudaUnavailableError("cuLaunchHostFunc is not available (no libcuda.so.1)")
-    launch, close = loaded
-    device = record.device
-    lane = record.stream_key
-    stream = _notice_streams.get(lane)
-    if stream is None:
-        with _notice_lock:
-            stream = _notice_streams.get(lane)
-            if stream is None:
-                stream = _notice_streams[lane] = new_stream(device, 0)
-    ptr = int(stream.ptr)
-    stream_wait(ptr, record.handle, device)
-    if _rt.getDevice() != device:
-        with on_device(device):
-            rc = launch(ptr, close, fd)
-    else:
+    try:
+        loaded = _host_close if _host_close is not None else _load_host_close()
+        if loaded is False:
+            raise CudaUnavailableError("cuLaunchHostFunc is not available (no libcuda.so.1)")
+        launch, close = loaded
+        device = record.device
+        stream = _notice_stream(lane, device)
+        ptr = int(stream.ptr)
+        stream_wait(ptr, record.handle, device)
+        previous = _rt.getDevice()
+        if previous != device:
+            _rt.setDevice(device)
+    except BaseException as exc:
+        os.close(fd)  # not launched: still ours
+        if isinstance(exc, (CudaError, CudaUnavailableError)) or not isinstance(exc, Exception):
+            raise
+        raise cuda_error(getattr(exc, "status", 999), record.device) from exc
+    try:
         rc = launch(ptr, close, fd)
+    finally:
+        if previous != device:
+            with contextlib.suppress(Exception):  # the notice is queued: never raise past it
+                _rt.setDevice(previous)
     if rc:
         raise cuda_error(rc, device)
 

@@ -28,8 +28,8 @@ import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final
 
-from . import _cuda
-from ._errors import CudaError, CudaUnavailableError
+from . import _cuda, _lifetimes
+from ._errors import CudaUnavailableError
 from ._events import EventRecord
 from ._log import logger
 from ._policy import predictor
@@ -174,12 +174,12 @@ class AsyncioDriver(LoopDriver):
         self._later: asyncio.TimerHandle | None = None
         self._timer = make_timer()
         self._reading = False
-        # Armed notices, per stream key: (the record's sequence number, the
-        # pipe's read end the loop watches). CUDA closes the write end.
-        self._notices: dict[tuple[int, ...], tuple[int, int]] = {}
+        # Armed notices, per stream key. CUDA closes their write ends.
+        self._notices: dict[tuple[int, ...], _Notice] = {}
         self.arm = self._arm
         # The read ends still watched when the driver goes (its loop closed).
         weakref.finalize(self, _close_all, self._notices)
+        _with_notices.add(self)
 
     def ensure_polling(self) -> None:
         if self._mode == _SPIN:
@@ -204,8 +204,10 @@ class AsyncioDriver(LoopDriver):
 
     def _on_timer(self) -> None:
         timer = self._timer
-        if timer is not None:
-            timer.drain()
+        # A notice handled in the same loop iteration may have re-planned
+        # (and re-armed the timer): only an expiry read ends this sleep.
+        if timer is not None and not timer.drain():
+            return
         if self._mode == _SLEEP:
             self._tick(True)
 
@@ -237,12 +239,14 @@ class AsyncioDriver(LoopDriver):
         ``_cuda.close_after``): a pipe whose write end CUDA closes, its read
         end watched by the loop. One notice per stream at a time: one armed
         for this record or an older one of its stream serves (the stream
-        completes in order). False where notices cannot be had (then the
-        waiter polls on timers, as ``notify=False`` does)."""
+        completes in order). False where no notice serves: one armed for a
+        newer record only (it would fire late), or notices cannot be had;
+        the waiter then polls on timers for this record, as ``notify=False``
+        does. Never raises: it runs inside the waiter's poll."""
         key = record.stream_key
         armed = self._notices.get(key)
-        if armed is not None and armed[0] <= record.seq:
-            return True
+        if armed is not None:
+            return armed.seq <= record.seq
         loop = self._loop()
         if loop is None:
             return False
@@ -251,31 +255,29 @@ class AsyncioDriver(LoopDriver):
         except OSError:  # out of descriptors: poll instead
             return False
         try:
-            _cuda.close_after(record, w)
-        except (CudaError, CudaUnavailableError) as exc:
+            _cuda.close_after(record, w, (id(self), key))  # takes w, whatever happens
+        except CudaUnavailableError as exc:
             os.close(r)
-            os.close(w)
             self.arm = None  # this process cannot have notices: stop asking
             logger.debug("cudafut: %s: no CUDA notices (%s); polling on timers", self.name, exc)
             return False
-        if armed is not None:  # one of a newer record only (rare): replaced
-            self._forget(key)
-        loop.add_reader(r, self._on_notice, key, r)
-        self._notices[key] = (record.seq, r)
+        except Exception as exc:  # noqa: BLE001 - a notice is an optimisation: poll instead
+            os.close(r)
+            logger.debug("cudafut: %s: a notice could not be armed (%r); polling", self.name, exc)
+            return False
+        notice = _Notice(record.seq, r, w)
+        loop.add_reader(r, self._on_notice, key, notice)
+        self._notices[key] = notice
         return True
 
-    def _forget(self, key: tuple[int, ...]) -> None:
-        _seq, r = self._notices.pop(key)
-        loop = self._loop()
-        if loop is not None and not loop.is_closed():
-            loop.remove_reader(r)
-        os.close(r)
-
-    def _on_notice(self, key: tuple[int, ...], r: int) -> None:
+    def _on_notice(self, key: tuple[int, ...], notice: _Notice) -> None:
         """CUDA closed a notice's pipe: the work it followed is done. Poll now."""
-        armed = self._notices.get(key)
-        if armed is not None and armed[1] == r:
-            self._forget(key)
+        if self._notices.get(key) is notice:
+            del self._notices[key]
+        loop = self._loop()
+        if loop is not None:
+            loop.remove_reader(notice.r)
+        os.close(notice.r)
         if self._mode == _SLEEP:
             self._cancel_sleep()
             self._tick(False)
@@ -336,15 +338,51 @@ class AsyncioDriver(LoopDriver):
             cancel()
 
 
-def _close_all(notices: dict[tuple[int, ...], tuple[int, int]]) -> None:
+class _Notice:
+    """One armed notice: the record's sequence number on its stream, and
+    the pipe (CUDA closes ``w``; the loop watches ``r``)."""
+
+    __slots__ = ("r", "seq", "w")
+
+    def __init__(self, seq: int, r: int, w: int) -> None:
+        self.seq = seq
+        self.r = r
+        self.w = w
+
+
+def _close_all(notices: dict[tuple[int, ...], _Notice]) -> None:
     """Close the read ends of notices left when a driver goes (the write
     ends are CUDA's to close)."""
-    for _seq, r in notices.values():
+    for notice in notices.values():
         try:  # noqa: SIM105 - a finalizer: no contextlib
-            os.close(r)
+            os.close(notice.r)
         except OSError:
             pass
     notices.clear()
+
+
+#: The drivers that may hold notices, for a forked child (see below).
+_with_notices: weakref.WeakSet[AsyncioDriver] = weakref.WeakSet()
+
+
+def _notices_after_fork_in_child() -> None:
+    """A forked child holds copies of the write ends of the parent's armed
+    notices, and CUDA runs nothing in it: while it lives, the parent's
+    pipes would never reach end-of-file. Close the child's copies (each
+    still the pipe of its read end: the same inode), and forget them."""
+    for driver in list(_with_notices):
+        for notice in driver._notices.values():  # noqa: SLF001 - this module's own class
+            try:
+                same = os.fstat(notice.w).st_ino == os.fstat(notice.r).st_ino
+            except OSError:
+                same = False  # closed by CUDA before the fork: nothing to close
+            for fd in (notice.w, notice.r) if same else (notice.r,):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        driver._notices.clear()  # noqa: SLF001 - this module's own class
+
+
+_lifetimes.at_fork_in_child(_notices_after_fork_in_child)
 
 
 class TrioDriver(LoopDriver):

@@ -131,8 +131,9 @@ class WaitPolicy:
             blocking waits (``result()``) poll as before.
         notice_sleep_s: the longest sleep while notices are armed for every
             stream waited on: a poll that also catches what a notice cannot
-            report (CUDA runs no host function after a context error, so a
-            sticky error is seen at most this late). Less than
+            report. CUDA runs no host function after a context error, so a
+            sticky error is seen at most this late, as is a failure decided
+            on the host (a collective past its timeout). Less than
             ``max_sleep_s`` counts as ``max_sleep_s``.
 
     Every number may be any real number (NumPy scalars and ``Fraction``

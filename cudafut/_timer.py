@@ -87,10 +87,14 @@ class Timer:
         value.tv_sec = value.tv_nsec = 0
         _libc.timerfd_settime(self.fd, 0, ctypes.byref(self._spec), None)
 
-    def drain(self) -> None:
-        """Consume the expiry, so that the fd stops being readable."""
-        with contextlib.suppress(BlockingIOError, InterruptedError):
+    def drain(self) -> bool:
+        """Consume the expiry, so that the fd stops being readable; whether
+        there was one (False: the timer had not expired, or was re-armed)."""
+        try:
             os.read(self.fd, 8)
+        except (BlockingIOError, InterruptedError):
+            return False
+        return True
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

@@ -234,7 +234,7 @@ class _Backend:
     def stream_wait(self, stream: int, event: int, device: int) -> None:
         pass  # an event of no fake record (real CUDA's, a test's): nothing to order
 
-    def close_after(self, record: Any, fd: int) -> None:
+    def close_after(self, record: Any, fd: int, lane: object) -> None:
         # As CUDA's host function: ``fd`` is closed when the record's event
         # completes (in the thread that completes it), never if it fails.
         ev: _Event | None = getattr(record, "event", None)

@@ -141,11 +141,11 @@ def _patch_launch_wait() -> None:
     )
 
 
-def _close_never(record: Any, fd: int) -> None:
+def _close_never(record: Any, fd: int, lane: object) -> None:
     pass  # the descriptor is kept open: CUDA never closes it (a lost notice)
 
 
-def _close_at_once(record: Any, fd: int) -> None:
+def _close_at_once(record: Any, fd: int, lane: object) -> None:
     import os
 
     os.close(fd)  # before the work ends: a notice that orders nothing

@@ -57,13 +57,13 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> _Seen:
     close_after = _cuda.close_after
     on_notice = _loops.AsyncioDriver._on_notice
 
-    def counting_close_after(record: Any, fd: int) -> None:
+    def counting_close_after(record: Any, fd: int, lane: object) -> None:
         counts.armed += 1
-        close_after(record, fd)
+        close_after(record, fd, lane)
 
-    def counting_on_notice(self: Any, key: Any, r: int) -> None:
+    def counting_on_notice(self: Any, key: Any, notice: Any) -> None:
         counts.fired += 1
-        on_notice(self, key, r)
+        on_notice(self, key, notice)
 
     monkeypatch.setattr(_cuda, "close_after", counting_close_after)
     monkeypatch.setattr(_loops.AsyncioDriver, "_on_notice", counting_on_notice)
@@ -71,6 +71,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> _Seen:
 
 
 async def _slow_value(value: float) -> float:
+    _policy.predictor.clear()  # a reused stream handle must not bring a learnt duration
     cp = _cuda.cupy()
     out = cp.zeros(1, dtype=cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)

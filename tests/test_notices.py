@@ -10,6 +10,8 @@ import asyncio
 import gc
 import importlib.util
 import os
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, testing
+from cudafut import _cuda, _loops, _policy, testing
 from tests.runners import run_on
 
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
@@ -28,10 +30,12 @@ def _open_fds() -> int:
 
 
 @pytest.fixture(autouse=True)
-def _policy() -> Iterator[None]:
+def _fresh_policy() -> Iterator[None]:
     old = cudafut.get_wait_policy()
+    _policy.predictor.clear()  # a reused stream key must not bring a learnt duration
     yield
     cudafut.set_wait_policy(old)
+    _policy.predictor.clear()
 
 
 @pytest.fixture
@@ -43,9 +47,9 @@ def notices() -> Iterator[tuple[testing.FakeCuda, list[int]]]:
         handed: list[int] = []
         fake_close_after = _cuda.close_after
 
-        def counting(record: Any, fd: int) -> None:
+        def counting(record: Any, fd: int, lane: object) -> None:
             handed.append(fd)
-            fake_close_after(record, fd)
+            fake_close_after(record, fd, lane)
 
         mp.setattr(_cuda, "close_after", counting)
         yield fake, handed
@@ -75,11 +79,75 @@ def test_an_await_of_unknown_work_asks_for_one_notice_per_stream(
     values = run_on(loop, _await_completed_later, fake, futs, 0.02)
     assert [v[0] for v in values] == [0, 1, 2, 3, 4, 5]
     # A notice for the oldest pending record of a stream serves its later
-    # ones: at most one per stream at a time, never one per await.
-    assert 1 <= len(handed) <= 2 * 3
+    # ones: one per stream, never one per await.
+    assert 1 <= len(handed) <= 2
     del futs, values
     gc.collect()
     assert _open_fds() == before, "a notice's pipe was left open"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_notice_not_a_timer_ends_the_sleep(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a fallback poll a second away, a wait that ended on a timer would
+    # show as a timer-fired poll: the notice must end it first.
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=1.0))
+    fired: list[bool] = []
+    tick = _loops.AsyncioDriver._tick
+
+    def counted(self: Any, timer_fired: bool = False) -> None:
+        fired.append(timer_fired)
+        tick(self, timer_fired)
+
+    monkeypatch.setattr(_loops.AsyncioDriver, "_tick", counted)
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+    (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.02)
+    assert value.sum() == 2
+    assert handed, "no notice was armed: the test would prove nothing"
+    assert True not in fired, "the sleep ended on its timer, not on the notice"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_hold_back_the_parents_notices(
+    notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The child inherits the write end of the parent's armed notice; CUDA
+    # runs nothing in a child, so unless the child closes its copy, the
+    # parent's pipe never reaches end-of-file while the child lives.
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=5.0))
+    fired: list[bool] = []
+    tick = _loops.AsyncioDriver._tick
+
+    def counted(self: Any, timer_fired: bool = False) -> None:
+        fired.append(timer_fired)
+        tick(self, timer_fired)
+
+    monkeypatch.setattr(_loops.AsyncioDriver, "_tick", counted)
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+
+    async def main() -> Any:
+        async def wait() -> Any:
+            return await fut
+
+        waiter = asyncio.ensure_future(wait())
+        while not handed:  # the notice is armed once the spin after the wait ends
+            await asyncio.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:  # the child: lives on, holding whatever it inherited
+            time.sleep(30)
+            os._exit(0)
+        try:
+            fake.complete(fut)
+            return await waiter
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+    assert asyncio.run(main()).sum() == 2
+    assert True not in fired, "the parent's notice was held back by the child"
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -132,9 +200,16 @@ def test_trio_polls_on_timers(notices: tuple[testing.FakeCuda, list[int]]) -> No
     assert trio.run(main).sum() == 2 and handed == []
 
 
-def test_real_cuda_without_libcuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:
     # No GPU here: the real close_after refuses, and the waiter then polls.
+    # It takes the descriptor whatever happens: not launched, it closes it.
     if _cuda._load_host_close() is not False:
         pytest.skip("libcuda is loadable here")
-    with pytest.raises(cudafut.CudaUnavailableError, match="cuLaunchHostFunc"):
-        _cuda.close_after(object(), -1)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(cudafut.CudaUnavailableError, match="cuLaunchHostFunc"):
+            _cuda.close_after(object(), w, None)
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(w)
+    finally:
+        os.close(r)

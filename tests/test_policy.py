@@ -467,32 +467,40 @@ def _run_driver_with_notices(
     ``kind`` says; returns how late each completion was seen and how many
     notices were armed."""
     driver = _SimDriver()
-    deliveries: list[float] = []  # clock times at which a notice wakes the driver
+    # When a notice wakes the driver: (clock time, stream key, record seq).
+    deliveries: list[tuple[float, tuple[int, ...], int]] = []
     armed: dict[tuple[int, ...], int] = {}
 
     def arm(rec: Any) -> bool:
+        # AsyncioDriver._arm's rule: a notice armed for this record or an
+        # older one of its stream serves; one for a newer one does not; the
+        # entry lasts until the notice arrives (for ever if it never does).
         if not armable:
             return False
-        seq = armed.get(rec.stream_key)
-        if seq is not None and seq <= rec.seq:
-            return True
-        armed[rec.stream_key] = rec.seq
+        key = rec.stream_key
+        seq = armed.get(key)
+        if seq is not None:
+            return bool(seq <= rec.seq)
+        armed[key] = rec.seq
         end = rec.end
-        if kind == "on time":
-            deliveries.append(end + delay)
-        elif kind == "late":
-            deliveries.append(end + 5e-3)
-        elif kind == "early":
-            deliveries.append(min(clock.now + delay, end))
-        elif kind == "twice":
-            deliveries.extend((end + delay, end + 2 * delay))
+        times = {
+            "on time": [end + delay],
+            "late": [end + 5e-3],
+            "early": [min(clock.now + delay, end)],
+            "twice": [end + delay, end + 2 * delay],
+            "never": [],
+        }[kind]
+        deliveries.extend((t, key, rec.seq) for t in times)
         return True
+
+    def deliver(key: tuple[int, ...], seq: int) -> None:
+        if armed.get(key) == seq:
+            del armed[key]
 
     driver.arm = arm
     lates: list[float] = []
     queues = [list(durations) for durations in streams]
     seqs = [0] * len(streams)
-    notices = 0
 
     def launch(i: int) -> None:
         if not queues[i]:
@@ -502,7 +510,6 @@ def _run_driver_with_notices(
 
         def noticed(r: Any, i: int = i, rec: _TimedRecord = rec) -> None:
             lates.append(clock.now - rec.end)
-            armed.pop(rec.stream_key, None)  # its notice, if any, fired or is moot
             launch(i)
 
         driver.watch_one(rec, noticed)
@@ -512,26 +519,30 @@ def _run_driver_with_notices(
     policy = cudafut.get_wait_policy()
     longest = max(policy.max_sleep_s, policy.notice_sleep_s)
     timer_fired = False
+    made = 0
     while True:
         before = clock.now
-        n_armed = len(armed)
+        n_deliveries = len(deliveries)
         when = driver.poll(timer_fired)
-        notices += max(0, len(armed) - n_armed)
+        made += len(deliveries) > n_deliveries
         if when is None:
-            return lates, notices
+            return lates, made
         assert when - clock.now <= longest + 1e-9, "a sleep longer than the policy allows was planned"
         deliveries.sort()
         delay_s = when - clock.perf_counter()
-        if deliveries and deliveries[0] < clock.now + max(delay_s, 0.0):
-            clock.now = max(clock.now, deliveries.pop(0)) + clock.lateness  # woken by the notice
+        if deliveries and deliveries[0][0] < clock.now + max(delay_s, 0.0):
+            at, key, seq = deliveries.pop(0)
+            deliver(key, seq)
+            clock.now = max(clock.now, at) + clock.lateness  # woken by the notice
             timer_fired = False
         else:
             timer_fired = delay_s >= _loops.MIN_SLEEP_S
             if timer_fired:
                 driver.pacer.sleeping_until(when)
                 clock.sleep(delay_s)
-        while deliveries and deliveries[0] <= clock.now:  # arrived while awake: no extra wake-up
-            deliveries.pop(0)
+        while deliveries and deliveries[0][0] <= clock.now:  # arrived while awake: no extra wake-up
+            _at, key, seq = deliveries.pop(0)
+            deliver(key, seq)
         assert clock.now > before
 
 
