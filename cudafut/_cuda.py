@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
-from . import _lifetimes
+from . import _lifetimes, _log
 from ._errors import CudaError, CudaUnavailableError
 
 #: ``cudaErrorNotReady``: what a query returns while the work is pending.
@@ -531,6 +531,9 @@ _host_close: Any = None
 _notice_streams: collections.OrderedDict[object, Any] = collections.OrderedDict()
 _NOTICE_STREAMS_KEPT: Final = 256
 _notice_lock = threading.Lock()
+# cuLaunchHostFunc's refusals that queue nothing: the descriptor is still ours.
+# (Any other code may come from earlier work, with the function queued.)
+_REFUSED_BEFORE_QUEUEING: Final = frozenset({1, 3, 4, 201, 400, 800, 801})
 # What a forked child must not destroy (a stream's finalizer calls CUDA).
 _inherited: list[Any] = []
 
@@ -558,10 +561,12 @@ def _notice_stream(lane: object, device: int) -> Any:
             _notice_streams.move_to_end(lane)
             return stream
     stream = new_stream(device, 0)
+    dropped = []
     with _notice_lock:
         _notice_streams[lane] = stream
         while len(_notice_streams) > _NOTICE_STREAMS_KEPT:
-            _notice_streams.popitem(last=False)
+            dropped.append(_notice_streams.popitem(last=False))
+    del dropped  # destroyed here, outside the lock (a stream's finalizer calls CUDA)
     return stream
 
 
@@ -575,12 +580,14 @@ def close_after(record: Any, fd: int, lane: object) -> None:
     asked for: give one lane per watched stream and waiter.
 
     Takes ``fd``, whatever happens: the caller never closes it. If the
-    launch was not attempted, it is closed here before raising; if CUDA
-    refused the launch, it is left open (a failed launch may still have
-    been queued, and closing the number twice would close whatever file
-    took it next). CUDA runs no host function after a context error
-    (hazard 2), so ``fd`` may never be closed: callers keep a poll to fall
-    back on.
+    launch was not attempted, or CUDA refused it before queueing anything
+    (an invalid value, handle or context, not supported or permitted), it
+    is closed here before raising; after any other refusal it is left open
+    (the code may report earlier work, with the function queued, and
+    closing the number twice would close whatever file took it next). With
+    more than 256 lanes alive, each notice may create and destroy a stream.
+    CUDA runs no host function after a context error (hazard 2), so ``fd``
+    may never be closed: callers keep a poll to fall back on.
 
     Raises:
         CudaUnavailableError: no ``libcuda`` to launch host functions with.
@@ -607,9 +614,15 @@ def close_after(record: Any, fd: int, lane: object) -> None:
         rc = launch(ptr, close, fd)
     finally:
         if previous != device:
-            with contextlib.suppress(Exception):  # the notice is queued: never raise past it
+            try:
                 _rt.setDevice(previous)
+            except Exception:  # noqa: BLE001 - the notice is queued: never raise past it
+                _log.logger.warning(
+                    "cudafut: could not make device %d current again after a notice", previous, exc_info=True
+                )
     if rc:
+        if rc in _REFUSED_BEFORE_QUEUEING:
+            os.close(fd)
         raise cuda_error(rc, device)
 
 

@@ -29,7 +29,6 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final
 
 from . import _cuda, _lifetimes
-from ._errors import CudaUnavailableError
 from ._events import EventRecord
 from ._log import logger
 from ._policy import predictor
@@ -238,11 +237,16 @@ class AsyncioDriver(LoopDriver):
         """Have CUDA wake this loop when ``record``'s work ends (see
         ``_cuda.close_after``): a pipe whose write end CUDA closes, its read
         end watched by the loop. One notice per stream at a time: one armed
-        for this record or an older one of its stream serves (the stream
-        completes in order). False where no notice serves: one armed for a
-        newer record only (it would fire late), or notices cannot be had;
-        the waiter then polls on timers for this record, as ``notify=False``
-        does. Never raises: it runs inside the waiter's poll."""
+        for this record or an older one of its stream serves, until it
+        arrives (the stream completes in order, so a notice that never
+        comes means later work never completes either: the waiter then
+        polls every ``notice_sleep_s``; a stream handle reused by a new
+        stream is covered by the old stream's notice until it fires). One
+        armed for a newer record only does not serve (it would fire late).
+        False where no notice serves, or notices cannot be had: the waiter
+        then polls on timers for this record, as ``notify=False`` does. The
+        first failure to arm one stops notices for this waiter. Never raises
+        an ``Exception``: it runs inside the waiter's poll."""
         key = record.stream_key
         armed = self._notices.get(key)
         if armed is not None:
@@ -254,20 +258,25 @@ class AsyncioDriver(LoopDriver):
             r, w = os.pipe()
         except OSError:  # out of descriptors: poll instead
             return False
+        notice = self._notices[key] = _Notice(record.seq, r, w)  # known to a fork from now on
         try:
             _cuda.close_after(record, w, (id(self), key))  # takes w, whatever happens
-        except CudaUnavailableError as exc:
+        except BaseException as exc:
+            del self._notices[key]
             os.close(r)
-            self.arm = None  # this process cannot have notices: stop asking
-            logger.debug("cudafut: %s: no CUDA notices (%s); polling on timers", self.name, exc)
+            if not isinstance(exc, Exception):
+                raise
+            self.arm = None  # a notice is an optimisation: poll from now on
+            logger.debug("cudafut: %s: no CUDA notices; polling on timers", self.name, exc_info=True)
             return False
-        except Exception as exc:  # noqa: BLE001 - a notice is an optimisation: poll instead
+        try:
+            loop.add_reader(r, self._on_notice, key, notice)
+        except Exception:  # noqa: BLE001 - CUDA owns w now: only r is ours to close
+            del self._notices[key]
             os.close(r)
-            logger.debug("cudafut: %s: a notice could not be armed (%r); polling", self.name, exc)
+            self.arm = None
+            logger.debug("cudafut: %s: cannot watch a notice; polling on timers", self.name, exc_info=True)
             return False
-        notice = _Notice(record.seq, r, w)
-        loop.add_reader(r, self._on_notice, key, notice)
-        self._notices[key] = notice
         return True
 
     def _on_notice(self, key: tuple[int, ...], notice: _Notice) -> None:
@@ -373,7 +382,8 @@ def _notices_after_fork_in_child() -> None:
     for driver in list(_with_notices):
         for notice in driver._notices.values():  # noqa: SLF001 - this module's own class
             try:
-                same = os.fstat(notice.w).st_ino == os.fstat(notice.r).st_ino
+                w_stat, r_stat = os.fstat(notice.w), os.fstat(notice.r)
+                same = (w_stat.st_dev, w_stat.st_ino) == (r_stat.st_dev, r_stat.st_ino)
             except OSError:
                 same = False  # closed by CUDA before the fork: nothing to close
             for fd in (notice.w, notice.r) if same else (notice.r,):

@@ -213,3 +213,135 @@ def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:
             os.fstat(w)
     finally:
         os.close(r)
+
+
+# -- close_after's descriptor, whatever CUDA does (stubs in place of CUDA) ----------------
+
+
+class _Stub:
+    """Stands for the runtime, a stream and a record in ``_cuda.close_after``."""
+
+    device = 0
+    handle = 0x1234
+    stream_key = (0, 0x99)
+    ptr = 0x5678
+
+    class CUDARuntimeError(Exception):
+        def __init__(self, status: int) -> None:
+            super().__init__(f"cudaErrorStub{status}: a stubbed error")
+            self.status = status
+
+    def getDevice(self) -> int:  # noqa: N802 - CuPy's name
+        return 0
+
+    def setDevice(self, device: int) -> None:  # noqa: N802 - CuPy's name
+        pass
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``_cuda.close_after`` against stubs; the list holds what the stub
+    launch returns (0 when empty)."""
+    results: list[int] = []
+    monkeypatch.setattr(_cuda, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
+    monkeypatch.setattr(_cuda, "_rt", _Stub())
+    monkeypatch.setattr(_cuda, "new_stream", lambda device, priority: _Stub())
+    monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
+    monkeypatch.setattr(_cuda, "_notice_streams", type(_cuda._notice_streams)())
+    return results
+
+
+@pytest.mark.parametrize(("code", "closed"), [(1, True), (400, True), (700, False), (999, False)])
+def test_a_refused_launch_closes_the_descriptor_only_if_nothing_was_queued(
+    stub_cuda: list[int], code: int, closed: bool
+) -> None:
+    r, w = os.pipe()
+    stub_cuda.append(code)
+    try:
+        with pytest.raises(cudafut.CudaError):
+            _cuda.close_after(_Stub(), w, "lane")
+        assert _is_open(w) is not closed
+    finally:
+        os.close(r)
+        if _is_open(w):
+            os.close(w)
+
+
+def test_a_launched_notice_leaves_the_descriptor_to_cuda(stub_cuda: list[int]) -> None:
+    r, w = os.pipe()
+    try:
+        _cuda.close_after(_Stub(), w, "lane")
+        assert _is_open(w)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDARuntimeError"), KeyboardInterrupt()])
+def test_a_failure_before_the_launch_closes_the_descriptor(
+    stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    def failing(device: int, priority: int) -> Any:
+        raise error
+
+    monkeypatch.setattr(_cuda, "new_stream", failing)
+    r, w = os.pipe()
+    try:
+        expected = cudafut.CudaError if isinstance(error, Exception) else type(error)
+        with pytest.raises(expected):
+            _cuda.close_after(_Stub(), w, "lane")
+        assert not _is_open(w)
+    finally:
+        os.close(r)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_waiter_whose_notice_fails_polls_and_stops_asking(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, _handed = notices
+    attempts: list[int] = []
+
+    def refusing(record: Any, fd: int, lane: object) -> None:
+        attempts.append(fd)
+        os.close(fd)  # as close_after does when nothing was launched
+        raise cudafut.CudaError(1, "cudaErrorInvalidValue", "refused", 0)
+
+    monkeypatch.setattr(_cuda, "close_after", refusing)
+    futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
+    values = run_on(loop, _await_completed_later, fake, futs, 0.02)
+    assert [v[0] for v in values] == [0, 1, 2]
+    assert len(attempts) == 1, "a waiter kept asking for notices that fail"
+
+
+def test_a_stale_timer_callback_after_a_notice_does_not_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The notice and the timer become ready in one loop iteration: the
+    # notice re-plans (and re-arms the timer); the timer's callback, already
+    # due, must find no expiry and not poll.
+    async def main() -> list[bool]:
+        driver = _loops.require_driver()
+        assert isinstance(driver, _loops.AsyncioDriver)
+        ticks: list[bool] = []
+        monkeypatch.setattr(driver, "_tick", lambda timer_fired=False: ticks.append(timer_fired))
+        timer = driver._timer
+        if timer is None:
+            pytest.skip("no timerfd here")
+        driver._mode = _loops._SLEEP
+        timer.arm(10.0)  # re-armed: nothing expired
+        driver._on_timer()
+        timer.arm(1e-9)
+        await asyncio.sleep(0.01)
+        driver._on_timer()
+        timer.disarm()
+        driver._mode = _loops._IDLE
+        return ticks
+
+    assert asyncio.run(main()) == [True]

@@ -470,6 +470,7 @@ def _run_driver_with_notices(
     # When a notice wakes the driver: (clock time, stream key, record seq).
     deliveries: list[tuple[float, tuple[int, ...], int]] = []
     armed: dict[tuple[int, ...], int] = {}
+    made: list[tuple[int, ...]] = []  # each notice armed
 
     def arm(rec: Any) -> bool:
         # AsyncioDriver._arm's rule: a notice armed for this record or an
@@ -482,6 +483,7 @@ def _run_driver_with_notices(
         if seq is not None:
             return bool(seq <= rec.seq)
         armed[key] = rec.seq
+        made.append(key)
         end = rec.end
         times = {
             "on time": [end + delay],
@@ -519,14 +521,11 @@ def _run_driver_with_notices(
     policy = cudafut.get_wait_policy()
     longest = max(policy.max_sleep_s, policy.notice_sleep_s)
     timer_fired = False
-    made = 0
     while True:
         before = clock.now
-        n_deliveries = len(deliveries)
         when = driver.poll(timer_fired)
-        made += len(deliveries) > n_deliveries
         if when is None:
-            return lates, made
+            return lates, len(made)
         assert when - clock.now <= longest + 1e-9, "a sleep longer than the policy allows was planned"
         deliveries.sort()
         delay_s = when - clock.perf_counter()
