@@ -1,8 +1,10 @@
 """Slow producers for ordering tests: kernels that spin on %globaltimer for an
-exact time before they write, so that a missing wait shows up as wrong data."""
+exact time (or until the host opens a :class:`Gate`) before they write, so
+that a missing wait shows up as wrong data."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Any
 
@@ -19,6 +21,20 @@ extern "C" __global__ void spin_fill(float* out, long long n, float value, long 
 
 extern "C" __global__ void spin_copy(const float* src, float* dst, long long n, long long ns) {
     spin(ns);
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+extern "C" __global__ void gated_copy(const float* src, float* dst, long long n,
+                                      const volatile int* gate, long long max_ns) {
+    if (threadIdx.x == 0) {
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        do {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        } while (*gate == 0 && now - start < (unsigned long long)max_ns);
+    }
+    __syncthreads();
+    __threadfence_system();
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
@@ -49,6 +65,34 @@ def spin_copy(src: Any, dst: Any, ms: float) -> None:
     """On the current stream: wait ``ms`` ms, then copy ``src`` into ``dst``."""
     cp = _cuda.cupy()
     _module().get_function("spin_copy")((1,), (256,), (src, dst, cp.int64(src.size), _ns(ms)))
+
+
+class Gate:
+    """A flag in pinned host memory (the device reads it through unified
+    addressing) that :func:`gated_copy` waits for: the host decides when the
+    reader reads, so a race test does not depend on the host's speed."""
+
+    def __init__(self) -> None:
+        self._mem = _cuda.cupy().cuda.alloc_pinned_memory(4)
+        self._flag = ctypes.c_int32.from_address(int(self._mem.ptr))
+        self._flag.value = 0
+
+    @property
+    def ptr(self) -> int:
+        return int(self._mem.ptr)
+
+    def open(self) -> None:
+        self._flag.value = 1
+
+
+def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 20_000.0) -> None:
+    """On the current stream: wait until ``gate`` is opened (at most
+    ``max_ms`` ms, so that a test that forgets to open it fails instead of
+    hanging), then copy ``src`` into ``dst``."""
+    cp = _cuda.cupy()
+    _module().get_function("gated_copy")(
+        (1,), (256,), (src, dst, cp.int64(src.size), cp.uint64(gate.ptr), _ns(max_ms))
+    )
 
 
 def spin_fault(ms: float) -> None:

@@ -5,6 +5,11 @@ on stream B by a slow kernel, dropped at once; CuPy's pool hands its block
 to the next allocation on A, which overwrites it while B has not read it
 yet. Each test has a control that shows the corruption without the
 protection, so that it can fail.
+
+B's reader waits for a gate the host opens after A's reallocations, not for
+a fixed time: on a host slowed by the rest of the suite (a full garbage
+collection over its heap), a timed reader had read before the overwrite,
+and the controls failed.
 """
 
 from __future__ import annotations
@@ -19,15 +24,11 @@ import pytest
 
 import cudafut
 from cudafut import _cuda, _memory
-from tests.kernels import spin_copy
+from tests.kernels import Gate, gated_copy
 
 pytestmark = pytest.mark.gpu
 
 N = 1 << 20
-# Long enough that the reallocation comes well before the reader ends, even
-# when the host is slow after the rest of the suite (a full gc pass over its
-# heap took tens of ms).
-SLOW_MS = 300.0
 _streams: list[Any] = []
 
 
@@ -89,13 +90,14 @@ def _race(protect: Callable[[Any, Any], None]) -> Race:
     with a:
         x = cp.ones(N, dtype=cp.float32)
     a.synchronize()
+    gate = Gate()
     with b:
         out = cp.zeros(N, dtype=cp.float32)
-        spin_copy(x, out, SLOW_MS)  # B reads x after 50 ms
+        gated_copy(x, out, gate)  # B reads x once the gate opens
     protect(x, b)
     ptr = x.data.ptr
     del x
-    return _reallocate_and_read(a, b, ptr, out)
+    return _reallocate_and_read(a, b, gate, ptr, out)
 
 
 class Race(NamedTuple):
@@ -106,20 +108,20 @@ class Race(NamedTuple):
     #: Whether A's allocations got the block back (the controls need it).
     reused: bool
     #: Whether they got it back while B still read it (a protection must
-    #: prevent that). A block that comes back after B is done is a correct
-    #: delayed free: on a loaded host (the suite beside other GPU work) the
-    #: allocations can outlast B's spin.
+    #: prevent that; B waits for the gate, so it has not read yet).
     reused_under_reader: bool
 
 
-def _reallocate_and_read(a: Any, b: Any, ptr: int, out: Any) -> Race:
-    """After the last reference to the block at ``ptr`` is dropped: overwrite
-    what the pool hands back on ``a`` (the block itself, unless protected),
-    then B's result (see :class:`Race`)."""
+def _reallocate_and_read(a: Any, b: Any, gate: Gate, ptr: int, out: Any) -> Race:
+    """After the last reference to the block at ``ptr`` is dropped, while B's
+    reader waits for ``gate``: overwrite what the pool hands back on ``a``
+    (the block itself, unless protected), open the gate, then B's result
+    (see :class:`Race`)."""
     gc.collect()
     taken = overwrite_on(a, ptr)
     reused = taken[-1].data.ptr == ptr
     under_reader = reused and not b.done
+    gate.open()
     b.synchronize()
     a.synchronize()
     del taken
@@ -177,13 +179,14 @@ def _wait_race_in_pool() -> Race:
         fut = cudafut.record(x)
     a.synchronize()
     del x
+    gate = Gate()
     with b:
         v = fut.wait()
         out = cp.zeros(N, dtype=cp.float32)
-        spin_copy(v, out, SLOW_MS)
+        gated_copy(v, out, gate)
     ptr = v.data.ptr
     del v, fut
-    return _reallocate_and_read(a, b, ptr, out)
+    return _reallocate_and_read(a, b, gate, ptr, out)
 
 
 def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> None:
@@ -202,20 +205,19 @@ def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
         x = cp.ones(N, dtype=cp.float32)
     assert _memory._block_of(x) is None
     a.synchronize()
+    gate = Gate()
     with b:
         out = cp.zeros(N, dtype=cp.float32)
-        spin_copy(x, out, SLOW_MS)
+        gated_copy(x, out, gate)
     before = cudafut.memory_statistics().untracked_holds
     cudafut.record_stream(x, b)
     assert cudafut.memory_statistics().untracked_holds == before + 1
+    ptr = x.data.ptr
     del x
-    gc.collect()
-    with cp.cuda.using_allocator(pool.malloc), a:
-        y = cp.empty(N, dtype=cp.float32)
-        y.fill(2.0)
-    b.synchronize()
-    assert np.all(cp.asnumpy(out) == 1.0)
-    del y
+    with cp.cuda.using_allocator(pool.malloc):
+        got, _, reused_under_reader = _reallocate_and_read(a, b, gate, ptr, out)
+    assert not reused_under_reader
+    assert np.all(got == 1.0)
 
 
 def test_then_and_submit_mark_their_pool_streams() -> None:

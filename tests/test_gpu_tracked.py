@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import cudafut
 from cudafut import _cuda, _pools
-from tests.kernels import spin_copy, spin_fill
+from tests.kernels import Gate, gated_copy, spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
 from tests.test_gpu_memory import Race
 
@@ -378,13 +378,14 @@ def free_race(cp: Any, enabled: bool) -> Race:
             x = cp.ones(MEM_N, dtype=cp.float32)
         a.synchronize()
         t = cudafut.Tracked(x, enabled=enabled)
+        gate = Gate()
         with b:
             out = cp.zeros(MEM_N, dtype=cp.float32)
             with t.read() as v:
-                spin_copy(v, out, 300.0)
+                gated_copy(v, out, gate)
         ptr = x.data.ptr
         del x, v, t
-        return _reallocate_and_read(a, b, ptr, out)
+        return _reallocate_and_read(a, b, gate, ptr, out)
 
 
 def test_a_dropped_tracked_array_is_freed_after_the_streams_that_used_it(cp: Any, warm: None) -> None:
