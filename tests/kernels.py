@@ -24,8 +24,7 @@ extern "C" __global__ void spin_copy(const float* src, float* dst, long long n, 
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
-extern "C" __global__ void gated_copy(const float* src, float* dst, long long n,
-                                      const volatile int* gate, long long max_ns) {
+__device__ void wait_gate(const volatile int* gate, long long max_ns) {
     if (threadIdx.x == 0) {
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -35,7 +34,18 @@ extern "C" __global__ void gated_copy(const float* src, float* dst, long long n,
     }
     __syncthreads();
     __threadfence_system();
+}
+
+extern "C" __global__ void gated_copy(const float* src, float* dst, long long n,
+                                      const volatile int* gate, long long max_ns) {
+    wait_gate(gate, max_ns);
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+extern "C" __global__ void gated_fill(float* out, long long n, float value,
+                                      const volatile int* gate, long long max_ns) {
+    wait_gate(gate, max_ns);
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = value;
 }
 
 extern "C" __global__ void spin_fault(long long ns) {
@@ -70,7 +80,11 @@ def spin_copy(src: Any, dst: Any, ms: float) -> None:
 class Gate:
     """A flag in pinned host memory (the device reads it through unified
     addressing) that :func:`gated_copy` waits for: the host decides when the
-    reader reads, so a race test does not depend on the host's speed."""
+    reader reads, so a race test does not depend on the host's speed.
+
+    Open it in a ``finally``: while it is closed, anything that synchronises
+    the device (``cudaFree``, ``cudaDeviceSynchronize``) waits for the gated
+    kernel, up to its ``max_ms``."""
 
     def __init__(self) -> None:
         self._mem = _cuda.cupy().cuda.alloc_pinned_memory(4)
@@ -85,13 +99,22 @@ class Gate:
         self._flag.value = 1
 
 
-def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 20_000.0) -> None:
+def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 10_000.0) -> None:
     """On the current stream: wait until ``gate`` is opened (at most
     ``max_ms`` ms, so that a test that forgets to open it fails instead of
     hanging), then copy ``src`` into ``dst``."""
     cp = _cuda.cupy()
     _module().get_function("gated_copy")(
         (1,), (256,), (src, dst, cp.int64(src.size), cp.uint64(gate.ptr), _ns(max_ms))
+    )
+
+
+def gated_fill(out: Any, value: float, gate: Gate, max_ms: float = 10_000.0) -> None:
+    """On the current stream: wait until ``gate`` is opened (at most
+    ``max_ms`` ms), then fill ``out`` (float32)."""
+    cp = _cuda.cupy()
+    _module().get_function("gated_fill")(
+        (1,), (256,), (out, cp.int64(out.size), cp.float32(value), cp.uint64(gate.ptr), _ns(max_ms))
     )
 
 

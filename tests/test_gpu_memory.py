@@ -117,11 +117,13 @@ def _reallocate_and_read(a: Any, b: Any, gate: Gate, ptr: int, out: Any) -> Race
     reader waits for ``gate``: overwrite what the pool hands back on ``a``
     (the block itself, unless protected), open the gate, then B's result
     (see :class:`Race`)."""
-    gc.collect()
-    taken = overwrite_on(a, ptr)
-    reused = taken[-1].data.ptr == ptr
-    under_reader = reused and not b.done
-    gate.open()
+    try:
+        gc.collect()
+        taken = overwrite_on(a, ptr)
+        reused = taken[-1].data.ptr == ptr
+        under_reader = reused and not b.done
+    finally:
+        gate.open()
     b.synchronize()
     a.synchronize()
     del taken

@@ -24,7 +24,7 @@ import pytest
 import cudafut
 from cudafut import _cuda, _loops, _waiter
 from cudafut._future import _State
-from tests.kernels import spin_copy, spin_fill
+from tests.kernels import Gate, gated_fill, spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
 from tests.subproc import ROOT, run_python
 
@@ -139,24 +139,35 @@ def test_wait_with_the_value_kept_by_the_result_future(cp: Any) -> None:
 )
 async def test_ten_thousand_cancelled_awaits_leave_nothing_behind(cp: Any) -> None:
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(8)]
-    xs = [_slow_source(cp, s, float(i), 2000) for i, s in enumerate(streams)]
-    futs = [cudafut.record(x, stream=s) for x, s in zip(xs, streams, strict=True)]
-    started = 0
+    # The producers wait for the gate, not a fixed time: starting 10,000
+    # tasks beside a slow garbage collection of the suite's heap outlasted
+    # a 2 s spin, and the futures must still be pending when cancelled.
+    gate = Gate()
+    try:
+        xs = []
+        for i, s in enumerate(streams):
+            with s:
+                xs.append(cp.zeros(N, dtype=cp.float32))
+                gated_fill(xs[-1], float(i), gate)
+        futs = [cudafut.record(x, stream=s) for x, s in zip(xs, streams, strict=True)]
+        started = 0
 
-    async def one(i: int) -> None:
-        nonlocal started
-        started += 1
-        await futs[i % 8]
+        async def one(i: int) -> None:
+            nonlocal started
+            started += 1
+            await futs[i % 8]
 
-    with anyio.CancelScope() as scope:
-        async with anyio.create_task_group() as tg:
-            for i in range(10_000):
-                tg.start_soon(one, i)
-            while started < 10_000:
-                await anyio.sleep(0.001)
-            await anyio.sleep(0.01)
-            assert not any(f.done() for f in futs)  # cancelled mid-wait
-            scope.cancel()
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                for i in range(10_000):
+                    tg.start_soon(one, i)
+                while started < 10_000:
+                    await anyio.sleep(0.001)
+                await anyio.sleep(0.01)
+                assert not any(f.done() for f in futs)  # cancelled mid-wait
+                scope.cancel()
+    finally:
+        gate.open()
     driver = _loops.current_driver()
     assert driver is not None and driver.watchlist.pending == 0
     with anyio.fail_after(1):
@@ -211,23 +222,36 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
     producer = cp.cuda.Stream(non_blocking=True)
     fds_before = len(os.listdir("/proc/self/fd"))
     futs = []
-    for _ in range(20):
-        x = _slow_source(cp, producer, 5.0, 30)
-        fut = cudafut.record(x, stream=producer)
-        futs.append(fut)
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(_await(fut))
-        loop.run_until_complete(asyncio.sleep(0.005))  # the task now waits (and sleeps)
-        assert not task.done()
-        task.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
-        del loop, task
+    # The producer waits for the gate, not a fixed time: a garbage
+    # collection of the suite's heap can outlast any spin, and the task
+    # must still be pending after the loop ran.
+    gate = Gate()
+    try:
+        for i in range(20):
+            with producer:
+                x = cp.zeros(N, dtype=cp.float32)
+                if i == 0:
+                    gated_fill(x, 5.0, gate)
+                else:
+                    x.fill(5.0)  # behind the gated fill, on the same stream
+            fut = cudafut.record(x, stream=producer)
+            futs.append(fut)
+            loop = asyncio.new_event_loop()
+            task = loop.create_task(_await(fut))
+            loop.run_until_complete(asyncio.sleep(0.005))  # the task now waits (and sleeps)
+            assert not task.done()
+            task.cancel()
+            loop.run_until_complete(asyncio.sleep(0))
+            loop.close()
+            del loop, task
+    finally:
+        gate.open()  # a failure above must not leave gated work queued
     with caplog.at_level(logging.ERROR, logger="cudafut"):
         gc.collect()
         assert all(float(f.result()[0]) == 5.0 for f in futs)
     gc.collect()
     assert not [r for r in caplog.records if r.name == "cudafut"]
+    cp.cuda.Device().synchronize()  # and the notices' host functions (they close pipes)
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 

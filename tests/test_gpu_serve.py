@@ -256,6 +256,26 @@ def test_a_cupy_graph_replayed_through_launch_gives_the_eager_answers(cp: Any) -
         cp.testing.assert_allclose(got, forward(x), rtol=1e-5, atol=1e-5)
 
 
+def _on_every_launcher_thread(fn: Any) -> None:
+    """Run ``fn`` once on each launcher thread of the current device: as
+    many launches as threads, each held at a barrier until all have started."""
+    barrier = threading.Barrier(_launch.launcher_threads())
+
+    def job() -> None:
+        barrier.wait(timeout=60)
+        fn()
+
+    for fut in [cudafut.launch(job) for _ in range(barrier.parties)]:
+        fut.result(timeout=120)
+
+
+def forward_eager(model: Any, x: Any) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        return model(x)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own imports, on first compile
 @pytest.mark.filterwarnings("ignore::UserWarning")  # inductor's advice (TF32), raised as errors otherwise
 def test_torch_compile_reduce_overhead_through_launch(cp: Any, torch: Any) -> None:
@@ -270,6 +290,11 @@ def test_torch_compile_reduce_overhead_through_launch(cp: Any, torch: Any) -> No
     x = torch.randn(4, 32, device="cuda")
     with torch.inference_mode():
         want = model(x)
+    # The graph trees are shared by all threads: the call that records may
+    # come on a launcher thread that has no cuBLAS handle yet, and CUDA
+    # refuses to create one inside a capture (CUBLAS_STATUS_NOT_INITIALIZED).
+    # docs/serving.md's recipe: run the eager model once on every thread.
+    _on_every_launcher_thread(lambda: forward_eager(model, x))
     for _ in range(4):  # warm-up, record, replay: on launcher threads
         got = cudafut.launch(forward, x).result(timeout=300)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
