@@ -24,6 +24,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,25 @@ def resources() -> dict[str, float]:
     }
 
 
+def _run_sampled(
+    main: Callable[[], Coroutine[Any, Any, None]], samples: list[dict[str, float]]
+) -> dict[str, Any]:
+    """``asyncio.run(main())`` between two samples of the resources (each
+    after a full collection): its seconds, and the resources at the start,
+    at the end and at their peak (over ``samples``, which ``main`` fills,
+    too)."""
+    gc.collect()
+    start = resources()
+    t = time.perf_counter()
+    asyncio.run(main())
+    wall = time.perf_counter() - t
+    gc.collect()
+    time.sleep(0.1)
+    end = resources()
+    peak = {k: max(s[k] for s in [start, *samples, end]) for k in start}
+    return {"seconds": wall, "start": start, "peak": peak, "end": end}
+
+
 def leak_run(n_futures: int, workers: int = 8) -> dict[str, Any]:
     """``n_futures`` futures: record() then then(), awaited, by ``workers``
     concurrent tasks on their own streams; resources sampled along the way."""
@@ -81,22 +101,12 @@ def leak_run(n_futures: int, workers: int = 8) -> dict[str, Any]:
     async def main() -> None:
         await asyncio.gather(*(worker(k) for k in range(workers)))
 
-    gc.collect()
-    start = resources()
-    t = time.perf_counter()
-    asyncio.run(main())
-    wall = time.perf_counter() - t
-    gc.collect()
-    time.sleep(0.1)
-    end = resources()
-    peak = {k: max(s[k] for s in [start, *samples, end]) for k in start}
+    run = _run_sampled(main, samples)
+    wall = run["seconds"]
     return {
         "futures": per_worker * workers * 2,
-        "seconds": wall,
         "us_per_future": wall / (per_worker * workers * 2) * 1e6,
-        "start": start,
-        "peak": peak,
-        "end": end,
+        **run,
         "samples": len(samples),
     }
 
@@ -144,22 +154,11 @@ def soak_run(seconds: float, tasks: int = 64) -> dict[str, Any]:
         deadline = time.perf_counter() + seconds
         await asyncio.gather(sampler(), *(task(k) for k in range(tasks)))
 
-    gc.collect()
-    start = resources()
-    t = time.perf_counter()
-    asyncio.run(main())
-    wall = time.perf_counter() - t
-    gc.collect()
-    time.sleep(0.1)
-    end = resources()
-    peak = {k: max(s[k] for s in [start, *samples, end]) for k in start}
+    run = _run_sampled(main, samples)
     return {
         "tasks": tasks,
-        "seconds": wall,
         **counts,
-        "start": start,
-        "peak": peak,
-        "end": end,
+        **run,
         "samples": samples,
     }
 

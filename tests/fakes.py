@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from cudafut._events import EventRecord
 
 if TYPE_CHECKING:
+    import pytest
+
     from cudafut import CudaFuture
 
 _handles = itertools.count(1)
@@ -60,3 +62,17 @@ def set_future(value: object, records: list[FakeRecord]) -> CudaFuture[Any]:
     from cudafut._future import set_future as set_with
 
     return set_with(value, tuple(records))
+
+
+def inject_watcher_bug(monkeypatch: pytest.MonkeyPatch, waiter: Any) -> None:
+    """Make the watcher thread's own loop raise once (a bug in cudafut, not
+    in a callback), at its next pass: the supervision tests' fault."""
+    take_holds = waiter._take_holds
+    bugs = [RuntimeError("an injected bug")]
+
+    def buggy() -> None:
+        if bugs:
+            raise bugs.pop()
+        take_holds()
+
+    monkeypatch.setattr(waiter, "_take_holds", buggy)

@@ -19,7 +19,7 @@ import cudafut
 from cudafut import _waiter
 from cudafut._future import complete_with
 from cudafut._values import find_devices, gpu_arrays, placements
-from tests.fakes import FakeRecord, set_future
+from tests.fakes import FakeRecord, inject_watcher_bug, set_future
 
 #: Deeper than Python's default recursion limit (1000) allows any recursive
 #: walk or completion to go.
@@ -238,15 +238,7 @@ def test_a_dead_watcher_thread_is_logged_once_and_replaced_at_the_next_use(
     old = waiter._thread
     assert old is not None and old.is_alive()
     deaths = waiter.deaths
-    take_holds = waiter._take_holds
-    bugs = [RuntimeError("an injected bug")]
-
-    def buggy() -> None:  # a bug in the watcher's own loop, once
-        if bugs:
-            raise bugs.pop()
-        take_holds()
-
-    monkeypatch.setattr(waiter, "_take_holds", buggy)
+    inject_watcher_bug(monkeypatch, waiter)
     ran = threading.Event()
     waiter.call_soon_threadsafe(ran.set)
     assert ran.wait(5)

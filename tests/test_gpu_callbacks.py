@@ -18,6 +18,7 @@ import pytest
 
 import cudafut
 from cudafut import _waiter
+from tests.fakes import inject_watcher_bug
 from tests.kernels import spin_fill
 
 pytestmark = pytest.mark.gpu
@@ -153,15 +154,7 @@ def test_a_dead_watcher_thread_is_replaced_and_completes_real_work(
     watched = threading.Event()
     pending = slow_future(cp, 2.0, ms=500.0)
     pending.add_done_callback(lambda _f: watched.set())  # watched when the thread dies
-    take_holds = waiter._take_holds
-    bugs = [RuntimeError("an injected bug")]
-
-    def buggy() -> None:  # a bug in the watcher's own loop, once
-        if bugs:
-            raise bugs.pop()
-        take_holds()
-
-    monkeypatch.setattr(waiter, "_take_holds", buggy)
+    inject_watcher_bug(monkeypatch, waiter)
     for _ in range(6000):  # the watcher runs its loop at least every max_sleep_s
         if waiter.deaths > deaths:
             break

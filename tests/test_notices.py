@@ -86,14 +86,9 @@ def test_an_await_of_unknown_work_asks_for_one_notice_per_stream(
     assert _open_fds() == before, "a notice's pipe was left open"
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_the_notice_not_a_timer_ends_the_sleep(
-    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # With a fallback poll a second away, a wait that ended on a timer would
-    # show as a timer-fired poll: the notice must end it first.
-    fake, handed = notices
-    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=1.0))
+def _polls_seen(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The asyncio driver's polls from now on: for each, whether its sleep's
+    timer ended it (a notice's poll says False)."""
     fired: list[bool] = []
     tick = _loops.AsyncioDriver._tick
 
@@ -102,6 +97,18 @@ def test_the_notice_not_a_timer_ends_the_sleep(
         tick(self, timer_fired)
 
     monkeypatch.setattr(_loops.AsyncioDriver, "_tick", counted)
+    return fired
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_notice_not_a_timer_ends_the_sleep(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a fallback poll a second away, a wait that ended on a timer would
+    # show as a timer-fired poll: the notice must end it first.
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=1.0))
+    fired = _polls_seen(monkeypatch)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
     (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.02)
     assert value.sum() == 2
@@ -118,14 +125,7 @@ def test_a_forked_child_does_not_hold_back_the_parents_notices(
     # parent's pipe never reaches end-of-file while the child lives.
     fake, handed = notices
     cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=5.0))
-    fired: list[bool] = []
-    tick = _loops.AsyncioDriver._tick
-
-    def counted(self: Any, timer_fired: bool = False) -> None:
-        fired.append(timer_fired)
-        tick(self, timer_fired)
-
-    monkeypatch.setattr(_loops.AsyncioDriver, "_tick", counted)
+    fired = _polls_seen(monkeypatch)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
 
     async def main() -> Any:

@@ -343,11 +343,10 @@ def _job(clock: _Clock, stream: int, seq: int, duration: float) -> _TimedRecord:
     return rec
 
 
-def _run_driver(clock: _Clock, streams: list[list[float]]) -> list[float]:
-    """Each stream runs its durations one after another, the next job
-    launched when the previous was noticed (a task awaiting in a loop), all
-    streams watched by one driver. Returns how late each completion was seen."""
-    driver = _SimDriver()
+def _start_streams(clock: _Clock, driver: Any, streams: list[list[float]]) -> list[float]:
+    """Start each stream's durations on ``driver``, one after another (the
+    next job launched when the previous was noticed, as a task awaiting in
+    a loop); the list it returns fills with how late each completion was seen."""
     lates: list[float] = []
     queues = [list(durations) for durations in streams]
     seqs = [0] * len(streams)
@@ -366,6 +365,15 @@ def _run_driver(clock: _Clock, streams: list[list[float]]) -> list[float]:
 
     for i in range(len(streams)):
         launch(i)
+    return lates
+
+
+def _run_driver(clock: _Clock, streams: list[list[float]]) -> list[float]:
+    """Each stream runs its durations one after another, the next job
+    launched when the previous was noticed (a task awaiting in a loop), all
+    streams watched by one driver. Returns how late each completion was seen."""
+    driver = _SimDriver()
+    lates = _start_streams(clock, driver, streams)
     timer_fired = False
     while True:
         before = clock.now
@@ -500,24 +508,7 @@ def _run_driver_with_notices(
             del armed[key]
 
     driver.arm = arm
-    lates: list[float] = []
-    queues = [list(durations) for durations in streams]
-    seqs = [0] * len(streams)
-
-    def launch(i: int) -> None:
-        if not queues[i]:
-            return
-        seqs[i] += 1
-        rec = _job(clock, 0x9000 + i, seqs[i], queues[i].pop(0))
-
-        def noticed(r: Any, i: int = i, rec: _TimedRecord = rec) -> None:
-            lates.append(clock.now - rec.end)
-            launch(i)
-
-        driver.watch_one(rec, noticed)
-
-    for i in range(len(streams)):
-        launch(i)
+    lates = _start_streams(clock, driver, streams)
     policy = cudafut.get_wait_policy()
     longest = max(policy.max_sleep_s, policy.notice_sleep_s)
     timer_fired = False

@@ -288,7 +288,6 @@ class Tracer:
         parent = self._parents.get(fid)
         kind = "submit" if parent is None else "then"
         self._fn_timed.add(fid)
-        log = self.log
 
         def run(*args: Any, **kwargs: Any) -> Any:
             starts = []
@@ -301,23 +300,10 @@ class Tracer:
                     tick = self.tick(device, key[1], key)
                     if tick is not None:
                         starts.append(tick)
-            ident = self.tid()
-            rng = None if self.nvtx is None else self.nv_start(f"{kind} {short_name(name)}", "fn", fid)
-            error: str | None = None
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            except BaseException as exc:
-                error = repr(exc)
-                raise
-            finally:
-                t1 = clock()
-                if rng is not None:
-                    self.nv_end(rng)
-                log.append((_CALL, fid, kind, name, ident, t0, t1, error))
-                if error is None:
-                    for start in starts:
-                        self.tick(start[1], start[2][1], start[2], fid, start)
+            result = self._call_timed(kind, name, fid, fn, args, kwargs)
+            for start in starts:  # not after an exception: fn enqueued nothing to follow
+                self.tick(start[1], start[2][1], start[2], fid, start)
+            return result
 
         return run
 
@@ -328,22 +314,35 @@ class Tracer:
         name = fn_key(fn)
 
         def run(arg: Any) -> object:
-            ident = self.tid()
-            rng = None if self.nvtx is None else self.nv_start(f"callback {short_name(name)}", "fn", fid)
-            error: str | None = None
-            t0 = clock()
-            try:
-                return fn(arg)
-            except BaseException as exc:
-                error = repr(exc)
-                raise
-            finally:
-                t1 = clock()
-                if rng is not None:
-                    self.nv_end(rng)
-                self.log.append((_CALL, fid, "callback", name, ident, t0, t1, error))
+            return self._call_timed("callback", name, fid, fn, (arg,), {})
 
         return run
+
+    def _call_timed(
+        self,
+        kind: str,
+        name: str,
+        fid: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``fn(*args, **kwargs)`` inside an NVTX range (if on), its host
+        interval and error logged as a ``_CALL`` of ``kind``; re-raises."""
+        ident = self.tid()
+        rng = None if self.nvtx is None else self.nv_start(f"{kind} {short_name(name)}", "fn", fid)
+        error: str | None = None
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            error = repr(exc)
+            raise
+        finally:
+            t1 = clock()
+            if rng is not None:
+                self.nv_end(rng)
+            self.log.append((_CALL, fid, kind, name, ident, t0, t1, error))
 
     def wait_start(self, fut: object, kind: str) -> tuple[int, float, Any] | None:
         fid = None if self.closed else self._by_id.get(id(fut))
