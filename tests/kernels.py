@@ -24,26 +24,28 @@ extern "C" __global__ void spin_copy(const float* src, float* dst, long long n, 
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
-__device__ void wait_gate(const volatile int* gate, long long max_ns) {
+// gate[0]: opened by the host; gate[1]: set here if max_ns passed first.
+__device__ void wait_gate(volatile int* gate, long long max_ns) {
     if (threadIdx.x == 0) {
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
         do {
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        } while (*gate == 0 && now - start < (unsigned long long)max_ns);
+        } while (gate[0] == 0 && now - start < (unsigned long long)max_ns);
+        if (gate[0] == 0) gate[1] = 1;
     }
     __syncthreads();
     __threadfence_system();
 }
 
 extern "C" __global__ void gated_copy(const float* src, float* dst, long long n,
-                                      const volatile int* gate, long long max_ns) {
+                                      volatile int* gate, long long max_ns) {
     wait_gate(gate, max_ns);
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
 extern "C" __global__ void gated_fill(float* out, long long n, float value,
-                                      const volatile int* gate, long long max_ns) {
+                                      volatile int* gate, long long max_ns) {
     wait_gate(gate, max_ns);
     for (long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = value;
 }
@@ -79,27 +81,35 @@ def spin_copy(src: Any, dst: Any, ms: float) -> None:
 
 class Gate:
     """A flag in pinned host memory (the device reads it through unified
-    addressing) that :func:`gated_copy` waits for: the host decides when the
-    reader reads, so a race test does not depend on the host's speed.
+    addressing) that :func:`gated_copy` and :func:`gated_fill` wait for: the
+    host decides when the reader reads, so a race test does not depend on
+    the host's speed.
 
-    Open it in a ``finally``: while it is closed, anything that synchronises
+    Open it in a ``finally``. While it is closed, anything that synchronises
     the device (``cudaFree``, ``cudaDeviceSynchronize``) waits for the gated
-    kernel, up to its ``max_ms``."""
+    kernel, which gives up after its ``max_ms`` and says so in
+    :attr:`timed_out`: a test asserts that it did not, since the race it set
+    up did not happen as planned."""
 
     def __init__(self) -> None:
-        self._mem = _cuda.cupy().cuda.alloc_pinned_memory(4)
-        self._flag = ctypes.c_int32.from_address(int(self._mem.ptr))
-        self._flag.value = 0
+        self._mem = _cuda.cupy().cuda.alloc_pinned_memory(8)
+        self._flags = (ctypes.c_int32 * 2).from_address(int(self._mem.ptr))
+        self._flags[0] = self._flags[1] = 0
 
     @property
     def ptr(self) -> int:
         return int(self._mem.ptr)
 
     def open(self) -> None:
-        self._flag.value = 1
+        self._flags[0] = 1
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether a kernel gave up waiting (read it after synchronising)."""
+        return bool(self._flags[1])
 
 
-def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 10_000.0) -> None:
+def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 5_000.0) -> None:
     """On the current stream: wait until ``gate`` is opened (at most
     ``max_ms`` ms, so that a test that forgets to open it fails instead of
     hanging), then copy ``src`` into ``dst``."""
@@ -109,7 +119,7 @@ def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 10_000.0) -> None
     )
 
 
-def gated_fill(out: Any, value: float, gate: Gate, max_ms: float = 10_000.0) -> None:
+def gated_fill(out: Any, value: float, gate: Gate, max_ms: float = 5_000.0) -> None:
     """On the current stream: wait until ``gate`` is opened (at most
     ``max_ms`` ms), then fill ``out`` (float32)."""
     cp = _cuda.cupy()

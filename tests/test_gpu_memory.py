@@ -69,6 +69,9 @@ def fresh_pool() -> Iterator[None]:
     free blocks are the test's, so the reuse the controls need is certain
     (the default pool, after the rest of the suite, holds other blocks)."""
     cp = _cuda.cupy()
+    # Earlier tests' garbage may hold memory whose free (cudaFree)
+    # synchronises the device: not while a gated reader waits.
+    gc.collect()
     pool = cp.cuda.MemoryPool()
     with cp.cuda.using_allocator(_memory._wrap(pool.malloc)):
         yield
@@ -125,6 +128,7 @@ def _reallocate_and_read(a: Any, b: Any, gate: Gate, ptr: int, out: Any) -> Race
     finally:
         gate.open()
     b.synchronize()
+    assert not gate.timed_out, "the reader gave up waiting: something synchronised the device while it waited"
     a.synchronize()
     del taken
     got: np.ndarray[Any, Any] = _cuda.cupy().asnumpy(out)
@@ -207,6 +211,7 @@ def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
         x = cp.ones(N, dtype=cp.float32)
     assert _memory._block_of(x) is None
     a.synchronize()
+    gc.collect()  # see fresh_pool
     gate = Gate()
     with b:
         out = cp.zeros(N, dtype=cp.float32)

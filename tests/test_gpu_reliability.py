@@ -142,6 +142,7 @@ async def test_ten_thousand_cancelled_awaits_leave_nothing_behind(cp: Any) -> No
     # The producers wait for the gate, not a fixed time: starting 10,000
     # tasks beside a slow garbage collection of the suite's heap outlasted
     # a 2 s spin, and the futures must still be pending when cancelled.
+    gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
     gate = Gate()
     try:
         xs = []
@@ -174,6 +175,7 @@ async def test_ten_thousand_cancelled_awaits_leave_nothing_behind(cp: Any) -> No
         await anyio.sleep(0.001)  # the loop still answers
     values = [float((await f)[0]) for f in futs]  # and the futures still work
     assert values == [float(i) for i in range(8)]
+    assert not gate.timed_out
 
 
 # -- loops, threads ---------------------------------------------------------------------
@@ -225,6 +227,7 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
     # The producer waits for the gate, not a fixed time: a garbage
     # collection of the suite's heap can outlast any spin, and the task
     # must still be pending after the loop ran.
+    gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
     gate = Gate()
     try:
         for i in range(20):
@@ -249,6 +252,7 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
     with caplog.at_level(logging.ERROR, logger="cudafut"):
         gc.collect()
         assert all(float(f.result()[0]) == 5.0 for f in futs)
+    assert not gate.timed_out
     gc.collect()
     assert not [r for r in caplog.records if r.name == "cudafut"]
     cp.cuda.Device().synchronize()  # and the notices' host functions (they close pipes)
