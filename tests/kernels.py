@@ -33,9 +33,9 @@ __device__ void wait_gate(volatile int* gate, long long max_ns) {
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         } while (gate[0] == 0 && now - start < (unsigned long long)max_ns);
         if (gate[0] == 0) gate[1] = 1;
+        __threadfence_system();  // what the host wrote before opening is seen after
     }
     __syncthreads();
-    __threadfence_system();
 }
 
 extern "C" __global__ void gated_copy(const float* src, float* dst, long long n,
@@ -83,22 +83,33 @@ class Gate:
     """A flag in pinned host memory (the device reads it through unified
     addressing) that :func:`gated_copy` and :func:`gated_fill` wait for: the
     host decides when the reader reads, so a race test does not depend on
-    the host's speed.
+    the host's speed. Use it as ``with Gate() as gate:``, which opens it on
+    the way out, whatever happens.
 
-    Open it in a ``finally``. While it is closed, anything that synchronises
-    the device (``cudaFree``, ``cudaDeviceSynchronize``) waits for the gated
-    kernel, which gives up after its ``max_ms`` and says so in
-    :attr:`timed_out`: a test asserts that it did not, since the race it set
-    up did not happen as planned."""
+    While it is closed, anything that synchronises the device waits for the
+    gated kernel, which gives up after its ``max_ms`` and says so in
+    :attr:`timed_out` (a test asserts that it did not: its race did not
+    happen as planned). Such calls: ``cudaFree`` (a garbage collection that
+    frees a pool), ``cudaDeviceSynchronize``, and the first launch of a
+    kernel in the process (CUDA's lazy loading may synchronise the context
+    to load it): launch every other kernel once before closing a gate.
+
+    Its pinned block is never handed back (a few hundred bytes a gate): a
+    kernel that outlives a failed test still polls it, and must not read
+    the next test's gate."""
 
     def __init__(self) -> None:
-        self._mem = _cuda.cupy().cuda.alloc_pinned_memory(8)
-        self._flags = (ctypes.c_int32 * 2).from_address(int(self._mem.ptr))
+        mem = _cuda.cupy().cuda.alloc_pinned_memory(8)
+        _gates.append(mem)
+        self.ptr = int(mem.ptr)
+        self._flags = (ctypes.c_int32 * 2).from_address(self.ptr)
         self._flags[0] = self._flags[1] = 0
 
-    @property
-    def ptr(self) -> int:
-        return int(self._mem.ptr)
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.open()
 
     def open(self) -> None:
         self._flags[0] = 1
@@ -107,6 +118,10 @@ class Gate:
     def timed_out(self) -> bool:
         """Whether a kernel gave up waiting (read it after synchronising)."""
         return bool(self._flags[1])
+
+
+#: Every gate's pinned block, for the life of the process (see Gate).
+_gates: list[Any] = []
 
 
 def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 5_000.0) -> None:

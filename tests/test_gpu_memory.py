@@ -73,9 +73,11 @@ def fresh_pool() -> Iterator[None]:
     # synchronises the device: not while a gated reader waits.
     gc.collect()
     pool = cp.cuda.MemoryPool()
-    with cp.cuda.using_allocator(_memory._wrap(pool.malloc)):
-        yield
-    pool.free_all_blocks()
+    try:
+        with cp.cuda.using_allocator(_memory._wrap(pool.malloc)):
+            yield
+    finally:
+        pool.free_all_blocks()
 
 
 def race(protect: Callable[[Any, Any], None]) -> Race:
@@ -93,14 +95,14 @@ def _race(protect: Callable[[Any, Any], None]) -> Race:
     with a:
         x = cp.ones(N, dtype=cp.float32)
     a.synchronize()
-    gate = Gate()
-    with b:
-        out = cp.zeros(N, dtype=cp.float32)
-        gated_copy(x, out, gate)  # B reads x once the gate opens
-    protect(x, b)
-    ptr = x.data.ptr
-    del x
-    return _reallocate_and_read(a, b, gate, ptr, out)
+    with Gate() as gate:
+        with b:
+            out = cp.zeros(N, dtype=cp.float32)  # a memset, not a kernel: none may load in the window
+            gated_copy(x, out, gate)  # B reads x once the gate opens
+        protect(x, b)
+        ptr = x.data.ptr
+        del x
+        return _reallocate_and_read(a, b, gate, ptr, out)
 
 
 class Race(NamedTuple):
@@ -185,14 +187,14 @@ def _wait_race_in_pool() -> Race:
         fut = cudafut.record(x)
     a.synchronize()
     del x
-    gate = Gate()
-    with b:
-        v = fut.wait()
-        out = cp.zeros(N, dtype=cp.float32)
-        gated_copy(v, out, gate)
-    ptr = v.data.ptr
-    del v, fut
-    return _reallocate_and_read(a, b, gate, ptr, out)
+    with Gate() as gate:
+        with b:
+            v = fut.wait()
+            out = cp.zeros(N, dtype=cp.float32)
+            gated_copy(v, out, gate)
+        ptr = v.data.ptr
+        del v, fut
+        return _reallocate_and_read(a, b, gate, ptr, out)
 
 
 def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> None:
@@ -212,17 +214,17 @@ def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
     assert _memory._block_of(x) is None
     a.synchronize()
     gc.collect()  # see fresh_pool
-    gate = Gate()
-    with b:
-        out = cp.zeros(N, dtype=cp.float32)
-        gated_copy(x, out, gate)
-    before = cudafut.memory_statistics().untracked_holds
-    cudafut.record_stream(x, b)
-    assert cudafut.memory_statistics().untracked_holds == before + 1
-    ptr = x.data.ptr
-    del x
-    with cp.cuda.using_allocator(pool.malloc):
-        got, _, reused_under_reader = _reallocate_and_read(a, b, gate, ptr, out)
+    with Gate() as gate:
+        with b:
+            out = cp.zeros(N, dtype=cp.float32)
+            gated_copy(x, out, gate)
+        before = cudafut.memory_statistics().untracked_holds
+        cudafut.record_stream(x, b)
+        assert cudafut.memory_statistics().untracked_holds == before + 1
+        ptr = x.data.ptr
+        del x
+        with cp.cuda.using_allocator(pool.malloc):
+            got, _, reused_under_reader = _reallocate_and_read(a, b, gate, ptr, out)
     assert not reused_under_reader
     assert np.all(got == 1.0)
 

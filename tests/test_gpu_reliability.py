@@ -143,13 +143,12 @@ async def test_ten_thousand_cancelled_awaits_leave_nothing_behind(cp: Any) -> No
     # tasks beside a slow garbage collection of the suite's heap outlasted
     # a 2 s spin, and the futures must still be pending when cancelled.
     gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
-    gate = Gate()
-    try:
+    with Gate() as gate:
         xs = []
         for i, s in enumerate(streams):
             with s:
                 xs.append(cp.zeros(N, dtype=cp.float32))
-                gated_fill(xs[-1], float(i), gate)
+                gated_fill(xs[-1], float(i + 1), gate)  # 0 could not be told from the zeros
         futs = [cudafut.record(x, stream=s) for x, s in zip(xs, streams, strict=True)]
         started = 0
 
@@ -165,16 +164,16 @@ async def test_ten_thousand_cancelled_awaits_leave_nothing_behind(cp: Any) -> No
                 while started < 10_000:
                     await anyio.sleep(0.001)
                 await anyio.sleep(0.01)
-                assert not any(f.done() for f in futs)  # cancelled mid-wait
+                assert not any(f.done() for f in futs), (
+                    f"done before the gate opened (gave up: {gate.timed_out})"
+                )
                 scope.cancel()
-    finally:
-        gate.open()
-    driver = _loops.current_driver()
-    assert driver is not None and driver.watchlist.pending == 0
+        driver = _loops.current_driver()
+        assert driver is not None and driver.watchlist.pending == 0
     with anyio.fail_after(1):
         await anyio.sleep(0.001)  # the loop still answers
     values = [float((await f)[0]) for f in futs]  # and the futures still work
-    assert values == [float(i) for i in range(8)]
+    assert values == [float(i + 1) for i in range(8)]
     assert not gate.timed_out
 
 
@@ -228,15 +227,16 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
     # collection of the suite's heap can outlast any spin, and the task
     # must still be pending after the loop ran.
     gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
-    gate = Gate()
-    try:
+    with producer:  # the fill kernel loaded now: a first launch may wait for the device
+        cp.empty(N, dtype=cp.float32).fill(5.0)
+    with Gate() as gate:  # opened on the way out, failure or not
         for i in range(20):
             with producer:
                 x = cp.zeros(N, dtype=cp.float32)
                 if i == 0:
                     gated_fill(x, 5.0, gate)
                 else:
-                    x.fill(5.0)  # behind the gated fill, on the same stream
+                    x.fill(5.0)  # behind the gated fill, on the same stream: one gate to give up
             fut = cudafut.record(x, stream=producer)
             futs.append(fut)
             loop = asyncio.new_event_loop()
@@ -247,8 +247,6 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
             loop.run_until_complete(asyncio.sleep(0))
             loop.close()
             del loop, task
-    finally:
-        gate.open()  # a failure above must not leave gated work queued
     with caplog.at_level(logging.ERROR, logger="cudafut"):
         gc.collect()
         assert all(float(f.result()[0]) == 5.0 for f in futs)

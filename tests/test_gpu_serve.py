@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _launch
+from cudafut import _cuda, _launch
 from tests.kernels import spin_fill
 from tests.runners import BACKENDS, run_on
 
@@ -259,13 +259,14 @@ def test_a_cupy_graph_replayed_through_launch_gives_the_eager_answers(cp: Any) -
 def _on_every_launcher_thread(fn: Any) -> None:
     """Run ``fn`` once on each launcher thread of the current device: as
     many launches as threads, each held at a barrier until all have started."""
-    barrier = threading.Barrier(_launch.launcher_threads())
+    device = _cuda.cupy().cuda.Device().id
+    barrier = threading.Barrier(len(_launch._launchers_of(device).threads))
 
     def job() -> None:
         barrier.wait(timeout=60)
         fn()
 
-    for fut in [cudafut.launch(job) for _ in range(barrier.parties)]:
+    for fut in [cudafut.launch(job, device=device) for _ in range(barrier.parties)]:
         fut.result(timeout=120)
 
 

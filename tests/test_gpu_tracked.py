@@ -378,14 +378,14 @@ def free_race(cp: Any, enabled: bool) -> Race:
             x = cp.ones(MEM_N, dtype=cp.float32)
         a.synchronize()
         t = cudafut.Tracked(x, enabled=enabled)
-        gate = Gate()
-        with b:
-            out = cp.zeros(MEM_N, dtype=cp.float32)
-            with t.read() as v:
-                gated_copy(v, out, gate)
-        ptr = x.data.ptr
-        del x, v, t
-        return _reallocate_and_read(a, b, gate, ptr, out)
+        with Gate() as gate:
+            with b:
+                out = cp.zeros(MEM_N, dtype=cp.float32)
+                with t.read() as v:
+                    gated_copy(v, out, gate)
+            ptr = x.data.ptr
+            del x, v, t
+            return _reallocate_and_read(a, b, gate, ptr, out)
 
 
 def test_a_dropped_tracked_array_is_freed_after_the_streams_that_used_it(cp: Any, warm: None) -> None:
