@@ -79,6 +79,19 @@ def spin_copy(src: Any, dst: Any, ms: float) -> None:
     _module().get_function("spin_copy")((1,), (256,), (src, dst, cp.int64(src.size), _ns(ms)))
 
 
+def slow_zeros(stream: Any, n: int, value: float, ms: float) -> Any:
+    """``n`` float32 zeros on ``stream``, which then overwrites them with
+    ``value`` after ``ms`` ms. Only ``stream`` is synchronised, once the
+    zeros are in place (a device-wide synchronisation would also wait for
+    other slow producers of the same test)."""
+    cp = _cuda.cupy()
+    with stream:
+        x = cp.zeros(n, dtype=cp.float32)
+        stream.synchronize()
+        spin_fill(x, value, ms)
+    return x
+
+
 class Gate:
     """A flag in pinned host memory (the device reads it through unified
     addressing) that :func:`gated_copy` and :func:`gated_fill` wait for: the

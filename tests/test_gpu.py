@@ -21,7 +21,7 @@ import pytest
 import cudafut
 from cudafut import _cuda, _loops, _pools
 from cudafut._values import find_devices
-from tests.kernels import spin_copy, spin_fill
+from tests.kernels import slow_zeros, spin_copy, spin_fill
 
 pytestmark = pytest.mark.gpu
 
@@ -42,15 +42,8 @@ def consumer(cp: Any) -> Any:
 def slow(
     cp: Any, producer: Any, value: float = 7.0, ms: float = SLOW_MS
 ) -> tuple[Any, cudafut.CudaFuture[Any]]:
-    """Zeros that the producer stream overwrites with ``value`` after ``ms``.
-
-    Only the producer is synchronised (a device-wide synchronisation would
-    also wait for the slow producers of other futures in the same test).
-    """
-    with producer:
-        x = cp.zeros(N, dtype=cp.float32)
-        producer.synchronize()
-        spin_fill(x, value, ms)
+    """Zeros that the producer stream overwrites with ``value`` after ``ms``."""
+    x = slow_zeros(producer, N, value, ms)
     return x, cudafut.record(x, stream=producer)
 
 

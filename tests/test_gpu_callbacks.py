@@ -19,7 +19,7 @@ import pytest
 import cudafut
 from cudafut import _waiter
 from tests.fakes import inject_watcher_bug
-from tests.kernels import spin_fill
+from tests.kernels import slow_zeros
 
 pytestmark = pytest.mark.gpu
 
@@ -34,11 +34,7 @@ def slow(cp: Any, value: float = 7.0, ms: float = SLOW_MS) -> tuple[Any, Any]:
     """A fresh stream, and zeros it overwrites with ``value`` after ``ms``."""
     stream = cp.cuda.Stream(non_blocking=True)
     _streams.append(stream)
-    with stream:
-        x = cp.zeros(N, dtype=cp.float32)
-        stream.synchronize()
-        spin_fill(x, value, ms)
-    return stream, x
+    return stream, slow_zeros(stream, N, value, ms)
 
 
 def slow_future(cp: Any, value: float = 7.0, ms: float = SLOW_MS) -> cudafut.CudaFuture[Any]:

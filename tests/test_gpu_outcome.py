@@ -20,7 +20,7 @@ import pytest
 
 import cudafut
 from cudafut import _pools, _waiter
-from tests.kernels import spin_fill
+from tests.kernels import slow_zeros
 
 pytestmark = pytest.mark.gpu
 
@@ -37,10 +37,7 @@ def slow(cp: Any, value: float = 7.0, ms: float = SLOW_MS) -> tuple[Any, cudafut
     """Zeros that a fresh stream overwrites with ``value`` after ``ms``."""
     stream = cp.cuda.Stream(non_blocking=True)
     _streams.append(stream)
-    with stream:
-        x = cp.zeros(N, dtype=cp.float32)
-        stream.synchronize()
-        spin_fill(x, value, ms)
+    x = slow_zeros(stream, N, value, ms)
     return x, cudafut.record(x, stream=stream)
 
 
