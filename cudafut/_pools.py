@@ -185,7 +185,11 @@ class TaskStreamPool:
 
     def __init__(self, cap: int = TASK_STREAMS_PER_DEVICE) -> None:
         self._cap = cap
-        self._lock = threading.Lock()
+        # Re-entrant: release() runs from a task's finalizer, which the GC may
+        # run on a thread inside acquire(), holding the lock (a plain Lock
+        # deadlocked the thread there). Each step under it leaves the pool
+        # consistent, so a release in between is safe.
+        self._lock = threading.RLock()
         self._streams: dict[int, list[Any]] = {}
         self._free: dict[int, list[Any]] = {}
         self._leases: dict[int, int] = {}  # by stream handle
