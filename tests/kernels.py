@@ -5,6 +5,7 @@ that a missing wait shows up as wrong data."""
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 from typing import Any
 
@@ -109,7 +110,16 @@ class Gate:
 
     Its pinned block is never handed back (a few hundred bytes a gate): a
     kernel that outlives a failed test still polls it, and must not read
-    the next test's gate."""
+    the next test's gate.
+
+    While the gate is used as a context manager, the stacks of every thread
+    are dumped to stderr (which pytest shows with a failure) if it stays
+    closed over ``STALL_DUMP_S``: a test whose gate gave up then says which
+    call waited for the device. This takes pytest's ``faulthandler_timeout``
+    timer (there is one per process) for the rest of the test."""
+
+    #: Seconds with the gate closed before the stacks are dumped.
+    STALL_DUMP_S = 2.0
 
     def __init__(self) -> None:
         mem = _cuda.cupy().cuda.alloc_pinned_memory(8)
@@ -119,10 +129,12 @@ class Gate:
         self._flags[0] = self._flags[1] = 0
 
     def __enter__(self) -> Gate:
+        faulthandler.dump_traceback_later(self.STALL_DUMP_S, file=2)  # fd 2: pytest captures it
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.open()
+        faulthandler.cancel_dump_traceback_later()
 
     def open(self) -> None:
         self._flags[0] = 1

@@ -4,7 +4,6 @@ cancellation, loops and threads, fork, Ctrl-C, sticky errors, bad input."""
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import gc
 import logging
 import math
@@ -232,33 +231,26 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
     gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
     with producer:  # the fill kernel loaded now: a first launch may wait for the device
         cp.empty(N, dtype=cp.float32).fill(5.0)
-    # Normally done in a fraction of a second: a stall means something
-    # waited for the device while the gate was closed, and this dump (shown
-    # with the failure) says which call.
-    faulthandler.dump_traceback_later(1.0, file=2)  # fd 2: pytest captures it
-    try:
-        with Gate() as gate:  # opened on the way out, failure or not
-            for i in range(20):
-                with producer:
-                    x = cp.zeros(N, dtype=cp.float32)
-                    if i == 0:
-                        gated_fill(x, 5.0, gate)
-                    else:
-                        x.fill(5.0)  # behind the gated fill, on the same stream: one gate to give up
-                fut = cudafut.record(x, stream=producer)
-                futs.append(fut)
-                loop = asyncio.new_event_loop()
-                try:  # closed whatever happens: a loop left open fails the next test
-                    task = loop.create_task(_await(fut))
-                    loop.run_until_complete(asyncio.sleep(0.005))  # the task now waits (and sleeps)
-                    assert not task.done(), f"await {i} finished with the gate closed"
-                    task.cancel()
-                    loop.run_until_complete(asyncio.sleep(0))
-                finally:
-                    loop.close()
-                del loop, task
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    with Gate() as gate:  # opened on the way out, failure or not (a stall dumps the stacks)
+        for i in range(20):
+            with producer:
+                x = cp.zeros(N, dtype=cp.float32)
+                if i == 0:
+                    gated_fill(x, 5.0, gate)
+                else:
+                    x.fill(5.0)  # behind the gated fill, on the same stream: one gate to give up
+            fut = cudafut.record(x, stream=producer)
+            futs.append(fut)
+            loop = asyncio.new_event_loop()
+            try:  # closed whatever happens: a loop left open fails the next test
+                task = loop.create_task(_await(fut))
+                loop.run_until_complete(asyncio.sleep(0.005))  # the task now waits (and sleeps)
+                assert not task.done(), f"await {i} finished with the gate closed"
+                task.cancel()
+                loop.run_until_complete(asyncio.sleep(0))
+            finally:
+                loop.close()
+            del loop, task
     with caplog.at_level(logging.ERROR, logger="cudafut"):
         gc.collect()
         assert all(float(f.result()[0]) == 5.0 for f in futs)
