@@ -13,6 +13,7 @@ from ._future import (
     Pending,
     adopt,
     check_timeout,
+    discard_done_callback,
     remaining,
     succeeded,
     wait_for,
@@ -191,7 +192,8 @@ class _Arrivals:
     One done callback per future, run by ``driver`` (the loop's waiter, or
     the watcher thread for :func:`as_completed_sync`), appends the future to
     ``ready`` and then calls ``wake`` if set, in the driver's thread.
-    :meth:`close` removes the callbacks of those that have not arrived.
+    :meth:`close` removes the callbacks of those that have not arrived;
+    :meth:`abandon` leaves them on the futures, to do nothing when they run.
     """
 
     def __init__(
@@ -200,18 +202,31 @@ class _Arrivals:
         self.items = items
         self.ready: collections.deque[CudaFuture[Any]] = collections.deque()
         self.wake = wake
+        self.closed = False
         for fut in items:
             when_done(fut, self._arrived, driver)
 
     def _arrived(self, fut: CudaFuture[Any]) -> None:
+        if self.closed:
+            return
         self.ready.append(fut)
         wake = self.wake
         if wake is not None:
             wake()
 
     def close(self) -> None:
+        self.closed = True
         for fut in self.items:
             fut.remove_done_callback(self._arrived)
+
+    def abandon(self) -> None:
+        """:meth:`close` without waiting for any future's lock, for where the
+        garbage collector may close a generator, on a thread that may hold
+        one: a callback whose future's lock is busy stays, runs once when
+        its future is done, and does nothing."""
+        self.closed = True
+        for fut in self.items:
+            discard_done_callback(fut, self._arrived)
 
 
 async def _as_completed(items: list[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:
@@ -253,7 +268,11 @@ def as_completed_sync(
     wake-up delay) and wakes the iterating thread, which sleeps on a
     condition variable meanwhile (GIL released, Ctrl-C works). Blocks
     neither the GPU nor other threads. Leaving the loop early removes the
-    remaining watches' callbacks.
+    remaining watches' callbacks (but for a future whose lock another
+    thread holds at that instant: its callback stays until the future is
+    done, and then does nothing; a closing generator never waits for a
+    lock, since the garbage collector may close it on a thread that holds
+    one).
 
     Args:
         futs: the futures.
@@ -297,5 +316,13 @@ def _as_completed_sync(
                             "wait on them with result()"
                         )
             yield arrivals.ready.popleft()
+    except GeneratorExit:
+        # close() by its owner, or the garbage collector finalizing the
+        # generator on whatever thread it runs, possibly inside a method of
+        # one of these futures, under its lock (removing a callback there
+        # deadlocked): nothing here may wait for a future's lock.
+        arrivals.abandon()
+        raise
     finally:
-        arrivals.close()
+        if not arrivals.closed:
+            arrivals.close()

@@ -32,7 +32,11 @@ NOT_READY = 600
 # default stream of the current device (and, for per-thread, thread)".
 _SPECIAL_STREAMS = (0, 1, 2)
 
-_init_lock = threading.Lock()
+# Re-entrant: a finalizer the garbage collector runs during the first
+# initialisation (a cudafut-allocated block's, which records an event) calls
+# runtime() on the same thread; the nested call initialises, and the hooks
+# it runs twice (the allocator's install) do nothing the second time.
+_init_lock = threading.RLock()
 #: Called with the cupy module once CUDA is found usable (see on_initialise()).
 _init_hooks: list[Callable[[Any], None]] = []
 _cupy: Any = None

@@ -1552,6 +1552,27 @@ def wait_for(fut: CudaFuture[Any], upstream: Sequence[CudaFuture[Any]]) -> None:
     fut._wait_for(upstream)
 
 
+def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bool:
+    """:meth:`CudaFuture.remove_done_callback` for code the garbage collector
+    may run (a generator's ``finally``), on a thread that may hold this
+    future's lock: where the lock is busy, nothing is removed and False is
+    returned (the callback then runs once, when the future is done). ``fn``
+    must compare without running user code (a bound method of cudafut's)."""
+    lock = fut._lock
+    if not lock.acquire(blocking=False):
+        return False
+    try:
+        callbacks = fut._callbacks
+        if callbacks is not None:
+            for entry in callbacks:
+                if entry.fn == fn and entry.state == _WAITING:
+                    entry.state = _REMOVED
+            fut._callbacks = [e for e in callbacks if e.state == _WAITING] or None
+    finally:
+        lock.release()
+    return True
+
+
 def complete_with(
     fut: CudaFuture[Any],
     value: object,

@@ -14,6 +14,7 @@ snapshot of the pools, for tests, benchmarks and leak hunts.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import sys
@@ -185,17 +186,20 @@ class TaskStreamPool:
 
     def __init__(self, cap: int = TASK_STREAMS_PER_DEVICE) -> None:
         self._cap = cap
-        # Re-entrant: release() runs from a task's finalizer, which the GC may
-        # run on a thread inside acquire(), holding the lock (a plain Lock
-        # deadlocked the thread there). Each step under it leaves the pool
-        # consistent, so a release in between is safe.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._streams: dict[int, list[Any]] = {}
         self._free: dict[int, list[Any]] = {}
         self._leases: dict[int, int] = {}  # by stream handle
+        # Streams given back, not yet counted: release() runs from a task's
+        # finalizer, which the garbage collector may run on a thread inside
+        # acquire(), under the lock (waiting for it there deadlocked, and a
+        # re-entrant lock let a release land in the middle of a lease). An
+        # append is atomic; whoever holds the lock next counts them.
+        self._returned: collections.deque[tuple[int, Any]] = collections.deque()
 
     def acquire(self, device: int) -> Any:
         with self._lock:
+            self._count_returned()
             streams = self._streams.setdefault(device, [])
             free = self._free.setdefault(device, [])
             if free:
@@ -213,7 +217,21 @@ class TaskStreamPool:
         return stream
 
     def release(self, device: int, stream: Any) -> None:
-        with self._lock:
+        """Give back a lease of ``stream``. Never waits: where the lock is
+        busy (another thread, or this one inside :meth:`acquire`), the lease
+        is counted by the next call that takes it."""
+        self._returned.append((device, stream))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._count_returned()
+            finally:
+                self._lock.release()
+
+    def _count_returned(self) -> None:
+        # Under the lock.
+        returned = self._returned
+        while returned:
+            device, stream = returned.popleft()
             handle = int(stream.ptr)
             left = self._leases[handle] - 1
             self._leases[handle] = left
@@ -223,6 +241,7 @@ class TaskStreamPool:
     def counts(self) -> dict[int, tuple[int, int]]:
         """Per device: (streams created, leases now)."""
         with self._lock:
+            self._count_returned()
             return {
                 device: (len(streams), sum(self._leases[int(s.ptr)] for s in streams))
                 for device, streams in self._streams.items()

@@ -128,7 +128,10 @@ class _Backend:
         self.active = True
         #: The event pool made for the fake (by cudafut._pools), once installed.
         self.pool: Any = None
-        self._lock = threading.Lock()
+        # Re-entrant: finalizers the garbage collector runs (an event record's,
+        # a cudafut-allocated block's) record and release events on the fake,
+        # possibly on a thread inside one of its methods.
+        self._lock = threading.RLock()
         self._local = threading.local()
         self._numbers = itertools.count()
         self._handles = itertools.count(-1, -1)  # negative: never a real event's

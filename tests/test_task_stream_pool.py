@@ -39,8 +39,10 @@ def test_a_release_run_by_a_finalizer_inside_acquire_does_not_deadlock(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A task's finalizer gives its stream back (release) while the same
-    thread is inside acquire, under the pool's lock: with a plain Lock the
-    thread waited for itself forever (seen on a GPU, in a full test run)."""
+    thread is inside acquire, under the pool's lock: waiting for the lock
+    there deadlocked the thread (seen on a GPU, in a full test run), and
+    a re-entrant lock let the release land in the middle of a lease (a
+    stream both free and lent). The release is counted after acquire."""
     pool, (a, b) = _pool_with(monkeypatch, 2, cap=2)
     a.on_read = lambda: pool.release(0, b)  # runs in acquire's choice, under the lock
     got: list[Any] = []
@@ -48,8 +50,10 @@ def test_a_release_run_by_a_finalizer_inside_acquire_does_not_deadlock(
     worker.start()
     worker.join(30)  # a liveness guard, not a timing: it returns at once or never
     assert not worker.is_alive(), "acquire() deadlocked on a release from a finalizer"
-    assert got and got[0] in (a, b)
-    assert pool.counts() == {0: (2, 2)}  # b's release counted: one of them now has 2 leases
+    assert got == [a]  # b's lease was still counted when acquire chose: both had one
+    assert pool.counts() == {0: (2, 2)}  # then b's release counted: a has 2 leases, b none
+    assert pool.acquire(0) is b  # b is free, and lent once only
+    assert pool.counts() == {0: (2, 3)}
 
 
 def test_a_released_stream_is_lent_again_before_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
