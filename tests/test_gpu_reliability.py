@@ -142,15 +142,19 @@ async def test_ten_thousand_cancelled_awaits_leave_nothing_behind(cp: Any) -> No
     # The producers wait for the gate, not a fixed time: starting 10,000
     # tasks beside a slow garbage collection of the suite's heap outlasted
     # a 2 s spin, and the futures must still be pending when cancelled.
-    # Starting 10,000 tasks took over 5 s on a loaded host (the gate gave
-    # up), so its safety limit here is a minute: the test opens it anyway.
+    # Twice in full GPU runs the host thread stalled with the gate closed
+    # until it gave up (5 s, then 60 s); the gate dumps the stacks of such a
+    # stall. The arrays are allocated before it closes (an allocation that
+    # misses CuPy's pool calls cudaMalloc, which may wait for the device).
+    xs = []
+    for s in streams:
+        with s:
+            xs.append(cp.zeros(N, dtype=cp.float32))
     gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
     with Gate() as gate:
-        xs = []
-        for i, s in enumerate(streams):
+        for i, (x, s) in enumerate(zip(xs, streams, strict=True)):
             with s:
-                xs.append(cp.zeros(N, dtype=cp.float32))
-                gated_fill(xs[-1], float(i + 1), gate, max_ms=60_000.0)  # 0: the zeros' value
+                gated_fill(x, float(i + 1), gate)  # 0: the zeros' value
         futs = [cudafut.record(x, stream=s) for x, s in zip(xs, streams, strict=True)]
         started = 0
 
@@ -228,13 +232,13 @@ def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptu
     # The producer waits for the gate, not a fixed time: a garbage
     # collection of the suite's heap can outlast any spin, and the task
     # must still be pending after the loop ran.
-    gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
     with producer:  # the fill kernel loaded now: a first launch may wait for the device
         cp.empty(N, dtype=cp.float32).fill(5.0)
+        xs = [cp.zeros(N, dtype=cp.float32) for _ in range(20)]  # no cudaMalloc with the gate closed
+    gc.collect()  # earlier garbage freed (cudaFree waits for the device) before the gate
     with Gate() as gate:  # opened on the way out, failure or not (a stall dumps the stacks)
-        for i in range(20):
+        for i, x in enumerate(xs):
             with producer:
-                x = cp.zeros(N, dtype=cp.float32)
                 if i == 0:
                     gated_fill(x, 5.0, gate)
                 else:
