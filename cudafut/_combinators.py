@@ -203,8 +203,10 @@ class _Arrivals:
         self.ready: collections.deque[CudaFuture[Any]] = collections.deque()
         self.wake = wake
         self.closed = False
+        # One bound method, added to each future: abandon() finds it by identity.
+        self._callback = self._arrived
         for fut in items:
-            when_done(fut, self._arrived, driver)
+            when_done(fut, self._callback, driver)
 
     def _arrived(self, fut: CudaFuture[Any]) -> None:
         if self.closed:
@@ -217,16 +219,18 @@ class _Arrivals:
     def close(self) -> None:
         self.closed = True
         for fut in self.items:
-            fut.remove_done_callback(self._arrived)
+            fut.remove_done_callback(self._callback)
 
     def abandon(self) -> None:
         """:meth:`close` without waiting for any future's lock, for where the
         garbage collector may close a generator, on a thread that may hold
         one: a callback whose future's lock is busy stays, runs once when
-        its future is done, and does nothing."""
+        its future is done, and does nothing (and keeps no future alive)."""
         self.closed = True
         for fut in self.items:
-            discard_done_callback(fut, self._arrived)
+            discard_done_callback(fut, self._callback)
+        self.items, self.wake = [], None
+        self.ready.clear()
 
 
 async def _as_completed(items: list[CudaFuture[Any]]) -> AsyncIterator[CudaFuture[Any]]:

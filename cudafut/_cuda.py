@@ -108,7 +108,7 @@ def runtime() -> Any:
 
 def cupy() -> Any:
     """The ``cupy`` module, after checking once that CUDA is usable."""
-    if _cupy is None:
+    if _rt is None:  # set last, after the hooks (the allocator's wrapper) ran
         _initialise()
     return _cupy
 

@@ -1556,8 +1556,9 @@ def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bo
     """:meth:`CudaFuture.remove_done_callback` for code the garbage collector
     may run (a generator's ``finally``), on a thread that may hold this
     future's lock: where the lock is busy, nothing is removed and False is
-    returned (the callback then runs once, when the future is done). ``fn``
-    must compare without running user code (a bound method of cudafut's)."""
+    returned (the callback then runs once, when the future is done).
+    Callbacks are compared by identity (``is``: pass the very object that
+    was added), so no user ``__eq__`` runs under the lock."""
     lock = fut._lock
     if not lock.acquire(blocking=False):
         return False
@@ -1565,7 +1566,7 @@ def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bo
         callbacks = fut._callbacks
         if callbacks is not None:
             for entry in callbacks:
-                if entry.fn == fn and entry.state == _WAITING:
+                if entry.fn is fn and entry.state == _WAITING:
                     entry.state = _REMOVED
             fut._callbacks = [e for e in callbacks if e.state == _WAITING] or None
     finally:

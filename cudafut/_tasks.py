@@ -69,8 +69,9 @@ class _TaskStreams:
     def stream(self, device: int) -> Any:
         stream = self.streams.get(device)
         if stream is None:
-            stream = self.streams[device] = _pools.task_streams.acquire(device)
-            weakref.finalize(self, _pools.task_streams.release, device, stream)
+            pool = _pools.task_streams  # once: the release goes back to the lending pool
+            stream = self.streams[device] = pool.acquire(device)
+            weakref.finalize(self, pool.release, device, stream)
             self.refresh()
         return stream
 

@@ -224,9 +224,16 @@ class _Backend:
             state = self._streams.get((device, stream))
             if state is None:
                 state = self._streams[(device, stream)] = [None, []]
-            newest, waits = state
-            deps = tuple(e for e in (newest, *waits) if e is not None and e.status != 0)
-            ev = _Event(next(self._numbers), deps)
+            while True:
+                newest, waits = state
+                seen = len(waits)
+                deps = tuple(e for e in (newest, *waits) if e is not None and e.status != 0)
+                ev = _Event(next(self._numbers), deps)
+                # A finalizer run by the collector in between (the lock is
+                # re-entrant) may have recorded on this stream, or made it
+                # wait: then again.
+                if state[0] is newest and state[1] is waits and len(waits) == seen:
+                    break
             if self.auto_complete:
                 self._settle([ev, *self._closure(deps)], 0)
             else:

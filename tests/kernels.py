@@ -115,8 +115,9 @@ class Gate:
     While the gate is used as a context manager, the stacks of every thread
     are dumped to stderr (which pytest shows with a failure) if it stays
     closed over ``STALL_DUMP_S``: a test whose gate gave up then says which
-    call waited for the device. This takes pytest's ``faulthandler_timeout``
-    timer (there is one per process) for the rest of the test."""
+    call waited for the device. Where pytest's ``faulthandler_timeout`` is
+    set, this takes its timer (there is one per process) for the rest of
+    the test; gates do not nest."""
 
     #: Seconds with the gate closed before the stacks are dumped.
     STALL_DUMP_S = 2.0
@@ -138,6 +139,7 @@ class Gate:
 
     def open(self) -> None:
         self._flags[0] = 1
+        faulthandler.cancel_dump_traceback_later()  # open: whatever waits now is no stall of the gate's
 
     @property
     def timed_out(self) -> bool:

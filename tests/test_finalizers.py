@@ -113,3 +113,27 @@ def test_a_block_collected_inside_the_fake_backend_does_not_deadlock_it() -> Non
 
 def _ignore(fut: cudafut.CudaFuture[Any]) -> None:
     pass
+
+
+def test_a_record_landing_inside_another_on_the_fake_keeps_the_stream_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record the collector's finalizer makes on a stream while another
+    record on it is half done (the fake's lock is re-entrant) stays in the
+    stream's order: completing the later work completes it too."""
+    with testing.fake_cuda() as fake:
+        nested: list[cudafut.CudaFuture[Any]] = []
+        armed = [True]
+        original = testing._Event.__init__
+
+        def init(self: Any, number: int, deps: Any) -> None:
+            original(self, number, deps)
+            if armed.pop() if armed else False:  # once, as a finalizer would: same stream, mid-record
+                nested.append(cudafut.record(np.zeros(1)))
+
+        monkeypatch.setattr(testing._Event, "__init__", init)
+        outer = cudafut.record(np.ones(1))
+        monkeypatch.undo()
+        assert nested and not nested[0].done()
+        fake.complete(outer)
+        assert outer.done() and nested[0].done()
