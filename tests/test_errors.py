@@ -476,9 +476,10 @@ def test_nobody_at_the_stores_address_fails_the_start_up_in_time() -> None:
 
 
 def test_bench_without_a_source_checkout_says_how_to_get_one(tmp_path: Path) -> None:
+    # An installed cudafut: the package alone, no benchmarks/ beside it.
     site = tmp_path / "site"
     shutil.copytree(ROOT / "cudafut", site / "cudafut", ignore=shutil.ignore_patterns("__pycache__"))
-    for argv in (["bench", "--help"], ["bench"]):
+    for argv in (["bench", "--help"], ["bench"], ["bench", "--quick"]):
         proc = subprocess.run(
             [sys.executable, "-m", "cudafut", *argv],
             capture_output=True,
@@ -488,9 +489,12 @@ def test_bench_without_a_source_checkout_says_how_to_get_one(tmp_path: Path) -> 
             timeout=60,
             check=False,
         )
-        assert proc.returncode == 2, proc.stderr
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
         assert "run from a source checkout" in proc.stderr and "git clone https://" in proc.stderr
-        assert "python -m cudafut bench" in proc.stderr and "Traceback" not in proc.stderr
+        assert "not installed\nwith the package" in proc.stderr
+        assert f"installed at {site / 'cudafut'}," in proc.stderr
+        assert "python -m cudafut bench --help" in proc.stderr
 
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # no device, on any machine
