@@ -19,6 +19,7 @@ import pytest
 import cudafut
 from cudafut import _cuda, _launch
 from tests.kernels import spin_fill
+from tests.launches import check_a_queued_launch_cancelled_never_runs
 from tests.runners import BACKENDS, run_on
 
 pytestmark = pytest.mark.gpu
@@ -127,30 +128,7 @@ def test_launch_fails_with_fns_exception_type_kept(cp: Any) -> None:
 
 
 def test_a_launch_cancelled_before_it_starts_never_runs(cp: Any) -> None:
-    release = threading.Event()
-    started = threading.Semaphore(0)
-
-    def hold() -> int:
-        started.release()
-        release.wait(30)
-        return 0
-
-    cudafut.launch(lambda: 0).result(timeout=30)  # the launchers exist
-    threads = len(_launch._launchers[0].threads)  # type: ignore[union-attr]
-    holders = [cudafut.launch(hold) for _ in range(threads)]
-    for _ in range(threads):
-        assert started.acquire(timeout=30)  # every launcher is busy now
-    ran: list[int] = []
-    victim = cudafut.launch(ran.append, 1)
-    assert victim.cancel()
-    release.set()
-    for fut in holders:
-        fut.result(timeout=30)
-    cudafut.launch(lambda: 0).result(timeout=30)  # the queue is past the victim
-    for _ in range(threads):  # ... on every launcher thread
-        cudafut.launch(lambda: 0).result(timeout=30)
-    assert ran == []
-    assert victim.cancelled()
+    check_a_queued_launch_cancelled_never_runs(timeout=30)
 
 
 def test_launch_checks_its_arguments_before_enqueuing(cp: Any) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 import cudafut
 from cudafut import _cuda, _lifetimes, testing
+from tests.launches import check_a_queued_launch_cancelled_never_runs
 
 
 def test_a_stream_cuda_refuses_fails_the_launch_and_kills_no_thread(
@@ -48,34 +49,11 @@ def test_fn_runs_on_a_launcher_thread_and_keeps_its_exception_type(fake_cuda: te
     assert info.value is error
 
 
-def test_a_launch_cancelled_before_it_starts_never_runs_nor_keeps_its_arguments(
+def test_a_launch_cancelled_before_it_starts_never_runs(
     fake_cuda: testing.FakeCuda,
 ) -> None:
     fake_cuda.auto_complete = True
-    release = threading.Event()
-    started = threading.Semaphore(0)
-
-    def hold() -> int:
-        started.release()
-        release.wait(10)
-        return 0
-
-    cudafut.launch(lambda: 0).result(timeout=10)
-    from cudafut import _launch
-
-    threads = len(_launch._launchers[0].threads)  # type: ignore[union-attr]
-    holders = [cudafut.launch(hold) for _ in range(threads)]
-    for _ in range(threads):
-        assert started.acquire(timeout=10)
-    ran: list[int] = []
-    victim = cudafut.launch(ran.append, 1)
-    assert victim.cancel()
-    release.set()
-    for fut in holders:
-        fut.result(timeout=10)
-    for _ in range(threads + 1):
-        cudafut.launch(lambda: 0).result(timeout=10)
-    assert ran == []
+    check_a_queued_launch_cancelled_never_runs(timeout=10)
 
 
 def test_a_launch_cancelled_while_fn_runs_keeps_its_arguments_until_its_stream_passes(
