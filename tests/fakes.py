@@ -64,11 +64,14 @@ def set_future(value: object, records: list[FakeRecord]) -> CudaFuture[Any]:
     return set_with(value, tuple(records))
 
 
-def inject_watcher_bug(monkeypatch: pytest.MonkeyPatch, waiter: Any) -> None:
-    """Make the watcher thread's own loop raise once (a bug in cudafut, not
-    in a callback), at its next pass: the supervision tests' fault."""
+def inject_watcher_bug(
+    monkeypatch: pytest.MonkeyPatch, waiter: Any, bug: BaseException | None = None
+) -> None:
+    """Make the watcher thread's own loop raise ``bug`` once (a bug in
+    cudafut, not in a callback; by default a RuntimeError), at its next
+    pass: the supervision tests' fault."""
     take_holds = waiter._take_holds
-    bugs = [RuntimeError("an injected bug")]
+    bugs = [bug if bug is not None else RuntimeError("an injected bug")]
 
     def buggy() -> None:
         if bugs:

@@ -259,20 +259,12 @@ def test_a_dead_watcher_thread_is_logged_once_and_replaced_at_the_next_use(
 
 def test_work_handed_to_a_dying_watcher_is_run_by_its_replacement(monkeypatch: pytest.MonkeyPatch) -> None:
     waiter = _waiter.thread_waiter()
-    take_holds = waiter._take_holds
-    bugs = [SystemExit("an injected bug")]
-
-    def buggy() -> None:
-        if bugs:
-            raise bugs.pop()
-        take_holds()
-
     second = threading.Event()
 
     def first() -> None:  # queues more work, then the thread dies before running it
         waiter.call_soon_threadsafe(second.set)
 
-    monkeypatch.setattr(waiter, "_take_holds", buggy)
+    inject_watcher_bug(monkeypatch, waiter, SystemExit("an injected bug"))
     waiter.call_soon_threadsafe(first)
     assert second.wait(5)
 
