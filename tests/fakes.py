@@ -5,8 +5,10 @@ queried. Tests of the public behaviour use cudafut.testing's fake GPU (the
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from cudafut._events import EventRecord
@@ -79,3 +81,14 @@ def inject_watcher_bug(
         take_holds()
 
     monkeypatch.setattr(waiter, "_take_holds", buggy)
+
+
+def gone(ref: weakref.ref[Any]) -> bool:
+    """Whether ``ref``'s object is collected within 5 s (a hang guard, not
+    a timing), collecting garbage meanwhile: a value the watcher thread let
+    go of, once its records completed."""
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
+        gc.collect()
+    return ref() is None

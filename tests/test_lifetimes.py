@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cudafut import _copies, _cuda, _launch, _lifetimes, _waiter
-from tests.fakes import FakeRecord
+from tests.fakes import FakeRecord, gone
 from tests.subproc import ROOT, run_python
 
 
@@ -75,14 +75,6 @@ class _Value:
     pass
 
 
-def _gone(ref: weakref.ref[_Value]) -> bool:
-    deadline = time.monotonic() + 5
-    while ref() is not None and time.monotonic() < deadline:
-        time.sleep(0.005)
-        gc.collect()
-    return ref() is None
-
-
 def test_keep_until_holds_while_a_record_is_pending() -> None:
     done, pending = FakeRecord(), FakeRecord()
     done.complete()
@@ -94,7 +86,7 @@ def test_keep_until_holds_while_a_record_is_pending() -> None:
     gc.collect()
     assert ref() is not None  # kept by the watcher thread
     pending.complete()
-    assert _gone(ref)
+    assert gone(ref)
 
 
 def test_keep_until_holds_nothing_when_the_records_are_done() -> None:
@@ -123,7 +115,7 @@ FORK = """
 import gc, os, sys, time, weakref
 import cudafut
 from cudafut import _lifetimes, _waiter
-from tests.fakes import FakeRecord
+from tests.fakes import FakeRecord, gone
 
 class Value:
     pass
@@ -144,11 +136,7 @@ if pid == 0:
         gc.collect()
         assert ref() is not None
         child_rec.complete()
-        deadline = time.monotonic() + 5
-        while ref() is not None and time.monotonic() < deadline:
-            time.sleep(0.005)
-            gc.collect()
-        assert ref() is None
+        assert gone(ref)
         code = 0
     finally:
         os._exit(code)

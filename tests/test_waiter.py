@@ -15,7 +15,7 @@ import pytest
 
 import cudafut
 from cudafut import _policy, _timer, _waiter
-from tests.fakes import FakeRecord, stream_records
+from tests.fakes import FakeRecord, gone, stream_records
 
 
 @pytest.fixture(autouse=True)
@@ -87,11 +87,7 @@ def test_held_values_live_until_their_records_complete() -> None:
     gc.collect()
     assert ref() is not None  # pending: kept
     rec.complete()
-    deadline = time.monotonic() + 5
-    while ref() is not None and time.monotonic() < deadline:
-        time.sleep(0.005)
-        gc.collect()
-    assert ref() is None
+    assert gone(ref)
 
 
 class _RecordingCondition(threading.Condition):
