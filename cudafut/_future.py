@@ -566,14 +566,18 @@ class CudaFuture(Generic[T]):
         matches = [entry for entry in waiting if entry.fn == fn]
         if not matches:
             return 0
-        removed = 0
         with self._lock:
-            for entry in matches:
-                if entry.state == _WAITING:
-                    entry.state = _REMOVED
-                    removed += 1
-            if self._callbacks is not None:
-                self._callbacks = [e for e in self._callbacks if e.state == _WAITING] or None
+            return self._drop_callbacks(matches)
+
+    def _drop_callbacks(self, entries: list[_DoneCallback]) -> int:
+        # Under the lock: those of ``entries`` not started never will be.
+        removed = 0
+        for entry in entries:
+            if entry.state == _WAITING:
+                entry.state = _REMOVED
+                removed += 1
+        if self._callbacks is not None:
+            self._callbacks = [e for e in self._callbacks if e.state == _WAITING] or None
         return removed
 
     def to_asyncio(self, *, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[T]:
@@ -1563,12 +1567,7 @@ def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bo
     if not lock.acquire(blocking=False):
         return False
     try:
-        callbacks = fut._callbacks
-        if callbacks is not None:
-            for entry in callbacks:
-                if entry.fn is fn and entry.state == _WAITING:
-                    entry.state = _REMOVED
-            fut._callbacks = [e for e in callbacks if e.state == _WAITING] or None
+        fut._drop_callbacks([entry for entry in fut._callbacks or () if entry.fn is fn])
     finally:
         lock.release()
     return True
