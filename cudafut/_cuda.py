@@ -81,7 +81,9 @@ def _after_fork_in_child() -> None:
         forked = True
     # The parent's notice streams: kept, never destroyed (their finalizers
     # would call CUDA here), never used.
-    _inherited.extend(_notice_streams.values())
+    for pool in _notice_pool.values():
+        _inherited.extend(pool)
+    _notice_pool.clear()
     _notice_streams.clear()
 
 
@@ -530,10 +532,17 @@ _host_close: Any = None
 # watched stream and waiter, so that a notice never waits behind another
 # stream's work nor another waiter's notice (a host function holds up its
 # stream until it has run). Least recently used first; at most
-# _NOTICE_STREAMS_KEPT (dropping one with notices queued is safe: CUDA
-# frees a destroyed stream once its work is done).
+# _NOTICE_LANES_KEPT (forgetting a lane only forgets which stream it used).
 _notice_streams: collections.OrderedDict[object, Any] = collections.OrderedDict()
-_NOTICE_STREAMS_KEPT: Final = 256
+_NOTICE_LANES_KEPT: Final = 4096
+# Per device, every notice stream made: at most _NOTICE_STREAMS_PER_DEVICE
+# (a few more when threads race), and never destroyed. Creating a stream
+# after destroying others whose notices were still queued stalled the
+# calling thread (a loop's) until the GPU's work ended (docs/design.md,
+# hazard 11); past the cap, new lanes share the existing streams in turn.
+_notice_pool: dict[int, list[Any]] = {}
+_NOTICE_STREAMS_PER_DEVICE: Final = 256
+_notice_turn: dict[int, int] = {}
 _notice_lock = threading.Lock()
 # cuLaunchHostFunc's refusals that queue nothing: the descriptor is still ours.
 # (Any other code may come from earlier work, with the function queued.)
@@ -564,13 +573,22 @@ def _notice_stream(lane: object, device: int) -> Any:
         if stream is not None:
             _notice_streams.move_to_end(lane)
             return stream
-    stream = new_stream(device, 0)
-    dropped = []
+        pool = _notice_pool.setdefault(device, [])
+        if len(pool) >= _NOTICE_STREAMS_PER_DEVICE:
+            turn = _notice_turn.get(device, 0)
+            _notice_turn[device] = turn + 1
+            return _remember_lane(lane, pool[turn % len(pool)])
+    stream = new_stream(device, 0)  # outside the lock: CUDA may take a while
     with _notice_lock:
-        _notice_streams[lane] = stream
-        while len(_notice_streams) > _NOTICE_STREAMS_KEPT:
-            dropped.append(_notice_streams.popitem(last=False))
-    del dropped  # destroyed here, outside the lock (a stream's finalizer calls CUDA)
+        _notice_pool.setdefault(device, []).append(stream)
+        return _remember_lane(lane, stream)
+
+
+def _remember_lane(lane: object, stream: Any) -> Any:
+    # Under _notice_lock.
+    _notice_streams[lane] = stream
+    if len(_notice_streams) > _NOTICE_LANES_KEPT:
+        _notice_streams.popitem(last=False)
     return stream
 
 
@@ -588,8 +606,10 @@ def close_after(record: Any, fd: int, lane: object) -> None:
     (an invalid value, handle or context, not supported or permitted), it
     is closed here before raising; after any other refusal it is left open
     (the code may report earlier work, with the function queued, and
-    closing the number twice would close whatever file took it next). With
-    more than 256 lanes alive, each notice may create and destroy a stream.
+    closing the number twice would close whatever file took it next). The
+    first 256 lanes of a device each create a notice stream, kept for the
+    life of the process; later lanes share those in turn, so a notice may
+    then wait behind another lane's (callers poll besides).
     CUDA runs no host function after a context error (hazard 2), so ``fd``
     may never be closed: callers keep a poll to fall back on.
 

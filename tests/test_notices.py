@@ -256,6 +256,8 @@ def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(_cuda, "new_stream", lambda device, priority: _Stub())
     monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
     monkeypatch.setattr(_cuda, "_notice_streams", type(_cuda._notice_streams)())
+    monkeypatch.setattr(_cuda, "_notice_pool", {})
+    monkeypatch.setattr(_cuda, "_notice_turn", {})
     return results
 
 
@@ -301,6 +303,39 @@ def test_a_failure_before_the_launch_closes_the_descriptor(
         assert not _is_open(w)
     finally:
         os.close(r)
+
+
+def test_notice_streams_are_capped_per_device_and_never_destroyed(
+    stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Creating a stream after destroying busy ones stalled a loop until the
+    # GPU's work ended (hazard 11): past the cap, lanes share the streams.
+    made: list[tuple[int, object]] = []
+    destroyed: list[object] = []
+
+    class Stream:
+        ptr = 0x5678
+
+        def __del__(self) -> None:
+            destroyed.append(self)
+
+    def new_stream(device: int, priority: int) -> Stream:
+        stream = Stream()
+        made.append((device, stream))
+        return stream
+
+    monkeypatch.setattr(_cuda, "new_stream", new_stream)
+    monkeypatch.setattr(_cuda, "_NOTICE_STREAMS_PER_DEVICE", 3)
+    monkeypatch.setattr(_cuda, "_NOTICE_LANES_KEPT", 4)
+    streams = {lane: _cuda._notice_stream(lane, 0) for lane in range(10)}
+    assert len(made) == 3, "a notice stream was made past the cap"
+    assert [streams[lane] for lane in range(3, 9)] == [s for _, s in made] * 2, "lanes do not share in turn"
+    assert _cuda._notice_stream(9, 0) is streams[9], "a known lane changed stream"
+    _cuda._notice_stream("other device", 1)
+    assert len(made) == 4 and made[-1][0] == 1, "each device has its own streams"
+    del streams
+    gc.collect()
+    assert not destroyed, "a notice stream was destroyed"
 
 
 @pytest.mark.parametrize("loop", LOOPS)
