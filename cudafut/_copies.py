@@ -524,6 +524,12 @@ def to_host(array_or_future: Any, /, *, out: Any = None, stream: Any = None) -> 
 
     Returns at once, whatever the size: about 20 µs of work on the calling
     thread for a pinned destination; staged copies run on the copy threads.
+    Without ``out``, a result over ``INLINE_BYTES`` (256 KB) whose size has
+    no free block in the pool is pinned by a copy thread (a
+    ``cudaHostAlloc``, about 1 ms per 100 MB), which then enqueues the copy
+    on cudafut's copy stream: the future is pending (not yet set) until
+    then. With ``stream=`` or for a future's value, the caller pins it (the
+    copy must be enqueued before the caller's next work on that stream).
     The future keeps the source array alive until the copy is done.
 
     Raises:
@@ -605,10 +611,20 @@ def _to_host_on(
     keep = (array, src)
     nbytes = src.nbytes
     if out is None:
-        made = _pinned.host_array(shape, dtype)
+        # A large result with no cached block would cost the caller a
+        # cudaHostAlloc (about 1 ms per 100 MB): a copy thread pins it, and
+        # enqueues the copy later. Only on cudafut's own copy stream: on a
+        # stream of the caller's (or a then() callback's), work queued
+        # after this call must still come after the copy.
+        later = nbytes > INLINE_BYTES and stream is None and not follow and read is None
+        made = _pinned.host_array(shape, dtype, cached_only=later)
         if made is not None:
             result, buffer = made
             return _copy_to_pinned(src, result, buffer, nbytes, device, ptr, keep, read)
+        if later:
+            fut: CudaFuture[Any] = CudaFuture()
+            _run_in_worker(_pin_and_copy, fut, src, shape, dtype, device, ptr, keep)
+            return fut
         out = np.empty(shape, dtype)
     if _is_pinned(out):
         return _copy_to_pinned(src, out, None, nbytes, device, ptr, keep, read)
@@ -626,8 +642,17 @@ def _to_host_on(
                 src = src.copy()
             read.append(_events.record(ptr, device))
         keep = (array, src)
-    fut: CudaFuture[Any] = CudaFuture()
-    threads, chunk = _plan(nbytes)
+    staged: CudaFuture[Any] = CudaFuture()
+    _start_staged_out(staged, src, out, device, ptr, keep)
+    return staged
+
+
+def _start_staged_out(
+    fut: CudaFuture[Any], src: Any, out: np.ndarray[Any, Any], device: int, ptr: int, keep: object
+) -> None:
+    """Hand the copy of ``src`` into pageable ``out`` to the copy threads,
+    in chunks staged through pinned memory; the last one completes ``fut``."""
+    threads, chunk = _plan(src.nbytes)
     jobs = _split(_pieces(out, chunk), threads)
 
     def finish() -> None:
@@ -638,7 +663,35 @@ def _to_host_on(
     base = int(src.data.ptr)
     for job in jobs:
         _run_in_worker(_run_share, transfer, _stage_out, job, base, ptr, device)
-    return fut
+
+
+def _pin_and_copy(
+    fut: CudaFuture[Any],
+    src: Any,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    device: int,
+    ptr: int,
+    keep: object,
+) -> None:
+    """On a copy thread: a pinned result block (a ``cudaHostAlloc`` if need
+    be), the copy into it on stream ``ptr`` (which already follows the
+    producer), and ``fut`` set; past the pinned limit, a staged copy into
+    pageable memory instead. Errors go to ``fut``."""
+    try:
+        with _cuda.on_device(device):
+            made = _pinned.host_array(shape, dtype)
+            if made is None:
+                _start_staged_out(fut, src, np.empty(shape, dtype), device, ptr, keep)
+                return
+            result, buffer = made
+            _cuda.memcpy_to_host(result.ctypes.data, int(src.data.ptr), src.nbytes, ptr)
+            rec = _events.record(ptr, device)
+        buffer.guard = (rec,)
+        complete_future(fut, result, (rec,), keep)
+    except BaseException as exc:  # noqa: BLE001 - a copy thread never dies of a copy
+        with contextlib.suppress(InvalidStateError):  # its consumer cancelled it
+            fut.set_exception(exc)
 
 
 def _order_producer(array: Any, device: int, ptr: int) -> None:

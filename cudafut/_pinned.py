@@ -161,6 +161,20 @@ class PinnedPool:
             self._trim(nbytes - self.in_use)
             return old
 
+    def take_cached(self, nbytes: int) -> Allocation | None:
+        """A cached block of at least ``nbytes``, or None when none is free
+        (never a ``cudaHostAlloc``: about a µs either way)."""
+        size = size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if not free:
+                return None
+            ptr = free.pop()
+            self.cached -= size
+            self.in_use += size
+            self.blocks_in_use += 1
+        return Allocation(self, ptr, size)
+
     def take(self, nbytes: int) -> Allocation | None:
         """A block of at least ``nbytes``, or None past the limit or when
         CUDA cannot pin that much more (``cudaErrorMemoryAllocation``).
@@ -329,17 +343,18 @@ def check_size(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
 
 
 def host_array(
-    shape: tuple[int, ...], dtype: np.dtype[Any]
+    shape: tuple[int, ...], dtype: np.dtype[Any], *, cached_only: bool = False
 ) -> tuple[np.ndarray[Any, Any], HostBuffer] | None:
     """A C-contiguous array in pinned memory from the pool, and its buffer
     (to set the guard on); None past the pool's limit, or when CUDA cannot
-    pin that much.
+    pin that much, or (``cached_only``) when no cached block is free.
 
     Raises:
         ValueError: larger than any array can be (:func:`check_size`).
     """
     nbytes = check_size(shape, dtype)
-    allocation = pool.take(max(nbytes, 1))
+    size = max(nbytes, 1)
+    allocation = pool.take_cached(size) if cached_only else pool.take(size)
     if allocation is None:
         return None
     buffer = HostBuffer(allocation, shape, dtype)

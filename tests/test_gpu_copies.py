@@ -150,6 +150,36 @@ def test_to_host_of_an_array_follows_the_callers_current_stream() -> None:
         assert np.all(got.result(timeout=30) == 3.0)
 
 
+def test_a_cold_pinned_result_is_pinned_off_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With no cached block of the size, to_host() without out= leaves the
+    # cudaHostAlloc (about 1 ms per 100 MB) to a copy thread, which then
+    # enqueues the copy: it must still follow the producer on the caller's
+    # stream, and the result must still be pinned.
+    from cudafut import _pinned
+
+    cp = _cuda.cupy()
+    n = 3 << 20  # 12 MB of float32, after every cached block was freed
+    allocating: list[int] = []
+    host_alloc = _cuda.host_alloc
+
+    def spied(size: int) -> int:
+        allocating.append(threading.get_ident())
+        return host_alloc(size)
+
+    monkeypatch.setattr(_cuda, "host_alloc", spied)
+    _pinned.pool.free_cached()
+    producer = stream()
+    with producer:
+        x = cp.zeros(n, dtype=cp.float32)
+        spin_fill(x, 5.0, SLOW_MS)
+        got = cudafut.to_host(x)
+    value = got.result(timeout=30)
+    assert np.all(value == 5.0)
+    assert allocating, "no block was pinned: the test would prove nothing"
+    assert threading.get_ident() not in allocating, "the calling thread ran cudaHostAlloc"
+    assert _copies._is_pinned(value)
+
+
 def test_to_host_of_a_pending_future_copies_once_it_is_set() -> None:
     cp = _cuda.cupy()
     fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
