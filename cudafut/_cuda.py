@@ -79,12 +79,11 @@ def _after_fork_in_child() -> None:
     if _rt is not None:  # CUDA was initialised in the parent
         _cupy = _rt = _Forked()
         forked = True
-    # The parent's notice streams: kept, never destroyed (their finalizers
-    # would call CUDA here), never used.
-    for pool in _notice_pool.values():
-        _inherited.extend(pool)
-    _notice_pool.clear()
-    _notice_streams.clear()
+    # The parent's notice streams (handles: nothing to destroy) and helpers
+    # (not copied by fork) are not the child's.
+    for table in (_notice_streams, _notice_pool, _notice_free, _notice_turn, _notice_broken):
+        table.clear()
+    _notice_making.clear()
 
 
 def check_usable() -> None:
@@ -528,31 +527,37 @@ def stream_wait(stream: int, event: int, device: int) -> None:
 # libcuda's cuLaunchHostFunc and libc's close(), loaded on the first notice;
 # False where they cannot be had.
 _host_close: Any = None
-# Per lane, the stream its notices wait on: the caller gives one lane per
-# watched stream and waiter, so that a notice never waits behind another
-# stream's work nor another waiter's notice (a host function holds up its
-# stream until it has run). Least recently used first; at most
+# Per lane, the handle of the stream its notices wait on: the caller gives
+# one lane per watched stream and waiter, so that a notice never waits
+# behind another stream's work nor another waiter's notice (a host function
+# holds up its stream until it has run). Least recently used first; at most
 # _NOTICE_LANES_KEPT (forgetting a lane only forgets which stream it used).
-_notice_streams: collections.OrderedDict[object, Any] = collections.OrderedDict()
+_notice_streams: collections.OrderedDict[object, int] = collections.OrderedDict()
 _NOTICE_LANES_KEPT: Final = 4096
-# Per device, every notice stream made: at most _NOTICE_STREAMS_PER_DEVICE
-# (a few more when threads race), and never destroyed. Creating a stream
-# after destroying others whose notices were still queued stalled the
-# calling thread (a loop's) until the GPU's work ended (docs/design.md,
-# hazard 11); past the cap, new lanes share the existing streams in turn.
-_notice_pool: dict[int, list[Any]] = {}
-_NOTICE_STREAMS_PER_DEVICE: Final = 256
+# Per device, every notice stream made (at most _NOTICE_STREAMS_PER_DEVICE,
+# never destroyed), those not yet given to a lane, and the next to share
+# once the cap is reached. Creating a stream can wait for the GPU's running
+# work to end (docs/design.md, hazard 11), and CuPy holds the GIL through
+# it: so they are made on a helper thread, through the driver with the GIL
+# released, one spare ahead; a lane asking before one is ready polls.
+_notice_pool: dict[int, list[int]] = {}
+_notice_free: dict[int, list[int]] = {}
 _notice_turn: dict[int, int] = {}
+_NOTICE_STREAMS_PER_DEVICE: Final = 256
+# Devices whose helper is making a stream now, and why one could not be made.
+_notice_making: set[int] = set()
+_notice_broken: dict[int, BaseException] = {}
+# The driver's calls that make a stream without the GIL (ctypes releases
+# it), loaded with cuLaunchHostFunc.
+_stream_calls: Any = None
 _notice_lock = threading.Lock()
 # cuLaunchHostFunc's refusals that queue nothing: the descriptor is still ours.
 # (Any other code may come from earlier work, with the function queued.)
 _REFUSED_BEFORE_QUEUEING: Final = frozenset({1, 3, 4, 201, 400, 800, 801})
-# What a forked child must not destroy (a stream's finalizer calls CUDA).
-_inherited: list[Any] = []
 
 
 def _load_host_close() -> Any:
-    global _host_close
+    global _host_close, _stream_calls
     with _notice_lock:
         if _host_close is None:
             try:
@@ -561,55 +566,141 @@ def _load_host_close() -> Any:
                 launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
                 launch.restype = ctypes.c_int
                 close = ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value
+                calls = []
+                for name in (
+                    "cuDeviceGet",
+                    "cuDevicePrimaryCtxRetain",
+                    "cuCtxPushCurrent_v2",
+                    "cuCtxPopCurrent_v2",
+                    "cuStreamCreateWithPriority",
+                ):
+                    call = getattr(libcuda, name)
+                    call.restype = ctypes.c_int
+                    calls.append(call)
+                _stream_calls = tuple(calls)
                 _host_close = (launch, close)
             except (OSError, AttributeError):
                 _host_close = False
     return _host_close
 
 
-def _notice_stream(lane: object, device: int) -> Any:
+def _driver_error(code: int, device: int) -> CudaError:
+    name, description = f"CUresult {code}", ""
+    if _cupy is not None:
+        # CuPy formats the message as "<name>: <description>".
+        name, _, description = str(_cupy.cuda.driver.CUDADriverError(code)).partition(": ")
+    return CudaError(code, name, description, device=device)
+
+
+def _new_stream_handle(device: int) -> int:
+    """A new non-blocking stream on ``device``'s primary context (the
+    runtime's), made through the driver with the GIL released: it may wait
+    for the GPU (hazard 11). The caller owns the handle; cudafut never
+    destroys these."""
+    if _stream_calls is None and _load_host_close() is False:
+        raise CudaUnavailableError("no libcuda.so.1 to make a notice stream with")
+    device_get, retain, push, pop, create = _stream_calls
+    dev, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    for rc in (device_get(ctypes.byref(dev), device), retain(ctypes.byref(context), dev)):
+        if rc:
+            raise _driver_error(rc, device)
+    rc = push(context)
+    if rc:
+        raise _driver_error(rc, device)
+    try:
+        rc = create(ctypes.byref(stream), 1, 0)  # CU_STREAM_NON_BLOCKING, default priority
+    finally:
+        pop(ctypes.byref(ctypes.c_void_p()))
+    if rc:
+        raise _driver_error(rc, device)
+    return int(stream.value or 0)
+
+
+def _make_notice_stream(device: int) -> None:
+    # The helper thread's work: one stream, added to the spares.
+    try:
+        handle = _new_stream_handle(device)
+    except BaseException as exc:  # noqa: BLE001 - kept, raised to the next lane that asks
+        with _notice_lock:
+            _notice_making.discard(device)
+            _notice_broken[device] = exc
+        return
+    with _notice_lock:
+        _notice_making.discard(device)
+        _notice_pool.setdefault(device, []).append(handle)
+        _notice_free.setdefault(device, []).append(handle)
+
+
+def _start_notice_maker(device: int) -> None:
+    # Under _notice_lock.
+    if device in _notice_making or len(_notice_pool.get(device, ())) >= _NOTICE_STREAMS_PER_DEVICE:
+        return
+    _notice_making.add(device)
+    try:
+        threading.Thread(
+            target=_make_notice_stream, args=(device,), name="cudafut-notice-stream", daemon=True
+        ).start()
+    except BaseException:
+        _notice_making.discard(device)
+        raise
+
+
+def notice_stream(lane: object, device: int) -> int | None:
+    """The handle of the stream that ``lane``'s notices (see
+    :func:`close_after`) wait on, or None while it is being made. A dict
+    lookup once the lane has one. A lane's first call takes a spare stream
+    and starts a helper thread (about 50 µs) making the next; when no spare
+    is ready it returns None, and the caller polls instead of waiting for
+    CUDA, which may wait for the GPU to make a stream (docs/design.md,
+    hazard 11). The first 256 streams of a device are one per lane, kept
+    for the life of the process; later lanes share them in turn, so a
+    notice may then wait behind another lane's.
+
+    Raises:
+        CudaError: the helper could not make a stream (raised each time).
+        CudaUnavailableError: no ``libcuda`` (as ``close_after``).
+    """
     with _notice_lock:
         stream = _notice_streams.get(lane)
         if stream is not None:
             _notice_streams.move_to_end(lane)
             return stream
-        pool = _notice_pool.setdefault(device, [])
-        if len(pool) >= _NOTICE_STREAMS_PER_DEVICE:
+        broken = _notice_broken.get(device)
+        if broken is not None:
+            if isinstance(broken, (CudaError, CudaUnavailableError)):
+                raise broken
+            raise cuda_error(getattr(broken, "status", 999), device) from broken
+        free = _notice_free.get(device)
+        pool = _notice_pool.get(device, [])
+        if free:
+            stream = free.pop()
+        elif len(pool) >= _NOTICE_STREAMS_PER_DEVICE:
             turn = _notice_turn.get(device, 0)
             _notice_turn[device] = turn + 1
-            return _remember_lane(lane, pool[turn % len(pool)])
-    stream = new_stream(device, 0)  # outside the lock: CUDA may take a while
-    with _notice_lock:
-        _notice_pool.setdefault(device, []).append(stream)
-        return _remember_lane(lane, stream)
+            stream = pool[turn % len(pool)]
+        _start_notice_maker(device)
+        if stream is None:
+            return None
+        _notice_streams[lane] = stream
+        if len(_notice_streams) > _NOTICE_LANES_KEPT:
+            _notice_streams.popitem(last=False)
+        return stream
 
 
-def _remember_lane(lane: object, stream: Any) -> Any:
-    # Under _notice_lock.
-    _notice_streams[lane] = stream
-    if len(_notice_streams) > _NOTICE_LANES_KEPT:
-        _notice_streams.popitem(last=False)
-    return stream
-
-
-def close_after(record: Any, fd: int, lane: object) -> None:
+def close_after(record: Any, fd: int, stream: int) -> None:
     """Have CUDA close ``fd`` once the work before ``record``'s event is
-    done: the notice stream of ``lane`` (made on first use) waits for the
-    event, then runs a host function that is libc's ``close`` itself. No
-    Python runs on CUDA's thread, and nothing takes the GIL there
-    (docs/design.md, hazard 1). A few µs on the calling thread; blocks
-    neither it nor the GPU. Notices of one lane run in the order they were
-    asked for: give one lane per watched stream and waiter.
+    done: ``stream`` (a lane's :func:`notice_stream`) waits for the event,
+    then runs a host function that is libc's ``close`` itself. No Python
+    runs on CUDA's thread, and nothing takes the GIL there (docs/design.md,
+    hazard 1). A few µs on the calling thread; blocks neither it nor the
+    GPU. Notices on one stream run in the order they were asked for.
 
     Takes ``fd``, whatever happens: the caller never closes it. If the
     launch was not attempted, or CUDA refused it before queueing anything
     (an invalid value, handle or context, not supported or permitted), it
     is closed here before raising; after any other refusal it is left open
     (the code may report earlier work, with the function queued, and
-    closing the number twice would close whatever file took it next). The
-    first 256 lanes of a device each create a notice stream, kept for the
-    life of the process; later lanes share those in turn, so a notice may
-    then wait behind another lane's (callers poll besides).
+    closing the number twice would close whatever file took it next).
     CUDA runs no host function after a context error (hazard 2), so ``fd``
     may never be closed: callers keep a poll to fall back on.
 
@@ -623,8 +714,7 @@ def close_after(record: Any, fd: int, lane: object) -> None:
             raise CudaUnavailableError("cuLaunchHostFunc is not available (no libcuda.so.1)")
         launch, close = loaded
         device = record.device
-        stream = _notice_stream(lane, device)
-        ptr = int(stream.ptr)
+        ptr = int(stream)
         stream_wait(ptr, record.handle, device)
         previous = _rt.getDevice()
         if previous != device:
@@ -927,6 +1017,7 @@ SEAM: Final = (
     "memcpy_to_device",
     "memcpy_to_host",
     "new_stream",
+    "notice_stream",
     "on_device",
     "pointer_device",
     "pointer_is_pinned",

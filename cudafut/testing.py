@@ -244,7 +244,10 @@ class _Backend:
     def stream_wait(self, stream: int, event: int, device: int) -> None:
         pass  # an event of no fake record (real CUDA's, a test's): nothing to order
 
-    def close_after(self, record: Any, fd: int, lane: object) -> None:
+    def notice_stream(self, lane: object, device: int) -> int:
+        return 0  # the fake's notices need no stream
+
+    def close_after(self, record: Any, fd: int, stream: int) -> None:
         # As CUDA's host function: ``fd`` is closed when the record's event
         # completes (in the thread that completes it), never if it fails.
         ev: _Event | None = getattr(record, "event", None)

@@ -11,6 +11,7 @@ import gc
 import importlib.util
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -47,9 +48,9 @@ def notices() -> Iterator[tuple[testing.FakeCuda, list[int]]]:
         handed: list[int] = []
         fake_close_after = _cuda.close_after
 
-        def counting(record: Any, fd: int, lane: object) -> None:
+        def counting(record: Any, fd: int, stream: int) -> None:
             handed.append(fd)
-            fake_close_after(record, fd, lane)
+            fake_close_after(record, fd, stream)
 
         mp.setattr(_cuda, "close_after", counting)
         yield fake, handed
@@ -208,7 +209,7 @@ def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:
     r, w = os.pipe()
     try:
         with pytest.raises(cudafut.CudaUnavailableError, match="cuLaunchHostFunc"):
-            _cuda.close_after(object(), w, None)
+            _cuda.close_after(object(), w, 0)
         with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(w)
     finally:
@@ -253,11 +254,11 @@ def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     results: list[int] = []
     monkeypatch.setattr(_cuda, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
     monkeypatch.setattr(_cuda, "_rt", _Stub())
-    monkeypatch.setattr(_cuda, "new_stream", lambda device, priority: _Stub())
     monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
     monkeypatch.setattr(_cuda, "_notice_streams", type(_cuda._notice_streams)())
-    monkeypatch.setattr(_cuda, "_notice_pool", {})
-    monkeypatch.setattr(_cuda, "_notice_turn", {})
+    for table in ("_notice_pool", "_notice_free", "_notice_turn", "_notice_broken"):
+        monkeypatch.setattr(_cuda, table, {})
+    monkeypatch.setattr(_cuda, "_notice_making", set())
     return results
 
 
@@ -269,7 +270,7 @@ def test_a_refused_launch_closes_the_descriptor_only_if_nothing_was_queued(
     stub_cuda.append(code)
     try:
         with pytest.raises(cudafut.CudaError):
-            _cuda.close_after(_Stub(), w, "lane")
+            _cuda.close_after(_Stub(), w, _Stub.ptr)
         assert _is_open(w) is not closed
     finally:
         os.close(r)
@@ -280,7 +281,7 @@ def test_a_refused_launch_closes_the_descriptor_only_if_nothing_was_queued(
 def test_a_launched_notice_leaves_the_descriptor_to_cuda(stub_cuda: list[int]) -> None:
     r, w = os.pipe()
     try:
-        _cuda.close_after(_Stub(), w, "lane")
+        _cuda.close_after(_Stub(), w, _Stub.ptr)
         assert _is_open(w)
     finally:
         os.close(r)
@@ -291,70 +292,150 @@ def test_a_launched_notice_leaves_the_descriptor_to_cuda(stub_cuda: list[int]) -
 def test_a_failure_before_the_launch_closes_the_descriptor(
     stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch, error: BaseException
 ) -> None:
-    def failing(device: int, priority: int) -> Any:
+    def failing(stream: int, event: int, device: int) -> None:
         raise error
 
-    monkeypatch.setattr(_cuda, "new_stream", failing)
+    monkeypatch.setattr(_cuda, "stream_wait", failing)
     r, w = os.pipe()
     try:
         expected = cudafut.CudaError if isinstance(error, Exception) else type(error)
         with pytest.raises(expected):
-            _cuda.close_after(_Stub(), w, "lane")
+            _cuda.close_after(_Stub(), w, _Stub.ptr)
         assert not _is_open(w)
     finally:
         os.close(r)
 
 
-def test_notice_streams_are_capped_per_device_and_never_destroyed(
-    stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch
+# -- notice streams: made off the calling thread (hazard 11) ------------------------------
+
+
+class _Maker:
+    """Stands for ``_cuda._new_stream_handle``: new handles, the threads that
+    asked, and a gate that holds them (as CUDA may, until the GPU is idle)."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[int, int]] = []  # (device, handle)
+        self.threads: set[int] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, device: int) -> int:
+        self.threads.add(threading.get_ident())
+        assert self.gate.wait(30), "the test never opened the maker's gate"
+        handle = 0x1000 + len(self.made)
+        self.made.append((device, handle))
+        return handle
+
+    def settle(self) -> None:
+        """Until no helper is making a stream (they finish at once once the
+        gate is open)."""
+        for _ in range(3000):
+            with _cuda._notice_lock:
+                if not _cuda._notice_making:
+                    return
+            time.sleep(0.001)
+        raise AssertionError("a notice-stream helper never finished")
+
+
+@pytest.fixture
+def maker(stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Maker]:
+    made = _Maker()
+    monkeypatch.setattr(_cuda, "_new_stream_handle", made)
+    yield made
+    made.gate.set()
+    made.settle()
+
+
+def test_a_lanes_notice_stream_is_made_on_a_helper_thread_never_the_callers(maker: _Maker) -> None:
+    maker.gate.clear()  # CUDA waits for the GPU to make a stream
+    assert _cuda.notice_stream("lane", 0) is None, "the caller waited for a stream to be made"
+    assert _cuda.notice_stream("lane", 0) is None
+    assert maker.threads.isdisjoint({threading.get_ident()})
+    maker.gate.set()
+    maker.settle()
+    first = _cuda.notice_stream("lane", 0)
+    assert first == maker.made[0][1]
+    assert _cuda.notice_stream("lane", 0) == first, "a lane changed stream"
+    maker.settle()  # a spare made ahead: the next lane need not wait
+    assert _cuda.notice_stream("next lane", 0) == maker.made[1][1]
+    assert threading.get_ident() not in maker.threads
+
+
+def test_notice_streams_are_capped_per_device_then_shared_in_turn(
+    maker: _Maker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Creating a stream after destroying busy ones stalled a loop until the
-    # GPU's work ended (hazard 11): past the cap, lanes share the streams.
-    made: list[tuple[int, object]] = []
-    destroyed: list[object] = []
-
-    class Stream:
-        ptr = 0x5678
-
-        def __del__(self) -> None:
-            destroyed.append(self)
-
-    def new_stream(device: int, priority: int) -> Stream:
-        stream = Stream()
-        made.append((device, stream))
-        return stream
-
-    monkeypatch.setattr(_cuda, "new_stream", new_stream)
     monkeypatch.setattr(_cuda, "_NOTICE_STREAMS_PER_DEVICE", 3)
     monkeypatch.setattr(_cuda, "_NOTICE_LANES_KEPT", 4)
-    streams = {lane: _cuda._notice_stream(lane, 0) for lane in range(10)}
-    assert len(made) == 3, "a notice stream was made past the cap"
-    assert [streams[lane] for lane in range(3, 9)] == [s for _, s in made] * 2, "lanes do not share in turn"
-    assert _cuda._notice_stream(9, 0) is streams[9], "a known lane changed stream"
-    _cuda._notice_stream("other device", 1)
-    assert len(made) == 4 and made[-1][0] == 1, "each device has its own streams"
-    del streams
-    gc.collect()
-    assert not destroyed, "a notice stream was destroyed"
+    streams = {}
+    for lane in range(10):
+        while (stream := _cuda.notice_stream(lane, 0)) is None:
+            maker.settle()
+        streams[lane] = stream
+    assert len(maker.made) == 3, "a notice stream was made past the cap"
+    handles = [h for _, h in maker.made]
+    assert sorted(streams[lane] for lane in range(3)) == handles
+    assert [streams[lane] for lane in range(3, 9)] == handles * 2, "lanes past the cap do not share in turn"
+    assert _cuda.notice_stream(9, 0) == streams[9], "a known lane changed stream"
+    while _cuda.notice_stream("on device 1", 1) is None:
+        maker.settle()
+    assert maker.made[-1][0] == 1, "a device borrowed another's streams"
+
+
+def test_a_helper_that_cannot_make_a_stream_is_a_cuda_error_for_the_lane(
+    maker: _Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(device: int) -> int:
+        raise _cuda.cuda_error(2, device)
+
+    monkeypatch.setattr(_cuda, "_new_stream_handle", failing)
+    assert _cuda.notice_stream("lane", 0) is None
+    maker.settle()
+    with pytest.raises(cudafut.CudaError):
+        _cuda.notice_stream("lane", 0)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("failing", ["close_after", "notice_stream"])
 def test_a_waiter_whose_notice_fails_polls_and_stops_asking(
-    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, failing: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake, _handed = notices
-    attempts: list[int] = []
+    attempts: list[object] = []
 
-    def refusing(record: Any, fd: int, lane: object) -> None:
+    def refusing(record: Any, fd: int, stream: int) -> None:
         attempts.append(fd)
         os.close(fd)  # as close_after does when nothing was launched
         raise cudafut.CudaError(1, "cudaErrorInvalidValue", "refused", 0)
 
-    monkeypatch.setattr(_cuda, "close_after", refusing)
+    def no_stream(lane: object, device: int) -> int:
+        attempts.append(lane)
+        raise cudafut.CudaError(2, "cudaErrorMemoryAllocation", "no stream", device)
+
+    monkeypatch.setattr(_cuda, failing, refusing if failing == "close_after" else no_stream)
     futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
     values = run_on(loop, _await_completed_later, fake, futs, 0.02)
     assert [v[0] for v in values] == [0, 1, 2]
     assert len(attempts) == 1, "a waiter kept asking for notices that fail"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_waiter_polls_until_its_notice_stream_is_made_then_uses_notices(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, handed = notices
+    asked: list[object] = []
+    real = _cuda.notice_stream
+
+    def not_yet(lane: object, device: int) -> int | None:
+        asked.append(lane)
+        return None if len(asked) <= 2 else real(lane, device)
+
+    monkeypatch.setattr(_cuda, "notice_stream", not_yet)
+    futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
+    values = run_on(loop, _await_completed_later, fake, futs, 0.05)
+    assert [v[0] for v in values] == [0, 1, 2]
+    assert len(asked) >= 3, "a waiter stopped asking while its notice stream was being made"
+    assert handed, "no notice once the stream was made"
 
 
 def test_a_stale_timer_callback_after_a_notice_does_not_poll(monkeypatch: pytest.MonkeyPatch) -> None:
