@@ -12,7 +12,6 @@ under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import errno
@@ -81,7 +80,7 @@ def _after_fork_in_child() -> None:
         forked = True
     # The parent's notice streams (handles: nothing to destroy) and helpers
     # (not copied by fork) are not the child's.
-    for table in (_notice_streams, _notice_pool, _notice_free, _notice_turn, _notice_broken):
+    for table in (_notice_pool, _notice_turn, _notice_broken):
         table.clear()
     _notice_making.clear()
 
@@ -527,26 +526,20 @@ def stream_wait(stream: int, event: int, device: int) -> None:
 # libcuda's cuLaunchHostFunc and libc's close(), loaded on the first notice;
 # False where they cannot be had.
 _host_close: Any = None
-# Per lane, the handle of the stream its notices wait on: the caller gives
-# one lane per watched stream and waiter, so that a notice never waits
-# behind another stream's work nor another waiter's notice (a host function
-# holds up its stream until it has run). Least recently used first; at most
-# _NOTICE_LANES_KEPT (forgetting a lane only forgets which stream it used).
-_notice_streams: collections.OrderedDict[object, int] = collections.OrderedDict()
-_NOTICE_LANES_KEPT: Final = 4096
-# Per device, every notice stream made (at most _NOTICE_STREAMS_PER_DEVICE,
-# never destroyed), those not yet given to a lane, and the next to share
-# once the cap is reached. Creating a stream can wait for the GPU's running
-# work to end (docs/design.md, hazard 11), and CuPy holds the GIL through
-# it: so they are made on a helper thread, through the driver with the GIL
-# released, one spare ahead; a lane asking before one is ready polls.
+# Per device, the streams notices wait on (handles, never destroyed), made
+# all at once by a helper thread on the device's first notice; the next to
+# try; whether the helper is still making them; why it could not. Creating
+# a stream can wait for the GPU's running work to end, while holding a lock
+# that other CUDA calls need, and CuPy holds the GIL through it
+# (docs/design.md, hazard 11): so streams are made once, off the calling
+# thread, through the driver with the GIL released, and never again.
 _notice_pool: dict[int, list[int]] = {}
-_notice_free: dict[int, list[int]] = {}
 _notice_turn: dict[int, int] = {}
-_NOTICE_STREAMS_PER_DEVICE: Final = 256
-# Devices whose helper is making a stream now, and why one could not be made.
 _notice_making: set[int] = set()
 _notice_broken: dict[int, BaseException] = {}
+_NOTICE_STREAMS_PER_DEVICE: Final = 32
+# Idle notice streams looked for per request (a stream query each).
+_NOTICE_TRIES: Final = 4
 # The driver's calls that make a stream without the GIL (ctypes releases
 # it), loaded with cuLaunchHostFunc.
 _stream_calls: Any = None
@@ -616,80 +609,73 @@ def _new_stream_handle(device: int) -> int:
     return int(stream.value or 0)
 
 
-def _make_notice_stream(device: int) -> None:
-    # The helper thread's work: one stream, added to the spares.
+def _make_notice_streams(device: int) -> None:
+    # The helper thread's work: the device's notice streams, shown to
+    # callers only once all are made (until then, a stream query could
+    # wait behind a creation that waits for the GPU).
+    made: list[int] = []
     try:
-        handle = _new_stream_handle(device)
-    except BaseException as exc:  # noqa: BLE001 - kept, raised to the next lane that asks
+        for _ in range(_NOTICE_STREAMS_PER_DEVICE):
+            made.append(_new_stream_handle(device))
+    except BaseException as exc:  # noqa: BLE001 - kept, raised to the next caller
         with _notice_lock:
-            _notice_making.discard(device)
             _notice_broken[device] = exc
-        return
     with _notice_lock:
+        if made:  # none: the next caller raises why
+            _notice_pool[device] = made
         _notice_making.discard(device)
-        _notice_pool.setdefault(device, []).append(handle)
-        _notice_free.setdefault(device, []).append(handle)
 
 
-def _start_notice_maker(device: int) -> None:
-    # Under _notice_lock.
-    if device in _notice_making or len(_notice_pool.get(device, ())) >= _NOTICE_STREAMS_PER_DEVICE:
-        return
-    _notice_making.add(device)
-    try:
-        threading.Thread(
-            target=_make_notice_stream, args=(device,), name="cudafut-notice-stream", daemon=True
-        ).start()
-    except BaseException:
-        _notice_making.discard(device)
-        raise
+def notice_stream(device: int) -> int | None:
+    """An idle stream of ``device`` for one notice (:func:`close_after`), or
+    None where none is idle or they are still being made: the caller then
+    polls instead. Up to 4 stream queries (about a µs each) under a lock.
 
-
-def notice_stream(lane: object, device: int) -> int | None:
-    """The handle of the stream that ``lane``'s notices (see
-    :func:`close_after`) wait on, or None while it is being made. A dict
-    lookup once the lane has one. A lane's first call takes a spare stream
-    and starts a helper thread (about 50 µs) making the next; when no spare
-    is ready it returns None, and the caller polls instead of waiting for
-    CUDA, which may wait for the GPU to make a stream (docs/design.md,
-    hazard 11). The first 256 streams of a device are one per lane, kept
-    for the life of the process; later lanes share them in turn, so a
-    notice may then wait behind another lane's.
+    A device's first call starts a helper thread (about 50 µs) that makes
+    its 32 notice streams, kept for the life of the process: CUDA may wait
+    for the GPU to make a stream, and other CUDA calls may wait behind it
+    (docs/design.md, hazard 11), so none is made on the caller's thread,
+    nor ever again. An idle stream has no notice queued: the caller's
+    notice then waits for no other.
 
     Raises:
-        CudaError: the helper could not make a stream (raised each time).
+        CudaError: the helper could not make the streams (raised each time).
         CudaUnavailableError: no ``libcuda`` (as ``close_after``).
     """
     with _notice_lock:
-        stream = _notice_streams.get(lane)
-        if stream is not None:
-            _notice_streams.move_to_end(lane)
-            return stream
-        broken = _notice_broken.get(device)
-        if broken is not None:
-            if isinstance(broken, (CudaError, CudaUnavailableError)):
-                raise broken
-            raise cuda_error(getattr(broken, "status", 999), device) from broken
-        free = _notice_free.get(device)
-        pool = _notice_pool.get(device, [])
-        if free:
-            stream = free.pop()
-        elif len(pool) >= _NOTICE_STREAMS_PER_DEVICE:
-            turn = _notice_turn.get(device, 0)
-            _notice_turn[device] = turn + 1
-            stream = pool[turn % len(pool)]
-        _start_notice_maker(device)
-        if stream is None:
+        pool = _notice_pool.get(device)
+        if pool is None:
+            broken = _notice_broken.get(device)
+            if broken is not None:
+                if isinstance(broken, (CudaError, CudaUnavailableError)):
+                    raise broken
+                raise cuda_error(getattr(broken, "status", 999), device) from broken
+            if device not in _notice_making:
+                _notice_making.add(device)
+                try:
+                    threading.Thread(
+                        target=_make_notice_streams,
+                        args=(device,),
+                        name="cudafut-notice-streams",
+                        daemon=True,
+                    ).start()
+                except BaseException:
+                    _notice_making.discard(device)
+                    raise
             return None
-        _notice_streams[lane] = stream
-        if len(_notice_streams) > _NOTICE_LANES_KEPT:
-            _notice_streams.popitem(last=False)
-        return stream
+        turn = _notice_turn.get(device, 0)
+        for i in range(min(len(pool), _NOTICE_TRIES)):
+            stream = pool[(turn + i) % len(pool)]
+            if _rt.streamQuery(stream) == 0:  # idle: no notice queued there
+                _notice_turn[device] = turn + i + 1
+                return stream
+        _notice_turn[device] = turn + _NOTICE_TRIES
+        return None
 
 
 def close_after(record: Any, fd: int, stream: int) -> None:
     """Have CUDA close ``fd`` once the work before ``record``'s event is
-    done: ``stream`` (a lane's :func:`notice_stream`) waits for the event,
+    done: ``stream`` (from :func:`notice_stream`) waits for the event,
     then runs a host function that is libc's ``close`` itself. No Python
     runs on CUDA's thread, and nothing takes the GIL there (docs/design.md,
     hazard 1). A few µs on the calling thread; blocks neither it nor the

@@ -243,9 +243,9 @@ class AsyncioDriver(LoopDriver):
         polls every ``notice_sleep_s``; a stream handle reused by a new
         stream is covered by the old stream's notice until it fires). One
         armed for a newer record only does not serve (it would fire late).
-        False where no notice serves, the lane's notice stream is still
-        being made (on a helper thread: making one can wait for the GPU,
-        docs/design.md hazard 11), or notices cannot be had: the waiter
+        False where no notice serves, no notice stream is idle or they are
+        still being made (on a helper thread: making one can wait for the
+        GPU, docs/design.md hazard 11), or notices cannot be had: the waiter
         then polls on timers for this record, as ``notify=False`` does. The
         first failure to arm one stops notices for this waiter. Never raises
         an ``Exception``: it runs inside the waiter's poll."""
@@ -257,12 +257,12 @@ class AsyncioDriver(LoopDriver):
         if loop is None:
             return False
         try:
-            stream = _cuda.notice_stream((id(self), key), record.device)
+            stream = _cuda.notice_stream(record.device)
         except Exception:  # noqa: BLE001 - as a failed close_after below
             self.arm = None
             logger.debug("cudafut: %s: no CUDA notices; polling on timers", self.name, exc_info=True)
             return False
-        if stream is None:  # being made on a helper thread (hazard 11): poll meanwhile
+        if stream is None:  # none idle, or still being made (hazard 11): poll meanwhile
             return False
         try:
             r, w = os.pipe()

@@ -244,7 +244,7 @@ class _Backend:
     def stream_wait(self, stream: int, event: int, device: int) -> None:
         pass  # an event of no fake record (real CUDA's, a test's): nothing to order
 
-    def notice_stream(self, lane: object, device: int) -> int:
+    def notice_stream(self, device: int) -> int:
         return 0  # the fake's notices need no stream
 
     def close_after(self, record: Any, fd: int, stream: int) -> None:

@@ -255,8 +255,7 @@ def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(_cuda, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
     monkeypatch.setattr(_cuda, "_rt", _Stub())
     monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
-    monkeypatch.setattr(_cuda, "_notice_streams", type(_cuda._notice_streams)())
-    for table in ("_notice_pool", "_notice_free", "_notice_turn", "_notice_broken"):
+    for table in ("_notice_pool", "_notice_turn", "_notice_broken"):
         monkeypatch.setattr(_cuda, table, {})
     monkeypatch.setattr(_cuda, "_notice_making", set())
     return results
@@ -310,14 +309,19 @@ def test_a_failure_before_the_launch_closes_the_descriptor(
 
 
 class _Maker:
-    """Stands for ``_cuda._new_stream_handle``: new handles, the threads that
-    asked, and a gate that holds them (as CUDA may, until the GPU is idle)."""
+    """Stands for ``_cuda._new_stream_handle`` and the runtime's stream
+    query: new handles, the threads that asked, a gate that holds them (as
+    CUDA may, until the GPU is idle), and the handles with a notice queued."""
+
+    CUDARuntimeError = _Stub.CUDARuntimeError
 
     def __init__(self) -> None:
         self.made: list[tuple[int, int]] = []  # (device, handle)
         self.threads: set[int] = set()
         self.gate = threading.Event()
         self.gate.set()
+        self.busy: set[int] = set()
+        self.queried: list[int] = []
 
     def __call__(self, device: int) -> int:
         self.threads.add(threading.get_ident())
@@ -326,8 +330,12 @@ class _Maker:
         self.made.append((device, handle))
         return handle
 
+    def streamQuery(self, stream: int) -> int:  # noqa: N802 - CuPy's name
+        self.queried.append(stream)
+        return 600 if stream in self.busy else 0
+
     def settle(self) -> None:
-        """Until no helper is making a stream (they finish at once once the
+        """Until no helper is making streams (they finish at once once the
         gate is open)."""
         for _ in range(3000):
             with _cuda._notice_lock:
@@ -336,62 +344,65 @@ class _Maker:
             time.sleep(0.001)
         raise AssertionError("a notice-stream helper never finished")
 
+    def first(self, device: int = 0) -> int:
+        """The first notice stream of ``device``, its streams made."""
+        assert _cuda.notice_stream(device) is None, "streams were made on the caller's thread"
+        self.settle()
+        stream = _cuda.notice_stream(device)
+        assert stream is not None
+        return stream
+
 
 @pytest.fixture
 def maker(stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Maker]:
     made = _Maker()
     monkeypatch.setattr(_cuda, "_new_stream_handle", made)
+    monkeypatch.setattr(_cuda, "_rt", made)
     yield made
     made.gate.set()
     made.settle()
 
 
-def test_a_lanes_notice_stream_is_made_on_a_helper_thread_never_the_callers(maker: _Maker) -> None:
+def test_notice_streams_are_made_once_on_a_helper_thread_never_the_callers(maker: _Maker) -> None:
     maker.gate.clear()  # CUDA waits for the GPU to make a stream
-    assert _cuda.notice_stream("lane", 0) is None, "the caller waited for a stream to be made"
-    assert _cuda.notice_stream("lane", 0) is None
-    assert maker.threads.isdisjoint({threading.get_ident()})
+    assert _cuda.notice_stream(0) is None, "the caller waited for streams to be made"
+    assert _cuda.notice_stream(0) is None
+    assert not maker.queried, "a stream was queried while streams were being made"
     maker.gate.set()
     maker.settle()
-    first = _cuda.notice_stream("lane", 0)
-    assert first == maker.made[0][1]
-    assert _cuda.notice_stream("lane", 0) == first, "a lane changed stream"
-    maker.settle()  # a spare made ahead: the next lane need not wait
-    assert _cuda.notice_stream("next lane", 0) == maker.made[1][1]
+    assert _cuda.notice_stream(0) is not None
+    assert len(maker.made) == _cuda._NOTICE_STREAMS_PER_DEVICE
     assert threading.get_ident() not in maker.threads
+    for _ in range(3 * _cuda._NOTICE_STREAMS_PER_DEVICE):
+        _cuda.notice_stream(0)
+    assert len(maker.made) == _cuda._NOTICE_STREAMS_PER_DEVICE, "a notice stream was made again"
+    maker.first(device=1)
+    assert {d for d, _ in maker.made} == {0, 1}, "a device borrowed another's streams"
 
 
-def test_notice_streams_are_capped_per_device_then_shared_in_turn(
-    maker: _Maker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_cuda, "_NOTICE_STREAMS_PER_DEVICE", 3)
-    monkeypatch.setattr(_cuda, "_NOTICE_LANES_KEPT", 4)
-    streams = {}
-    for lane in range(10):
-        while (stream := _cuda.notice_stream(lane, 0)) is None:
-            maker.settle()
-        streams[lane] = stream
-    assert len(maker.made) == 3, "a notice stream was made past the cap"
+def test_a_notice_takes_an_idle_stream_never_one_with_a_notice_queued(maker: _Maker) -> None:
+    first = maker.first()
     handles = [h for _, h in maker.made]
-    assert sorted(streams[lane] for lane in range(3)) == handles
-    assert [streams[lane] for lane in range(3, 9)] == handles * 2, "lanes past the cap do not share in turn"
-    assert _cuda.notice_stream(9, 0) == streams[9], "a known lane changed stream"
-    while _cuda.notice_stream("on device 1", 1) is None:
-        maker.settle()
-    assert maker.made[-1][0] == 1, "a device borrowed another's streams"
+    maker.busy.update(handles[1:3])  # notices queued on the next two
+    assert _cuda.notice_stream(0) == handles[3]
+    maker.busy.update(handles)
+    assert _cuda.notice_stream(0) is None, "a notice was given a stream with another queued"
+    assert first == handles[0]
+    maker.busy.clear()
+    assert _cuda.notice_stream(0) is not None
 
 
-def test_a_helper_that_cannot_make_a_stream_is_a_cuda_error_for_the_lane(
+def test_a_helper_that_cannot_make_streams_is_a_cuda_error_for_the_caller(
     maker: _Maker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing(device: int) -> int:
         raise _cuda.cuda_error(2, device)
 
     monkeypatch.setattr(_cuda, "_new_stream_handle", failing)
-    assert _cuda.notice_stream("lane", 0) is None
+    assert _cuda.notice_stream(0) is None
     maker.settle()
     with pytest.raises(cudafut.CudaError):
-        _cuda.notice_stream("lane", 0)
+        _cuda.notice_stream(0)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -407,8 +418,8 @@ def test_a_waiter_whose_notice_fails_polls_and_stops_asking(
         os.close(fd)  # as close_after does when nothing was launched
         raise cudafut.CudaError(1, "cudaErrorInvalidValue", "refused", 0)
 
-    def no_stream(lane: object, device: int) -> int:
-        attempts.append(lane)
+    def no_stream(device: int) -> int:
+        attempts.append(device)
         raise cudafut.CudaError(2, "cudaErrorMemoryAllocation", "no stream", device)
 
     monkeypatch.setattr(_cuda, failing, refusing if failing == "close_after" else no_stream)
@@ -423,12 +434,12 @@ def test_a_waiter_polls_until_its_notice_stream_is_made_then_uses_notices(
     notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake, handed = notices
-    asked: list[object] = []
+    asked: list[int] = []
     real = _cuda.notice_stream
 
-    def not_yet(lane: object, device: int) -> int | None:
-        asked.append(lane)
-        return None if len(asked) <= 2 else real(lane, device)
+    def not_yet(device: int) -> int | None:
+        asked.append(device)
+        return None if len(asked) <= 2 else real(device)
 
     monkeypatch.setattr(_cuda, "notice_stream", not_yet)
     futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
