@@ -57,9 +57,9 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> _Seen:
     close_after = _cuda.close_after
     on_notice = _loops.AsyncioDriver._on_notice
 
-    def counting_close_after(record: Any, fd: int, lane: object) -> None:
+    def counting_close_after(record: Any, fd: int, stream: int) -> None:
         counts.armed += 1
-        close_after(record, fd, lane)
+        close_after(record, fd, stream)
 
     def counting_on_notice(self: Any, key: Any, notice: Any) -> None:
         counts.fired += 1
