@@ -74,12 +74,13 @@ forked = False
 
 
 def _after_fork_in_child() -> None:
-    global _cupy, _rt, forked
+    global _cupy, _rt, forked, _notice_lock
     if _rt is not None:  # CUDA was initialised in the parent
         _cupy = _rt = _Forked()
         forked = True
     # The parent's notice streams (handles: nothing to destroy) and helpers
     # (not copied by fork) are not the child's.
+    _notice_lock = threading.Lock()  # another thread may have held it at the fork
     for table in (_notice_pool, _notice_turn, _notice_broken):
         table.clear()
     _notice_making.clear()
@@ -594,9 +595,14 @@ def _new_stream_handle(device: int) -> int:
         raise CudaUnavailableError("no libcuda.so.1 to make a notice stream with")
     device_get, retain, push, pop, create = _stream_calls
     dev, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
-    for rc in (device_get(ctypes.byref(dev), device), retain(ctypes.byref(context), dev)):
-        if rc:
-            raise _driver_error(rc, device)
+    rc = device_get(ctypes.byref(dev), device)
+    if rc:
+        raise _driver_error(rc, device)
+    # One reference to the primary context per stream, never released:
+    # the runtime holds it for the life of the process anyway.
+    rc = retain(ctypes.byref(context), dev)
+    if rc:
+        raise _driver_error(rc, device)
     rc = push(context)
     if rc:
         raise _driver_error(rc, device)
@@ -614,42 +620,63 @@ def _make_notice_streams(device: int) -> None:
     # callers only once all are made (until then, a stream query could
     # wait behind a creation that waits for the GPU).
     made: list[int] = []
+    failure: BaseException | None = None
     try:
         for _ in range(_NOTICE_STREAMS_PER_DEVICE):
             made.append(_new_stream_handle(device))
-    except BaseException as exc:  # noqa: BLE001 - kept, raised to the next caller
-        with _notice_lock:
-            _notice_broken[device] = exc
+    except BaseException as exc:  # noqa: BLE001 - kept for the next caller, or logged
+        failure = exc
     with _notice_lock:
-        if made:  # none: the next caller raises why
+        if made:
             _notice_pool[device] = made
+        elif failure is not None:  # none made: every caller is told why
+            if isinstance(failure, (CudaError, CudaUnavailableError)):
+                _notice_broken[device] = failure
+            else:
+                _notice_broken[device] = cuda_error(getattr(failure, "status", 999), device)
         _notice_making.discard(device)
+    if made and failure is not None:
+        _log.logger.warning(
+            "cudafut: made %d of %d notice streams on device %d; notices use those",
+            len(made),
+            _NOTICE_STREAMS_PER_DEVICE,
+            device,
+            exc_info=failure,
+        )
 
 
 def notice_stream(device: int) -> int | None:
     """An idle stream of ``device`` for one notice (:func:`close_after`), or
     None where none is idle or they are still being made: the caller then
-    polls instead. Up to 4 stream queries (about a µs each) under a lock.
+    polls instead. Up to 4 stream queries (a few µs, holding the GIL),
+    made outside the module's lock.
 
     A device's first call starts a helper thread (about 50 µs) that makes
     its 32 notice streams, kept for the life of the process: CUDA may wait
-    for the GPU to make a stream, and other CUDA calls may wait behind it
-    (docs/design.md, hazard 11), so none is made on the caller's thread,
-    nor ever again. An idle stream has no notice queued: the caller's
-    notice then waits for no other.
+    for the GPU to make a stream (docs/design.md, hazard 11), so none is
+    made on the caller's thread, nor ever again. While the helper waits
+    so, other CUDA calls of the process, the caller's polls included, may
+    wait behind it: once per device. An idle stream has no notice queued:
+    the caller's notice then waits for no other (two threads asking at
+    once may still be given the same one: a notice then comes late).
 
     Raises:
-        CudaError: the helper could not make the streams (raised each time).
-        CudaUnavailableError: no ``libcuda`` (as ``close_after``).
+        CudaError: the helper could not make any stream (a new error each
+            time, with the code CUDA gave).
+        CudaUnavailableError: no ``libcuda`` (as ``close_after``), or a
+            forked child.
     """
+    check_usable()
     with _notice_lock:
         pool = _notice_pool.get(device)
         if pool is None:
             broken = _notice_broken.get(device)
             if broken is not None:
-                if isinstance(broken, (CudaError, CudaUnavailableError)):
-                    raise broken
-                raise cuda_error(getattr(broken, "status", 999), device) from broken
+                # A new exception each time: raising the stored one again
+                # would grow its traceback, and keep every caller's frames.
+                if isinstance(broken, CudaError):
+                    raise CudaError(broken.code, broken.name, broken.description, device=device)
+                raise CudaUnavailableError(str(broken))
             if device not in _notice_making:
                 _notice_making.add(device)
                 try:
@@ -664,13 +691,12 @@ def notice_stream(device: int) -> int | None:
                     raise
             return None
         turn = _notice_turn.get(device, 0)
-        for i in range(min(len(pool), _NOTICE_TRIES)):
-            stream = pool[(turn + i) % len(pool)]
-            if _rt.streamQuery(stream) == 0:  # idle: no notice queued there
-                _notice_turn[device] = turn + i + 1
-                return stream
         _notice_turn[device] = turn + _NOTICE_TRIES
-        return None
+        candidates = [pool[(turn + i) % len(pool)] for i in range(min(len(pool), _NOTICE_TRIES))]
+    for stream in candidates:
+        if _rt.streamQuery(stream) == 0:  # idle: no notice queued there
+            return stream
+    return None
 
 
 def close_after(record: Any, fd: int, stream: int) -> None:
