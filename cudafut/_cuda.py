@@ -578,14 +578,6 @@ def _load_host_close() -> Any:
     return _host_close
 
 
-def _driver_error(code: int, device: int) -> CudaError:
-    name, description = f"CUresult {code}", ""
-    if _cupy is not None:
-        # CuPy formats the message as "<name>: <description>".
-        name, _, description = str(_cupy.cuda.driver.CUDADriverError(code)).partition(": ")
-    return CudaError(code, name, description, device=device)
-
-
 def _new_stream_handle(device: int) -> int:
     """A new non-blocking stream on ``device``'s primary context (the
     runtime's), made through the driver with the GIL released: it may wait
@@ -597,21 +589,21 @@ def _new_stream_handle(device: int) -> int:
     dev, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
     rc = device_get(ctypes.byref(dev), device)
     if rc:
-        raise _driver_error(rc, device)
+        raise cuda_error(rc, device, driver=True)
     # One reference to the primary context per stream, never released:
     # the runtime holds it for the life of the process anyway.
     rc = retain(ctypes.byref(context), dev)
     if rc:
-        raise _driver_error(rc, device)
+        raise cuda_error(rc, device, driver=True)
     rc = push(context)
     if rc:
-        raise _driver_error(rc, device)
+        raise cuda_error(rc, device, driver=True)
     try:
         rc = create(ctypes.byref(stream), 1, 0)  # CU_STREAM_NON_BLOCKING, default priority
     finally:
         pop(ctypes.byref(ctypes.c_void_p()))
     if rc:
-        raise _driver_error(rc, device)
+        raise cuda_error(rc, device, driver=True)
     return int(stream.value or 0)
 
 
@@ -977,13 +969,14 @@ def replay_cupy_graph(
     return copies, stream.record()
 
 
-def cuda_error(code: int, device: int | None = None) -> CudaError:
-    """A :class:`CudaError` for a raw status, with CUDA's name and text."""
-    name, description = "", ""
-    rt = _rt
-    if rt is not None:
+def cuda_error(code: int, device: int | None = None, *, driver: bool = False) -> CudaError:
+    """A :class:`CudaError` for a raw status, with CUDA's name and text: a
+    runtime ``cudaError_t``, or with ``driver=True`` a driver ``CUresult``."""
+    name, description = (f"CUresult {code}", "") if driver else ("", "")
+    if _cupy is not None and not forked:
+        error = _cupy.cuda.driver.CUDADriverError if driver else _cupy.cuda.runtime.CUDARuntimeError
         # CuPy formats the message as "<name>: <description>".
-        name, _, description = str(rt.CUDARuntimeError(code)).partition(": ")
+        name, _, description = str(error(code)).partition(": ")
     return CudaError(code, name, description, device=device)
 
 

@@ -259,9 +259,7 @@ class AsyncioDriver(LoopDriver):
         try:
             stream = _cuda.notice_stream(record.device)
         except Exception:  # noqa: BLE001 - as a failed close_after below
-            self.arm = None
-            logger.debug("cudafut: %s: no CUDA notices; polling on timers", self.name, exc_info=True)
-            return False
+            return self._stop_notices("no CUDA notices")
         if stream is None:  # none idle, or still being made (hazard 11): poll meanwhile
             return False
         try:
@@ -276,18 +274,22 @@ class AsyncioDriver(LoopDriver):
             os.close(r)
             if not isinstance(exc, Exception):
                 raise
-            self.arm = None  # a notice is an optimisation: poll from now on
-            logger.debug("cudafut: %s: no CUDA notices; polling on timers", self.name, exc_info=True)
-            return False
+            return self._stop_notices("no CUDA notices")
         try:
             loop.add_reader(r, self._on_notice, key, notice)
         except Exception:  # noqa: BLE001 - CUDA owns w now: only r is ours to close
             del self._notices[key]
             os.close(r)
-            self.arm = None
-            logger.debug("cudafut: %s: cannot watch a notice; polling on timers", self.name, exc_info=True)
-            return False
+            return self._stop_notices("cannot watch a notice")
         return True
+
+    def _stop_notices(self, reason: str) -> bool:
+        """A notice is an optimisation: after the first failure to arm one
+        this waiter polls on timers. Called inside ``except``: logs the
+        failure with its traceback. Returns False, as ``_arm`` does."""
+        self.arm = None
+        logger.debug("cudafut: %s: %s; polling on timers", self.name, reason, exc_info=True)
+        return False
 
     def _on_notice(self, key: tuple[int, ...], notice: _Notice) -> None:
         """CUDA closed a notice's pipe: the work it followed is done. Poll now."""

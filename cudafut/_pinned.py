@@ -166,14 +166,20 @@ class PinnedPool:
         (never a ``cudaHostAlloc``: about a µs either way)."""
         size = size_class(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if not free:
-                return None
-            ptr = free.pop()
-            self.cached -= size
-            self.in_use += size
-            self.blocks_in_use += 1
-        return Allocation(self, ptr, size)
+            ptr = self._pop_free(size)
+        return None if ptr == 0 else Allocation(self, ptr, size)
+
+    def _pop_free(self, size: int) -> int:
+        """A free block of ``size`` counted as in use, or 0 when none is
+        cached. The caller holds the lock."""
+        free = self._free.get(size)
+        if not free:
+            return 0
+        ptr = free.pop()
+        self.cached -= size
+        self.in_use += size
+        self.blocks_in_use += 1
+        return ptr
 
     def take(self, nbytes: int) -> Allocation | None:
         """A block of at least ``nbytes``, or None past the limit or when
@@ -184,35 +190,31 @@ class PinnedPool:
         """
         size = size_class(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                ptr = free.pop()
-                self.cached -= size
-            else:
-                if self.in_use + self.cached + size > self.limit:
-                    self._trim(self.limit - self.in_use - size)
-                    if self.in_use + size > self.limit:
-                        self.failures += 1
-                        return None
-                ptr = 0
+            ptr = self._pop_free(size)
+            if ptr != 0:
+                return Allocation(self, ptr, size)
+            if self.in_use + self.cached + size > self.limit:
+                self._trim(self.limit - self.in_use - size)
+                if self.in_use + size > self.limit:
+                    self.failures += 1
+                    return None
             self.in_use += size
             self.blocks_in_use += 1
-        if ptr == 0:
-            try:
-                ptr = _cuda.host_alloc(size)
-            except BaseException as exc:
-                with self._lock:
-                    self.in_use -= size
-                    self.blocks_in_use -= 1
-                    if isinstance(exc, CudaError) and exc.code == _OUT_OF_MEMORY:
-                        # The machine cannot pin that much: refused as past
-                        # the limit (to_host then copies into pageable memory).
-                        self.failures += 1
-                        self.pin_failures += 1
-                        return None
-                raise
+        try:
+            ptr = _cuda.host_alloc(size)
+        except BaseException as exc:
             with self._lock:
-                self.host_allocs += 1
+                self.in_use -= size
+                self.blocks_in_use -= 1
+                if isinstance(exc, CudaError) and exc.code == _OUT_OF_MEMORY:
+                    # The machine cannot pin that much: refused as past
+                    # the limit (to_host then copies into pageable memory).
+                    self.failures += 1
+                    self.pin_failures += 1
+                    return None
+            raise
+        with self._lock:
+            self.host_allocs += 1
         return Allocation(self, ptr, size)
 
     def give_back(self, ptr: int, size: int) -> None:
