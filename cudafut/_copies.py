@@ -246,11 +246,13 @@ def _stream_of(stream: object, device: int | None) -> tuple[int, int]:
     return ptr, stream_device
 
 
-def _is_pinned(array: np.ndarray[Any, Any]) -> bool:
+def _pinned_address(array: np.ndarray[Any, Any]) -> int:
+    """The address of a C-contiguous, non-empty array in pinned memory
+    (one DMA can read or write it); 0 for any other array."""
     if not array.flags.c_contiguous or array.nbytes == 0:
-        return False
-    ptr = array.__array_interface__["data"][0]
-    return _cuda.pointer_is_pinned(ptr)
+        return 0
+    ptr: int = array.__array_interface__["data"][0]
+    return ptr if _cuda.pointer_is_pinned(ptr) else 0
 
 
 # -- chunks -----------------------------------------------------------------------
@@ -446,7 +448,7 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
     if _faked:
         return _fake_to_device(array, dev, ptr)
     nbytes = array.nbytes
-    pinned = _is_pinned(array)
+    pinned = _pinned_address(array)
     if pinned or nbytes <= INLINE_BYTES:
         return _to_device_now(array, dev, copy_stream, ptr, pinned)
     # Allocated here (a few µs from CuPy's pool; the first allocation of a
@@ -472,14 +474,18 @@ def _new_device_array(shape: tuple[int, ...], dtype: np.dtype[Any], device: int,
 
 
 def _to_device_now(
-    array: np.ndarray[Any, Any], device: int, stream: Any, ptr: int, pinned: bool
+    array: np.ndarray[Any, Any], device: int, stream: Any, ptr: int, pinned: int
 ) -> CudaFuture[Any]:
-    dst = _new_device_array(array.shape, array.dtype, device, stream)
+    """The copy enqueued by the caller: from pinned memory at address
+    ``pinned``, or (0) through a staging block it fills."""
+    cp = _cuda.cupy()
     nbytes = array.nbytes
     staged = None
     with _cuda.on_device(device):
+        with stream:  # allocated on the copy stream: freed in its order
+            dst = cp.empty(array.shape, array.dtype)
         if pinned:
-            _cuda.memcpy_to_device(dst.data.ptr, array.ctypes.data, nbytes, ptr)
+            _cuda.memcpy_to_device(dst.data.ptr, pinned, nbytes, ptr)
         elif nbytes:
             staged = _staging(nbytes)
             if staged is None:  # past the pinned limit: the driver stages it
@@ -606,8 +612,11 @@ def _to_host_on(
         if not follow:  # a future's value was ordered when it was set
             _order_producer(array, device, ptr)
     cp = _cuda.cupy()
-    with _cuda.on_device(device), copy_stream:
-        src = cp.ascontiguousarray(cp.asarray(array))
+    if type(array) is cp.ndarray and array.flags.c_contiguous:
+        src = array  # what the conversion below returns, for less
+    else:
+        with _cuda.on_device(device), copy_stream:
+            src = cp.ascontiguousarray(cp.asarray(array))
     keep = (array, src)
     nbytes = src.nbytes
     if out is None:
@@ -620,14 +629,15 @@ def _to_host_on(
         made = _pinned.host_array(shape, dtype, cached_only=later)
         if made is not None:
             result, buffer = made
-            return _copy_to_pinned(src, result, buffer, nbytes, device, ptr, keep, read)
+            return _copy_to_pinned(src, result, buffer.allocation.ptr, buffer, device, ptr, keep, read)
         if later:
             fut: CudaFuture[Any] = CudaFuture()
             _run_in_worker(_pin_and_copy, fut, src, shape, dtype, device, ptr, keep)
             return fut
         out = np.empty(shape, dtype)
-    if _is_pinned(out):
-        return _copy_to_pinned(src, out, None, nbytes, device, ptr, keep, read)
+    address = _pinned_address(out)
+    if address:
+        return _copy_to_pinned(src, out, address, None, device, ptr, keep, read)
     if nbytes == 0:
         with _cuda.on_device(device):
             rec = _events.record(ptr, device)
@@ -708,16 +718,19 @@ def _order_producer(array: Any, device: int, ptr: int) -> None:
 def _copy_to_pinned(
     src: Any,
     out: np.ndarray[Any, Any],
+    address: int,
     buffer: _pinned.HostBuffer | None,
-    nbytes: int,
     device: int,
     ptr: int,
     keep: object,
     read: list[EventRecord] | None = None,
 ) -> CudaFuture[Any]:
+    """One DMA from ``src`` into ``out``, pinned at ``address``, on stream
+    ``ptr``; the future of ``out``."""
+    nbytes = src.nbytes
     with _cuda.on_device(device):
         if nbytes:
-            _cuda.memcpy_to_host(out.ctypes.data, int(src.data.ptr), nbytes, ptr)
+            _cuda.memcpy_to_host(address, int(src.data.ptr), nbytes, ptr)
         rec = _events.record(ptr, device)
     if read is not None:
         read.append(rec)  # the DMA has read src once rec fires

@@ -177,7 +177,7 @@ def test_a_cold_pinned_result_is_pinned_off_the_calling_thread(monkeypatch: pyte
     assert np.all(value == 5.0)
     assert allocating, "no block was pinned: the test would prove nothing"
     assert threading.get_ident() not in allocating, "the calling thread ran cudaHostAlloc"
-    assert _copies._is_pinned(value)
+    assert _copies._pinned_address(value)
 
 
 def test_to_host_of_a_pending_future_copies_once_it_is_set() -> None:

@@ -129,6 +129,43 @@ def test_wait_with_the_value_kept_by_the_result_future(cp: Any) -> None:
         assert (out.result().get() == 3).all()
 
 
+def test_record_keep_holds_an_input_no_future_gave(cp: Any) -> None:
+    # x comes from no future: nothing but keep= keeps it (an array from
+    # wait() or await has the consumer's stream recorded on its memory,
+    # which protects it without keep=, as the test above shows).
+    producer = cp.cuda.Stream(non_blocking=True)
+    consumer = cp.cuda.Stream(non_blocking=True)
+    for _ in range(2):
+        x = _slow_source(cp, producer, 2.0, 5)
+        consumer.wait_event(producer.record())
+        with consumer:
+            out = cudafut.record(_slow_plus_one(cp, x), keep=x)
+        del x
+        _pool_pressure(cp, producer)
+        assert (out.result().get() == 3).all()
+
+
+def test_submit_keeps_a_dropped_torch_argument(cp: Any) -> None:
+    # cudafut's allocator wrapper does not see torch's memory: the future
+    # keeping its arguments (and recording them on its stream) is all that
+    # stops torch's allocator handing the block to the scribbling below.
+    torch = pytest.importorskip("torch")
+    producer = torch.cuda.Stream()
+
+    def slow_plus_one(t: Any) -> Any:
+        return _slow_plus_one(cp, cp.asarray(t))
+
+    for _ in range(2):
+        with torch.cuda.stream(producer):  # submit's stream waits for torch's current one
+            x = torch.full((N,), 3.0, device="cuda")
+            out = cudafut.submit(slow_plus_one, x)
+        del x
+        with torch.cuda.stream(producer):
+            junk = [torch.full((N,), -1.0, device="cuda") for _ in range(16)]
+        del junk
+        assert (out.result().get() == 4).all()
+
+
 # -- many cancellations -------------------------------------------------------------
 
 
