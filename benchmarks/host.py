@@ -3,6 +3,7 @@ a bare kernel launch and to ``torch.futures``."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import time
@@ -29,13 +30,16 @@ LAUNCH_X1000_US = "bare kernel launch x1000, per launch us"
 RATIO = "ratio create+set / bare launch"
 TORCH_CREATE_SET_US = "peer: torch Future(devices) create + set_result us"
 TORCH_THEN_US = "peer: torch then() per link us"
+AWAIT_DONE_US = "cudafut await of done work us"
+ASYNCIO_ROUND_TRIP_US = "peer: asyncio future create + set + await us"
+AWAIT_RATIO = "ratio await of done work / asyncio round trip"
 FN_RETURNS = " (fn returns)"
 FN_LAUNCHES = " (fn launches a kernel)"
 
 
 def steps(quick: bool) -> int:
     torch = importlib.util.find_spec("torch") is not None
-    return 3 + 2 + 2 * torch
+    return 3 + 1 + 2 + 2 * torch
 
 
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
@@ -93,6 +97,12 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
         fut.result()
         return per
 
+    res.update(_awaits(stream, token))
+    progress.step(
+        f"host: await of done work: {res[AWAIT_DONE_US]:.2f} us, "
+        f"asyncio round trip: {res[ASYNCIO_ROUND_TRIP_US]:.2f} us"
+    )
+
     for with_kernel in (False, True):
         chain_cudafut(with_kernel)
         key = THEN_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
@@ -104,6 +114,42 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
     res.update(_torch_host(progress, links))
     launch_us = res[LAUNCH_US]
     res[RATIO] = res[CREATE_SET_US] / launch_us
+    return res
+
+
+def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
+    """``await`` of a cudafut future whose work is done, next to what the
+    issue compares it with: a plain asyncio future created, set and
+    awaited, each timed in one coroutine (neither yields to the loop)."""
+    done = cudafut.record(token, stream=stream)
+    done.result()
+
+    async def await_done() -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            await done
+        return (time.perf_counter() - t) / n * 1e6
+
+    async def round_trip() -> float:
+        loop = asyncio.get_running_loop()
+        t = time.perf_counter()
+        for _ in range(n):
+            fut = loop.create_future()
+            fut.set_result(None)
+            await fut
+        return (time.perf_counter() - t) / n * 1e6
+
+    async def main() -> dict[str, float]:
+        await await_done()  # warm
+        await round_trip()
+        ours, theirs = [], []
+        for _ in range(3):  # interleaved, best of three each
+            ours.append(await await_done())
+            theirs.append(await round_trip())
+        return {AWAIT_DONE_US: min(ours), ASYNCIO_ROUND_TRIP_US: min(theirs)}
+
+    res = asyncio.run(main())
+    res[AWAIT_RATIO] = res[AWAIT_DONE_US] / res[ASYNCIO_ROUND_TRIP_US]
     return res
 
 
