@@ -204,25 +204,26 @@ def current_device() -> int:
 class on_device:  # noqa: N801 - used as a function: ``with on_device(d):``
     """Make ``device`` current for the block, restoring the previous one.
 
-    A class rather than a ``contextlib.contextmanager``: the copies and
-    event calls enter one or more per operation, and a generator-based
-    context costs about 1 µs more each (one ``cudaGetDevice`` when the
-    device is already current, plus two ``cudaSetDevice`` otherwise)."""
+    Costs one ``cudaGetDevice``, plus two ``cudaSetDevice`` when the
+    device is not current already. A class rather than a
+    ``contextlib.contextmanager``: the copies and event calls enter one or
+    more per operation, and a generator-based context costs about 1 µs
+    more each. One instance serves one ``with`` at a time."""
 
-    __slots__ = ("_device", "_prev")
+    __slots__ = ("_device", "_prev", "_rt")
 
     def __init__(self, device: int) -> None:
         self._device = device
 
     def __enter__(self) -> None:
-        rt = runtime()
+        rt = self._rt = runtime()
         prev = self._prev = rt.getDevice()
         if prev != self._device:
             rt.setDevice(self._device)
 
     def __exit__(self, *exc: object) -> None:
         if self._prev != self._device:
-            _rt.setDevice(self._prev)
+            self._rt.setDevice(self._prev)
 
 
 def current_stream(device: int) -> Any:
@@ -635,6 +636,13 @@ def _make_notice_streams(device: int) -> None:
             else:
                 _notice_broken[device] = cuda_error(getattr(failure, "status", 999), device)
         _notice_making.discard(device)
+    if not made and not isinstance(failure, (CudaError, CudaUnavailableError, type(None))):
+        # Callers get a CudaError with CUDA's "unknown" code: the cause is here.
+        _log.logger.warning(
+            "cudafut: no notice stream made on device %d; notices are off there",
+            device,
+            exc_info=failure,
+        )
     if made and failure is not None:
         _log.logger.warning(
             "cudafut: made %d of %d notice streams on device %d; notices use those",

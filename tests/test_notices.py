@@ -427,6 +427,22 @@ def test_a_helper_that_cannot_make_streams_is_a_cuda_error_for_the_caller(
     assert len({len(traceback.extract_tb(e.__traceback__)) for e in raised}) == 1
 
 
+def test_a_helper_that_fails_otherwise_logs_the_cause(
+    maker: _Maker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def failing(device: int) -> int:
+        raise OSError("no more handles")
+
+    monkeypatch.setattr(_cuda, "_new_stream_handle", failing)
+    with caplog.at_level(logging.WARNING, logger="cudafut"):
+        assert _cuda.notice_stream(0) is None
+        maker.settle()
+    with pytest.raises(cudafut.CudaError):  # CUDA's "unknown" code: the cause is in the log
+        _cuda.notice_stream(0)
+    (logged,) = [r for r in caplog.records if "no notice stream made" in r.getMessage()]
+    assert logged.exc_info is not None and isinstance(logged.exc_info[1], OSError)
+
+
 def test_a_helper_that_made_some_streams_uses_them_and_says_so(
     maker: _Maker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
