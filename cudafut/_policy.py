@@ -128,10 +128,7 @@ class WaitPolicy:
             notice stream after the oldest pending event of each stream (no
             Python runs on CUDA's threads: docs/design.md, hazard 1). One
             notice per stream at a time, not one per await. Trio and
-            blocking waits (``result()``) poll as before. Measured on
-            H200s, timed polls (``notify=False``) woke earlier and used
-            less CPU on most patterns of changing work (docs/performance.md,
-            "Notices lose to timed polls"): set it for such work.
+            blocking waits (``result()``) poll as before.
         notice_sleep_s: the longest sleep while notices are armed for every
             stream waited on: a poll that also catches what a notice cannot
             report. CUDA runs no host function after a context error, so a
