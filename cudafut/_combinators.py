@@ -21,6 +21,7 @@ from ._future import (
     when_done,
 )
 from ._loops import current_driver, require_driver
+from ._trace import hooks as _trace
 from ._waiter import Driver, thread_waiter
 
 __all__ = ["as_completed", "as_completed_sync", "gather", "wait_all"]
@@ -85,7 +86,7 @@ def gather(*futs: CudaFuture[Any]) -> CudaFuture[list[Any]]:
                 )
             raise TypeError(f"gather() takes CudaFutures, not {type(item).__name__}")
     items = list(futs)
-    out: CudaFuture[list[Any]] = CudaFuture()
+    out: CudaFuture[list[Any]] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "gather")
     if not items:
         adopt(out, (), gather=True)  # nothing waits on it yet: nothing to run
         return out

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from . import _lifetimes, _log
+from . import _compiled, _lifetimes, _log
 from ._errors import CudaError, CudaUnavailableError
 
 #: ``cudaErrorNotReady``: what a query returns while the work is pending.
@@ -83,6 +83,7 @@ def _after_fork_in_child() -> None:
     for table in (_notice_pool, _notice_turn, _notice_broken):
         table.clear()
     _notice_making.clear()
+    _primary_contexts.clear()  # the child has no CUDA context (forked)
 
 
 def check_usable() -> None:
@@ -489,10 +490,12 @@ def call_on_streams(
 
 
 def event_create(device: int) -> int:
-    """A new event on ``device``, created with timing disabled (cheapest)."""
+    """A new event on ``device``, created with timing disabled (cheapest)
+    and blocking sync: a thread in ``cudaEventSynchronize`` on it (a native
+    notice thread, a copy thread) sleeps in the driver instead of spinning."""
     rt = runtime()
     with on_device(device):
-        return int(rt.eventCreateWithFlags(rt.eventDisableTiming))
+        return int(rt.eventCreateWithFlags(rt.eventDisableTiming | rt.eventBlockingSync))
 
 
 def event_destroy(event: int) -> None:
@@ -653,6 +656,68 @@ def _make_notice_streams(device: int) -> None:
         )
 
 
+#: What :func:`notice_stream` returns when a native notice thread
+#: (``cudafut._waker``) will deliver the notice: no stream is needed.
+NATIVE_NOTICE: Final = -1
+# At most this many native notice threads, each blocked on one stream's
+# oldest awaited event (one notice per stream per loop at a time).
+_NATIVE_NOTICE_THREADS: Final = 64
+# The compiled waker once started, False where it cannot be (not built,
+# CUDAFUT_PURE=1, no libcuda), None before the first notice; whether to
+# use it (set_native_notices: the benchmarks compare both kinds).
+_waker: Any = None
+_native_notices = True
+_primary_contexts: dict[int, int] = {}
+
+
+class NoticeBusyError(Exception):
+    """Every native notice thread is busy: poll this time (never escapes
+    the waiter)."""
+
+
+def set_native_notices(enabled: bool) -> bool:
+    """Use native notice threads where built (the default) or CUDA host
+    functions; returns the previous setting. For the benchmarks, which
+    compare the two in one run."""
+    global _native_notices
+    previous, _native_notices = _native_notices, bool(enabled)
+    return previous
+
+
+def _load_waker() -> Any:
+    global _waker
+    waker: Any = False
+    if not _compiled.PURE:
+        try:
+            from . import _waker as waker
+        except ImportError:
+            waker = False
+        else:
+            if not waker.start(_NATIVE_NOTICE_THREADS):
+                waker = False
+    _waker = waker
+    return waker
+
+
+def _primary_context(device: int) -> int:
+    """``device``'s primary context (the runtime's), retained once and never
+    released, for the native notice threads to make current."""
+    context = _primary_contexts.get(device)
+    if context is None:
+        if _stream_calls is None and _load_host_close() is False:
+            raise CudaUnavailableError("no libcuda.so.1 for native notices")
+        device_get, retain = _stream_calls[0], _stream_calls[1]
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        rc = device_get(ctypes.byref(dev), device)
+        if rc:
+            raise cuda_error(rc, device, driver=True)
+        rc = retain(ctypes.byref(ctx), dev)
+        if rc:
+            raise cuda_error(rc, device, driver=True)
+        context = _primary_contexts[device] = int(ctx.value or 0)
+    return context
+
+
 def notice_stream(device: int) -> int | None:
     """An idle stream of ``device`` for one notice (:func:`close_after`), or
     None where none is idle or they are still being made: the caller then
@@ -675,6 +740,10 @@ def notice_stream(device: int) -> int | None:
             forked child.
     """
     check_usable()
+    if _native_notices:
+        waker = _waker if _waker is not None else _load_waker()
+        if waker:
+            return NATIVE_NOTICE
     with _notice_lock:
         pool = _notice_pool.get(device)
         if pool is None:
@@ -724,10 +793,27 @@ def close_after(record: Any, fd: int, stream: int) -> None:
     CUDA runs no host function after a context error (hazard 2), so ``fd``
     may never be closed: callers keep a poll to fall back on.
 
+    With ``stream`` :data:`NATIVE_NOTICE`, a native notice thread
+    (``cudafut._waker``) blocks in ``cuEventSynchronize`` on the event
+    (blocking sync: it sleeps in the driver) and then closes ``fd``; it
+    returns after a context error too. Queueing it takes the GIL for a
+    list append (a thread is started, tens of µs, when none is idle).
+
     Raises:
         CudaUnavailableError: no ``libcuda`` to launch host functions with.
         CudaError: the notice could not be set up or launched.
+        NoticeBusyError: every native notice thread is busy (``fd`` is closed).
     """
+    if stream == NATIVE_NOTICE:
+        try:
+            queued = _waker.notice(_primary_context(record.device), record.handle, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not queued:
+            os.close(fd)
+            raise NoticeBusyError
+        return
     try:
         loaded = _host_close if _host_close is not None else _load_host_close()
         if loaded is False:

@@ -520,7 +520,7 @@ class CudaFuture(Generic[T]):
         prio = _pools.check_priority(priority)
         if _cuda.forked:  # a flag test, without a call
             _cuda.check_usable()
-        child: CudaFuture[Any] = CudaFuture()
+        child: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "then")
         child._keep = self  # what it waits for (see __init__)
         if _trace.active is not None:
             _trace.chained(self, child, fn)
@@ -661,7 +661,9 @@ class CudaFuture(Generic[T]):
         would fail with a bare ``AssertionError`` (it takes
         ``concurrent.futures.Future`` objects only), is told what to use.
         """
-        isfuture = sys._getframe(1)
+        isfuture = sys._getframe(0)
+        if isfuture.f_code.co_name == "_asyncio_future_blocking":  # no frame where compiled
+            isfuture = isfuture.f_back  # type: ignore[assignment]
         caller = isfuture.f_back
         if isfuture.f_code is _ISFUTURE_CODE and caller is not None and caller.f_code is _WRAP_FUTURE_CODE:
             raise TypeError(
@@ -1380,6 +1382,10 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         ptr, device = _cuda.stream_handle(stream)
         order_foreign(value, lambda _d: (ptr, device))
         records = (_events.record(ptr, device),)
+    if _trace.active is not None:
+        fut: CudaFuture[T] = _trace.make(CudaFuture, "record")
+        fut._complete(_SET, value, None, records, keep)
+        return fut
     return set_future(value, records, keep)
 
 
@@ -1457,7 +1463,7 @@ def submit(
         rec.wait_on(ptr, dev)
     order_foreign((args, kwargs), lambda _d: (ptr, dev))  # and JAX's streams
     _record_consumers((args, kwargs), {dev: stream}, untracked=False)
-    fut: CudaFuture[Any] = CudaFuture()
+    fut: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "submit")
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut
 

@@ -40,6 +40,7 @@ from . import _cuda, _events, _lifetimes, _torch
 from ._events import EventRecord
 from ._future import CudaFuture, fail_future, settle_launched
 from ._log import logger
+from ._trace import hooks as _trace
 
 __all__ = ["enqueue", "launch", "launcher_threads"]
 
@@ -234,7 +235,7 @@ def enqueue(
     launchers = _launchers[device] if device < len(_launchers) else None
     if launchers is None:
         launchers = _launchers_of(device)
-    future: CudaFuture[Any] = CudaFuture()
+    future: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "launch")
     launchers.queue.put(_Job(fn, args, kwargs, future, after))
     return future
 

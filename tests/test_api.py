@@ -95,7 +95,7 @@ def test_the_mit_license_is_shipped() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["license"] == "MIT"
-    assert "LICENSE" in project["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    assert "LICENSE" in (ROOT / "MANIFEST.in").read_text().split()
 
 
 def test_the_project_urls_point_at_the_repository() -> None:

@@ -35,12 +35,28 @@ LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
 SPIN_MS = 50.0
 
 
-@pytest.fixture(autouse=True)
-def _balanced() -> Iterator[None]:
+#: Who delivers a notice: a native notice thread (cudafut._waker, where the
+#: compiled core is built) or a CUDA host function.
+KINDS = ["native", "host function"]
+
+
+@pytest.fixture(autouse=True, params=KINDS)
+def kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    native = request.param == "native"
+    if native and not _native_built():
+        pytest.skip("the native waker (cudafut._waker) is not built, or CUDAFUT_PURE=1")
     old = cudafut.set_wait_policy("balanced")
+    previous = _cuda.set_native_notices(native)
     _policy.predictor.clear()  # a reused stream handle must not bring a learnt duration
-    yield
+    yield str(request.param)
+    _cuda.set_native_notices(previous)
     cudafut.set_wait_policy(old)
+
+
+def _native_built() -> bool:
+    from cudafut import _compiled
+
+    return not _compiled.PURE and importlib.util.find_spec("cudafut._waker") is not None
 
 
 class _Seen:
@@ -117,3 +133,50 @@ def test_the_host_function_is_libc_close_itself() -> None:
     assert loaded, "libcuda's cuLaunchHostFunc could not be loaded"
     _launch, function = loaded
     assert function == ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value
+
+
+def test_native_notices_are_delivered_by_the_native_threads(seen: _Seen, kind: str) -> None:
+    if kind != "native":
+        pytest.skip("native notices only")
+    from cudafut import _waker
+
+    before = _waker.statistics()[4]
+    for i in range(3):
+        assert run_on("asyncio", _slow_value, float(i)) == float(i)
+    threads, _idle, queued, cap, done = _waker.statistics()
+    assert done - before >= 3, "the notices did not come from the native threads"
+    assert 1 <= threads <= cap and queued == 0
+
+
+def test_a_native_notice_comes_for_a_failed_context_too(kind: str) -> None:
+    """cuEventSynchronize returns after a sticky error, where a host function
+    never runs (hazard 2): the wait ends with the error, well before the
+    fallback poll's notice_sleep_s would have to find it. Runs in a
+    subprocess: the error poisons the context."""
+    if kind != "native":
+        pytest.skip("native notices only")
+    from tests.subproc import run_python
+
+    proc = run_python(
+        """
+import asyncio, time, cudafut
+from cudafut import _cuda, _waker
+from tests import kernels
+cp = _cuda.cupy()
+async def main():
+    out = cp.zeros(1, dtype=cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        kernels.spin_fault(50.0)
+        fut = cudafut.record(out)
+    try:
+        await asyncio.wait_for(fut, 30)
+    except cudafut.CudaError as exc:
+        print("error", exc.name)
+    print("native", _waker.statistics()[4] >= 1)
+asyncio.run(main())
+"""
+    )
+    out = proc.stdout + proc.stderr
+    assert "native True" in out, out
+    assert "error cudaErrorIllegalAddress" in out, out

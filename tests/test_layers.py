@@ -18,7 +18,8 @@ PACKAGE = ROOT / "cudafut"
 
 def _module_names() -> dict[str, Path]:
     names = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    # .pyi: the stubs of modules compiled from C alone (cudafut/_waker.c).
+    for path in sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.pyi")]):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()

@@ -35,8 +35,12 @@ def _open_fds() -> int:
 @pytest.fixture(autouse=True)
 def _fresh_policy() -> Iterator[None]:
     old = cudafut.get_wait_policy()
+    # These are the host function's notices (with a libcuda present, native
+    # notice threads would serve instead: tests/test_gpu_notices.py, test_waker.py).
+    native = _cuda.set_native_notices(False)
     _policy.predictor.clear()  # a reused stream key must not bring a learnt duration
     yield
+    _cuda.set_native_notices(native)
     cudafut.set_wait_policy(old)
     _policy.predictor.clear()
 

@@ -45,7 +45,8 @@ def cancelled() -> cudafut.CudaFuture[Any]:
 
 
 def frames(tb: Any) -> list[str]:
-    return [frame.name for frame in traceback.extract_tb(tb)]
+    # A compiled core's frames carry qualified names ("cudafut._future.CudaFuture.result").
+    return [frame.name.rsplit(".", 1)[-1] for frame in traceback.extract_tb(tb)]
 
 
 # -- the state -----------------------------------------------------------------

@@ -10,14 +10,20 @@ future. A fault of the tracer is logged once per trace and the work goes on.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .._log import logger
 from .recorder import INNER
+
+_T = TypeVar("_T")
+
+# CudaFuture.__init__'s file, to step over its frame in created() (pure Python).
+_FUTURE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_future.py")
 
 if TYPE_CHECKING:
     from .._events import EventRecord
@@ -39,15 +45,41 @@ def _fault(tr: Tracer, exc: Exception) -> None:
         )
 
 
+class _Making(threading.local):
+    name: str | None = None
+
+
+#: The public function of cudafut making a future on this thread, where its
+#: frame cannot tell: compiled functions have none (cudafut/_compiled.py).
+making: Final = _Making()
+
+
+def make(cls: Callable[[], _T], name: str) -> _T:
+    """``cls()``, labelled as made by cudafut's ``name`` while tracing (a
+    compiled caller has no frame for :func:`created` to find)."""
+    making.name = name
+    try:
+        return cls()
+    finally:
+        making.name = None
+
+
 def created(fut: object) -> None:
     """``CudaFuture.__init__``: a future was made (labelled by its maker)."""
     tr = active
     if tr is None:
         return
     try:
-        # Who called CudaFuture() (0: here, 1: __init__), and, while that is
-        # one of cudafut's helpers, who called it: named when the file is written.
-        frame: FrameType | None = sys._getframe(2)
+        name = making.name
+        if name is not None:
+            tr.created(fut, name)
+            return
+        # Who called CudaFuture() (0: here, 1: __init__, which has no frame
+        # where cudafut's core is compiled), and, while that is one of
+        # cudafut's helpers, who called it: named when the file is written.
+        frame: FrameType | None = sys._getframe(1)
+        if frame.f_code.co_name == "__init__" and frame.f_code.co_filename == _FUTURE_FILE:  # type: ignore[union-attr]
+            frame = frame.f_back  # type: ignore[union-attr]
         code = frame.f_code  # type: ignore[union-attr]
         name = code.co_name
         if name not in INNER and name[0] != "_":

@@ -223,7 +223,7 @@ class Tracer:
 
     # -- hooks (called through the module functions) -------------------------------------
 
-    def created(self, fut: object, codes: CodeType | tuple[CodeType, ...]) -> None:
+    def created(self, fut: object, codes: CodeType | tuple[CodeType, ...] | str) -> None:
         if self.closed:
             return
         fid = next(self._fids)
@@ -513,10 +513,13 @@ INNER: Final = frozenset({"set_future", "complete_future", "__init__"})
 PACKAGE: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def label_of(codes: CodeType | tuple[CodeType, ...]) -> str:
+def label_of(codes: CodeType | tuple[CodeType, ...] | str) -> str:
     """What made a future, from the code of the functions that called
     ``CudaFuture()``, innermost first: cudafut's public function among them,
-    or ``CudaFuture()`` for the application's own."""
+    or ``CudaFuture()`` for the application's own; or the name a compiled
+    maker gave (``hooks.make``)."""
+    if isinstance(codes, str):
+        return codes
     for code in (codes,) if isinstance(codes, CodeType) else codes:
         if not code.co_filename.startswith(PACKAGE):
             break

@@ -1,0 +1,94 @@
+"""Which of cudafut's modules run compiled, and the switch back to pure Python.
+
+The modules of the hot path (the future, its events and pools, the waiter and
+the loop drivers, the wait policy, launches, the batcher, the collectives'
+per-call path) are compiled by Cython from their own ``.py`` source when the
+package is built with a C compiler (``setup.py`` reads :data:`MODULES` from
+this file). The ``.py`` files are the one source of truth: the compiled
+module is the same code, run without the interpreter's bytecode loop. Where
+no extension was built, Python imports the ``.py`` files, and everything
+behaves the same, only slower.
+
+``CUDAFUT_PURE=1`` in the environment, read once at ``import cudafut``,
+makes the package import the ``.py`` files even where the extensions exist
+(tests run the whole suite both ways). This module is imported first by
+``cudafut/__init__.py`` and must import nothing of cudafut's.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Final
+
+__all__ = ["MODULES", "compiled_modules", "core"]
+
+#: The modules built as C extensions, by their import names. ``setup.py``
+#: reads this tuple (as a literal: keep it one).
+MODULES: Final = (
+    "cudafut._batcher",
+    "cudafut._combinators",
+    "cudafut._events",
+    "cudafut._future",
+    "cudafut._launch",
+    "cudafut._lifetimes",
+    "cudafut._loops",
+    "cudafut._policy",
+    "cudafut._pools",
+    "cudafut._values",
+    "cudafut._waiter",
+    "cudafut.distributed._ops",
+)
+
+_PACKAGE_DIR: Final = Path(__file__).resolve().parent
+
+#: Whether ``CUDAFUT_PURE=1`` was set when cudafut was imported.
+PURE: Final = os.environ.get("CUDAFUT_PURE", "") not in ("", "0")
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Finds the ``.py`` source of a compiled module, ahead of its extension."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MODULES:
+            return None
+        source = _PACKAGE_DIR.joinpath(*fullname.split(".")[1:]).with_suffix(".py")
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def install() -> None:
+    """Make ``CUDAFUT_PURE=1`` take effect: called once by ``cudafut/__init__``."""
+    if PURE and not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourceFinder())
+
+
+def compiled_modules() -> tuple[str, ...]:
+    """The modules of :data:`MODULES` that run compiled in this process
+    (imported ones only: call after ``import cudafut``)."""
+    out = []
+    for name in MODULES:
+        module = sys.modules.get(name)
+        origin = getattr(getattr(module, "__spec__", None), "origin", None) or ""
+        if origin.endswith((".so", ".pyd")):
+            out.append(name)
+    return tuple(out)
+
+
+def core() -> str:
+    """``"compiled"`` if every imported hot-path module runs compiled,
+    ``"pure"`` if none does, ``"mixed"`` otherwise; with the reason for pure."""
+    imported = [name for name in MODULES if name in sys.modules]
+    done = compiled_modules()
+    if imported and len(done) == len(imported):
+        return "compiled"
+    if done:
+        return "mixed"
+    return "pure (CUDAFUT_PURE=1)" if PURE else "pure (no compiled extension was built)"
