@@ -65,7 +65,8 @@ class Graphed:
     current stream (the launcher's, under :func:`cudafut.launch`) and
     returns copies of its outputs, sliced to the batch. Host cost: one copy
     per input and output, a graph launch (far less host time than the
-    eager launch it replaces: docs/serving.md), and a lock; the first call of a bucket captures it first (seconds).
+    eager launch it replaces: docs/serving.md), and a lock; the first call
+    of a bucket captures it first (seconds).
 
     Attributes:
         buckets: the batch sizes, ascending.

@@ -196,8 +196,8 @@ def test_every_docstring_figure_comes_from_a_results_file() -> None:
         source = DOCSTRING_FIGURES.get(key)
         if source is None:
             problems.append(
-                f"{rel}, {where}: {text!r} is in no results file: quote one (and list it in DOCSTRING_FIGURES) "
-                "or drop it"
+                f"{rel}, {where}: {text!r} is in no results file: quote one "
+                "(and list it in DOCSTRING_FIGURES) or drop it"
             )
             continue
         items = figures._items(source, None)
