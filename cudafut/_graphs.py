@@ -64,9 +64,9 @@ class Graphed:
     smallest bucket that holds their batch, replays that graph on the
     current stream (the launcher's, under :func:`cudafut.launch`) and
     returns copies of its outputs, sliced to the batch. Host cost: one copy
-    per input and output, a graph launch (a ResNet-50's enqueued in 0.021 ms at
-    batch 1 and 0.128 ms at batch 64 on an H100, against 4-8 ms eagerly), and
-    a lock; the first call of a bucket captures it first (seconds).
+    per input and output, a graph launch (far less host time than the
+    eager launch it replaces: docs/serving.md), and a lock; the first call
+    of a bucket captures it first (seconds).
 
     Attributes:
         buckets: the batch sizes, ascending.
@@ -239,10 +239,10 @@ def graphed(
 ) -> Graphed:
     """Capture ``fn`` as one CUDA graph per batch size; return a function that replays them.
 
-    Serving a model eagerly costs its whole host dispatch per batch (4-8 ms
-    for a ResNet-50 in PyTorch); its captured graph enqueues in 0.02 ms at
-    batch 1 and 0.13 ms at batch 64 (an H100), to which a call here adds a
-    copy per input and output and an event (docs/serving.md). Use it with :class:`cudafut.Batcher`'s
+    Serving a model eagerly costs its whole host dispatch per batch
+    (milliseconds for a ResNet-50 in PyTorch); replaying its captured graph is
+    one graph launch, to which a call here adds a copy per input and output
+    and an event (docs/serving.md). Use it with :class:`cudafut.Batcher`'s
     ``buckets`` (the same sizes) and :func:`cudafut.launch`::
 
         g = cudafut.graphed(

@@ -1,8 +1,8 @@
 """launch(): enqueue GPU work from a launcher thread, off the calling thread.
 
 A real model's *launch* costs host time: PyTorch dispatches each operator in
-C++ and Python, and enqueuing a ResNet-50 takes 4-8 ms of CPU, about as long
-as the GPU takes to run it (docs/serving.md). On an event loop's thread
+C++ and Python, and enqueuing a ResNet-50 takes milliseconds of CPU, about as
+long as the GPU takes to run it (docs/serving.md). On an event loop's thread
 that blocks every other task exactly as a ``synchronize()`` would, however
 cheaply the result is then awaited. :func:`launch` moves the enqueue to a
 launcher thread of the device and returns a pending :class:`CudaFuture` at
@@ -170,8 +170,8 @@ def launch(
 ) -> CudaFuture[Any]:
     """Run ``fn(*args, **kwargs)`` on a launcher thread of ``device``; return its future at once.
 
-    For work whose *enqueue* costs host time (a PyTorch model: 4-8 ms for a
-    ResNet-50), so that it never runs on the event loop's thread. ``fn``
+    For work whose *enqueue* costs host time (a PyTorch model: milliseconds
+    for a ResNet-50), so that it never runs on the event loop's thread. ``fn``
     runs on one of the device's launcher threads (``device``: default the
     current device), with that thread's own non-blocking stream current for
     CuPy and, when the program imported torch, for PyTorch. That stream
@@ -201,10 +201,12 @@ def launch(
     launcher threads may all be busy with it.
 
     Cost on the calling thread: an event recorded on the caller's stream (two
-    with PyTorch's stream beside CuPy's), a future and a queue put: 10 µs at
-    the median and 365 µs at the 99th percentile on an H100 with 1,000
-    launches in flight (the GIL is shared with the launcher threads;
-    docs/serving.md). It blocks neither the thread nor the GPU. The first
+    with PyTorch's stream beside CuPy's), a future and a queue put: with
+    1,000 launches in flight, 6.3 µs at the median and 150 µs at the 99th
+    percentile on an H200 (bench-h200-serve-resnet50-78d1b4a.json,
+    2026-11-25), 8.4 µs and 168 µs on an H100
+    (bench-h100-serve-resnet50-ea06cc5.json, the same day); the GIL is
+    shared with the launcher threads (docs/serving.md). It blocks neither the thread nor the GPU. The first
     launch on a device also creates its launcher threads and their streams.
 
     The launcher threads have PyTorch's per-thread defaults, whatever the

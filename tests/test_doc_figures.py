@@ -1,5 +1,7 @@
 """Every figure the documentation quotes says what its committed results file
-says, and the documentation lists every page.
+says, and the documentation lists every page. The docstrings of cudafut/
+too: each figure they quote from a run is listed in ``DOCSTRING_FIGURES``
+with its source, as a marker would name it on a page.
 
 The markup and the checker are in ``benchmarks/support/figures.py`` (``python -m
 benchmarks.support.figures`` runs the same check; ``--write`` rewrites the figures
@@ -8,6 +10,7 @@ that differ). No GPU: it reads ``benchmarks/results/*.json``.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterator
@@ -68,6 +71,170 @@ def test_the_site_menu_has_every_page() -> None:
     nav = set(re.findall(r"^\s+- (?:[^:\n]+: )?([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
     missing = [page for page in _doc_pages() if page not in nav]
     assert not missing, f"mkdocs.yml's nav should list {missing}"
+
+
+# Docstrings: help() shows them as written, so their figures carry no
+# marker; the marker of each is here, keyed by file and the figure as the
+# docstring shows it ("150 µs", or a range "6.8-9.5 µs", one source per number).
+
+#: A figure of a docstring: a number or a range with a unit of time or
+#: throughput, or a ratio ("0.70x").
+DOCSTRING_FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s*(?:-|to)\s*\d[\d,]*(?:\.\d+)?)?\s*"
+    r"(?:µs|us|ms|GB/s|MB/s|req/s|images/s|x)(?![\w/])"
+)
+DOCSTRING_CODE = re.compile(r"``.*?``|`[^`]*`", re.S)
+
+#: Every figure that a docstring of cudafut/ quotes from a run, and where it
+#: comes from (a marker's text: ``FILE.json PATH``, ``;`` between the numbers
+#: of a range). The docstring names the results file too, for its reader.
+DOCSTRING_FIGURES: dict[tuple[str, str], str] = {
+    (
+        "cudafut/_launch.py",
+        "6.3 µs",
+    ): "bench-h200-serve-resnet50-78d1b4a.json serve > launch > caller > launch > p50_us",
+    (
+        "cudafut/_launch.py",
+        "150 µs",
+    ): "bench-h200-serve-resnet50-78d1b4a.json serve > launch > caller > launch > p99_us",
+    (
+        "cudafut/_launch.py",
+        "8.4 µs",
+    ): "bench-h100-serve-resnet50-ea06cc5.json serve > launch > caller > launch > p50_us",
+    (
+        "cudafut/_launch.py",
+        "168 µs",
+    ): "bench-h100-serve-resnet50-ea06cc5.json serve > launch > caller > launch > p99_us",
+    ("cudafut/_trace/api.py", "6.8-9.5 µs"): (
+        "bench-h200-hostcost-78d1b4a.json tracing > create + set + await > extra_us; "
+        "bench-h200-hostcost-034bc04.json tracing > create + set + await > extra_us"
+    ),
+}
+
+#: Figures of docstrings that are not a run's: settings and defaults, the
+#: benchmark's own workloads, and rounded costs of single CUDA calls that no
+#: committed results file measures. A new figure belongs in DOCSTRING_FIGURES,
+#: quoted from a results file, unless it is one of these kinds.
+NOT_FROM_A_RUN: dict[str, set[tuple[str, str]]] = {
+    "a default or a setting": {
+        ("cudafut/__init__.py", "100 µs"),
+        ("cudafut/__init__.py", "1 ms"),
+        ("cudafut/_combinators.py", "100 µs"),
+        ("cudafut/_combinators.py", "1 ms"),
+        ("cudafut/_future.py", "100 µs"),
+        ("cudafut/_future.py", "1 ms"),
+        ("cudafut/_policy.py", "1 ms"),
+        ("cudafut/_policy.py", "2 ms"),
+        ("cudafut/testing.py", "1 ms"),
+        ("cudafut/distributed/_nccl.py", "10 ms"),
+    },
+    "a benchmark's workload": {
+        ("cudafut/_cli/headline.py", "50 µs"),
+        ("cudafut/_cli/headline.py", "20 ms"),
+        ("cudafut/_cli/headline.py", "0.1 to 5 ms"),
+    },
+    "a rounded cost of one CUDA or host call, in no results file": {
+        ("cudafut/__init__.py", "2 µs"),
+        ("cudafut/_combinators.py", "0.4 µs"),
+        ("cudafut/_combinators.py", "2 µs"),
+        ("cudafut/_copies.py", "20 µs"),
+        ("cudafut/_copies.py", "1 ms"),
+        ("cudafut/_cuda.py", "1 µs"),
+        ("cudafut/_cuda.py", "1.7 µs"),
+        ("cudafut/_cuda.py", "0.4 µs"),
+        ("cudafut/_cuda.py", "50 µs"),
+        ("cudafut/_events.py", "2 µs"),
+        ("cudafut/_future.py", "1 µs"),
+        ("cudafut/_future.py", "1.7 µs"),
+        ("cudafut/_future.py", "0.4 µs"),
+        ("cudafut/_future.py", "2 µs"),
+        ("cudafut/_lifetimes.py", "2 µs"),
+        ("cudafut/_memory.py", "3 µs"),
+        ("cudafut/_pinned.py", "1 ms"),
+        ("cudafut/_policy.py", "100-500 µs"),
+        ("cudafut/_policy.py", "5 µs"),
+        ("cudafut/_pools.py", "10 µs"),
+        ("cudafut/_tasks.py", "10 µs"),
+        ("cudafut/_tracked.py", "2 µs"),
+        ("cudafut/_tracked.py", "25 µs"),
+        ("cudafut/_tracked.py", "1 µs"),
+    },
+}
+
+
+def _docstrings() -> Iterator[tuple[str, str, str]]:
+    """(file, where, docstring with inline code blanked) of every module,
+    class and function of cudafut/."""
+    for path in sorted((ROOT / "cudafut").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    blanked = DOCSTRING_CODE.sub(lambda m: " " * len(m.group()), doc)
+                    yield rel, getattr(node, "name", "the module"), blanked
+
+
+def _docstring_figures() -> list[tuple[str, str, str, str]]:
+    """(file, where, figure, docstring) of every figure of the docstrings."""
+    return [
+        (rel, where, " ".join(m.group().split()), doc)
+        for rel, where, doc in _docstrings()
+        for m in DOCSTRING_FIGURE.finditer(doc)
+    ]
+
+
+def test_every_docstring_figure_comes_from_a_results_file() -> None:
+    allowed = set().union(*NOT_FROM_A_RUN.values())
+    problems = []
+    seen = set()
+    for rel, where, text, doc in _docstring_figures():
+        key = (rel, text)
+        seen.add(key)
+        if key in allowed:
+            continue
+        source = DOCSTRING_FIGURES.get(key)
+        if source is None:
+            problems.append(
+                f"{rel}, {where}: {text!r} is in no results file: quote one "
+                "(and list it in DOCSTRING_FIGURES) or drop it"
+            )
+            continue
+        items = figures._items(source, None)
+        shown = figures.numbers(text)
+        if len(shown) != len(items):
+            problems.append(
+                f"{rel}, {where}: {text!r} shows {len(shown)} number(s), its source has {len(items)}"
+            )
+            continue
+        for number, (name, item) in zip(shown, items, strict=True):
+            try:
+                value = figures.evaluate(name, item)
+            except figures.FigureError as exc:
+                problems.append(f"{rel}, {where}: {text!r}: {exc} ({name}: {item})")
+                continue
+            if not number.matches(value):
+                problems.append(
+                    f"{rel}, {where}: says {number.text}, {name}: {item} gives {value:.6g} "
+                    f"(shown as {number.formatted(value)})"
+                )
+            if name.removesuffix(".json") not in doc:
+                problems.append(f"{rel}, {where}: {text!r} comes from {name}: the docstring should name it")
+    stale = sorted(set(DOCSTRING_FIGURES) - seen) + sorted(allowed - seen)
+    problems += [
+        f"{rel}: no docstring shows {text!r} any more: remove it from the lists here" for rel, text in stale
+    ]
+    assert not problems, "figures in cudafut/'s docstrings:\n" + "\n".join(problems)
+
+
+def test_a_docstring_figure_is_found_with_its_range_and_unit() -> None:
+    found = [
+        " ".join(m.group().split())
+        for m in DOCSTRING_FIGURE.finditer(
+            "p99 150 µs, 6.8-9.5 µs, 0.1 to 5 ms, 7,363 req/s, 0.70x, 2 GB/s; not h100x, 3 times, 4 mss"
+        )
+    ]
+    assert found == ["150 µs", "6.8-9.5 µs", "0.1 to 5 ms", "7,363 req/s", "0.70x", "2 GB/s"]
 
 
 # The checker itself, on results files of its own.
