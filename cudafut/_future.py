@@ -397,14 +397,20 @@ class CudaFuture(Generic[T]):
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state is _SET:
-            for rec in self._records:
-                if rec.status is None:
-                    rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
-            torch = _torch.loaded()
-            if torch is not None:  # PyTorch's current streams wait too
-                _torch.wait_current(torch, self._records, self._value)
-            value = self._outcome(CancelledError)
-            _record_current_consumers(value, self._records, untracked=True)
+            try:
+                for rec in self._records:
+                    if rec.status is None:
+                        rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
+                torch = _torch.loaded()
+                if torch is not None:  # PyTorch's current streams wait too
+                    _torch.wait_current(torch, self._records, self._value)
+                value = self._outcome(CancelledError)
+                _record_current_consumers(value, self._records, untracked=True)
+            except CudaUnavailableError as exc:
+                error = _explained(self, exc)
+                if error is exc:
+                    raise
+                raise error from exc
             return value
         return self._outcome(CancelledError)
 
@@ -1226,7 +1232,21 @@ def _run_then(
         _record_consumers(parent._value, streams, untracked=False)
         return _settle_later(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
-        return child._fail_later(exc)
+        return child._fail_later(_explained(parent, exc))
+
+
+def _explained(fut: CudaFuture[Any], exc: Exception) -> Exception:
+    """``exc``, or, where it is CUDA's absence and ``fut`` belongs to
+    cudafut.testing's fake GPU that has ended, an :class:`InvalidStateError`
+    that says so (caused by ``exc``). On failure paths only."""
+    if isinstance(exc, CudaUnavailableError):
+        for rec in fut._records:
+            reason = rec.ended()
+            if reason is not None:
+                error = InvalidStateError(reason)
+                error.__cause__ = exc
+                return error
+    return exc
 
 
 def _then_streams(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:

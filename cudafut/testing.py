@@ -70,6 +70,17 @@ _NOT_MODELLED = (
 )
 
 
+#: When a fake has ended: for the errors of what is used after it.
+_ENDED_WHEN = (
+    "(its `with cudafut.testing.fake_cuda()` block, or the test that took the fake_cuda fixture, is over)"
+)
+_ENDED_FUTURE = (
+    f"this future was made under cudafut.testing's fake GPU, which has ended {_ENDED_WHEN}: the "
+    "fake's futures and streams cannot be used after it, with real CUDA or another fake. Use them "
+    "inside the block (or the test)"
+)
+
+
 def _fake_error(code: int, device: int) -> CudaError:
     name, description = _ERROR_NAMES.get(code, ("", ""))
     return CudaError(code, name, description, device=device)
@@ -426,6 +437,9 @@ def _record_type(backend: _Backend) -> type[EventRecord]:
             if self.status is None:
                 backend.wait(stream, device, self.event)
 
+        def ended(self) -> str | None:
+            return None if backend.active else _ENDED_FUTURE
+
         def __del__(self) -> None:
             pool = backend.pool
             if backend.active and pool is not None:  # never into real CUDA's pool
@@ -492,7 +506,9 @@ class FakeCuda:
 
         Raises:
             TypeError: an argument is not a :class:`cudafut.CudaFuture`.
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
         """
+        self._check_active("complete()")
         self._act(futures, self._backend.complete)
 
     def fail(self, future: CudaFuture[Any], code: int = 700) -> None:
@@ -506,7 +522,9 @@ class FakeCuda:
             TypeError: ``future`` is not a CudaFuture, or ``code`` not an int.
             ValueError: ``code`` is 0 (success) or 600 (``cudaErrorNotReady``,
                 which means pending).
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
         """
+        self._check_active("fail()")
         if isinstance(code, bool) or not isinstance(code, int):
             raise TypeError(f"code must be a CUDA error number (an int), not {code!r}")
         if code in (0, NOT_READY, FAILED):
@@ -515,7 +533,12 @@ class FakeCuda:
 
     def complete_all(self) -> None:
         """Complete every event recorded so far (events recorded later are
-        pending, unless :attr:`auto_complete` is on)."""
+        pending, unless :attr:`auto_complete` is on).
+
+        Raises:
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
+        """
+        self._check_active("complete_all()")
         self._backend.complete_all()
 
     def stream(self, device: int = 0, *, priority: str = "normal") -> FakeStream:
@@ -526,9 +549,18 @@ class FakeCuda:
         Raises:
             TypeError, ValueError: ``device`` is not a device of the fake;
                 ``priority`` not ``"normal"`` or ``"high"``.
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
         """
+        self._check_active("stream()")
         dev = _cuda.check_device(device)
         return self._backend.new_stream(dev, _pools.check_priority(priority))
+
+    def _check_active(self, call: str) -> None:
+        if not self._backend.active:
+            raise RuntimeError(
+                f"{call}: this fake GPU has ended {_ENDED_WHEN}, and every event it "
+                "recorded completed then. Call it inside the block (or the test)"
+            )
 
     def _act(self, futures: tuple[Any, ...], act: Callable[[list[_Event]], None]) -> None:
         backend = self._backend

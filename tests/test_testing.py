@@ -201,6 +201,32 @@ def test_the_fake_is_removed_on_exit() -> None:
     assert not any(t.is_alive() for t in fake_launchers)  # the fake's launchers ended
 
 
+def test_a_future_of_an_ended_fake_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    with testing.fake_cuda(auto_complete=True):
+        left = cudafut.record(np.ones(2))
+
+    # As on a machine without a GPU, whether or not this one has one.
+    def no_cuda(*args: object) -> Any:
+        raise cudafut.CudaUnavailableError("the NVIDIA driver is missing")
+
+    monkeypatch.setattr(_pools.streams, "get", no_cuda)
+    monkeypatch.setattr(_cuda, "current_stream", no_cuda)
+    with pytest.raises(cudafut.InvalidStateError, match=r"fake GPU, which has ended .*fake_cuda\(\)") as info:
+        left.then(lambda v: v).result(timeout=10)
+    assert isinstance(info.value.__cause__, cudafut.CudaUnavailableError)
+    with pytest.raises(cudafut.InvalidStateError, match=r"fake GPU, which has ended"):
+        left.wait(timeout=10)
+    assert left.result(timeout=10).tolist() == [1.0, 1.0]  # its value is still there
+
+
+def test_a_fake_that_ended_refuses_its_calls() -> None:
+    with testing.fake_cuda() as fake:
+        fut = cudafut.record(np.ones(2))
+    for call in (fake.complete_all, lambda: fake.complete(fut), lambda: fake.fail(fut), fake.stream):
+        with pytest.raises(RuntimeError, match=r"this fake GPU has ended \(its `with cudafut\.testing\.fake_cuda"):
+            call()
+
+
 @pytest.mark.parametrize("devices", [0, 65, True, 1.0])
 def test_fake_cuda_checks_its_arguments(devices: Any) -> None:
     with pytest.raises((TypeError, ValueError)), testing.fake_cuda(devices=devices):
