@@ -1377,7 +1377,8 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
     docs/interop.md, "Work queued by other libraries").
 
     Raises:
-        ValueError: no ``stream`` and ``value`` holds no GPU array; or
+        ValueError: no ``stream`` and ``value`` holds no GPU array (a NumPy
+            array is a host array: copy it with :func:`to_device`); or
             ``value`` holds an array whose producer cannot be ordered.
     """
     if _cuda.forked:  # a flag test, without a call
@@ -1392,6 +1393,15 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         if not records:  # under cudafut.testing's fake: its current device
             records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
         if not records:
+            if hasattr(value, "__array_interface__"):  # NumPy's (or another host array's)
+                raise ValueError(
+                    f"record() got a host array ({type(value).__module__}.{type(value).__name__}), "
+                    "which it does not take: it records GPU work, and a host array is on no GPU. "
+                    "Copy it to the GPU first (cudafut.to_device() returns its future), or pass "
+                    "stream=... if GPU work on that stream produces it; to test without a GPU, use "
+                    "cudafut.testing's fake GPU, where NumPy arrays stand for GPU arrays "
+                    "(docs/testing.md)"
+                )
             raise ValueError(
                 f"record() got a value on no GPU ({type(value).__name__}); pass "
                 "stream=... to say which stream produces it"
