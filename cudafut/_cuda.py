@@ -52,6 +52,8 @@ _DRIVER_HINTS = {
     999: "the CUDA driver reported an unknown error; check `nvidia-smi`",
 }
 
+#: Ends every message of a machine without a usable GPU: the fake GPU.
+NO_GPU_TESTING: Final = "or test without a GPU: cudafut.testing (docs/testing.md)"
 
 _FORK_MESSAGE = (
     "CUDA cannot be used in a process forked after CUDA was initialised in its "
@@ -124,16 +126,16 @@ def _initialise() -> Any:
             raise CudaUnavailableError(
                 "CuPy is not installed. Install cudafut with the extra that "
                 "matches your CUDA driver: pip install 'cudafut[cuda12]' or "
-                "'cudafut[cuda13]'"
+                f"'cudafut[cuda13]'; {NO_GPU_TESTING}"
             ) from exc
         rt = cp.cuda.runtime
         try:
             count = rt.getDeviceCount()
         except rt.CUDARuntimeError as exc:
             hint = _DRIVER_HINTS.get(exc.status, "CUDA could not be initialised")
-            raise CudaUnavailableError(f"{hint} (CUDA said: {exc})") from exc
+            raise CudaUnavailableError(f"{hint} (CUDA said: {exc}); {NO_GPU_TESTING}") from exc
         if count == 0:
-            raise CudaUnavailableError(_DRIVER_HINTS[100])
+            raise CudaUnavailableError(f"{_DRIVER_HINTS[100]}; {NO_GPU_TESTING}")
         _cupy, _count = cp, count
         for hook in _init_hooks:
             hook(cp)
