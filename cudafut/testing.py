@@ -81,6 +81,29 @@ _ENDED_FUTURE = (
 )
 
 
+_CUPY_ON_NUMPY = (
+    "a callback called CuPy on a NumPy array: under cudafut.testing's fake GPU, values are NumPy "
+    "arrays, and so are the arrays handed to then(), submit() and launch() callbacks, which CuPy's "
+    "functions cannot take. Write the code under test so that it takes the array module (numpy in "
+    "tests, cupy in production), or test this part on a GPU (docs/testing.md)"
+)
+
+
+def _cupy_refused_numpy(exc: TypeError) -> bool:
+    """Whether ``exc`` is CuPy refusing a NumPy array ("expected
+    cupy._core.core._ndarray_base, got numpy.ndarray", "must be a
+    cupy.ndarray object", a ufunc's "Unsupported type")."""
+    text = str(exc)
+    if "numpy.ndarray" not in text:
+        return False
+    if "cupy" in text:
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "cupy" in tb.tb_frame.f_code.co_filename
+
+
 def _fake_error(code: int, device: int) -> CudaError:
     name, description = _ERROR_NAMES.get(code, ("", ""))
     return CudaError(code, name, description, device=device)
@@ -219,7 +242,12 @@ class _Backend:
                 stream.__enter__()
                 entered.append(stream)
             with self.on_device(primary):
-                return fn(*args, **kwargs)
+                try:
+                    return fn(*args, **kwargs)
+                except TypeError as exc:
+                    if _cupy_refused_numpy(exc):
+                        raise TypeError(_CUPY_ON_NUMPY) from exc
+                    raise
         finally:
             for stream in reversed(entered):
                 stream.__exit__(None, None, None)

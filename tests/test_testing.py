@@ -3,8 +3,10 @@ runs it (no CUDA, no CuPy needed), on every async backend."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
+import warnings
 from typing import Any
 
 import anyio
@@ -182,6 +184,47 @@ def test_launch_runs_on_a_launcher_thread(fake_cuda: testing.FakeCuda) -> None:
 def test_calls_that_need_cupy_say_so(fake_cuda: testing.FakeCuda) -> None:
     with pytest.raises(cudafut.CudaUnavailableError, match=r"cudafut\.testing"):
         cudafut.empty_pinned((4,), np.float32)
+
+
+def test_own_stream_says_it_is_not_faked_and_leaves_no_coroutine_unawaited(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    async def inner() -> int:
+        return 1
+
+    decorated = cudafut.own_stream(inner)
+    error = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            asyncio.run(decorated())
+        except cudafut.CudaUnavailableError as exc:
+            error = str(exc)
+        gc.collect()  # what is left of the run: a coroutine never closed would warn now
+    assert "cudafut.testing" in error
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_cupy_in_a_callback_says_the_fake_hands_it_numpy(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+
+    def like_cupy(v: np.ndarray[Any, Any]) -> Any:  # CuPy's own words
+        raise TypeError("Argument 'a' has incorrect type (expected cupy._core.core._ndarray_base, got numpy.ndarray)")
+
+    for fut in (
+        cudafut.record(np.ones(2)).then(like_cupy),
+        cudafut.submit(like_cupy, np.ones(2)),
+        cudafut.launch(like_cupy, np.ones(2)),
+    ):
+        with pytest.raises(TypeError, match=r"fake GPU, values are NumPy arrays.*CuPy's functions cannot") as info:
+            fut.result(timeout=10)
+        assert "expected cupy._core.core._ndarray_base" in str(info.value.__cause__)
+
+    def other(v: np.ndarray[Any, Any]) -> Any:
+        raise TypeError("not about CuPy")
+
+    with pytest.raises(TypeError, match="^not about CuPy$"):  # other TypeErrors pass as they are
+        cudafut.record(np.ones(2)).then(other).result(timeout=10)
 
 
 def test_the_fake_is_removed_on_exit() -> None:
