@@ -1059,6 +1059,19 @@ _swapped: tuple[Any, list[Callable[[], None]]] | None = None
 _swap_lock = threading.RLock()  # a hook may import a module that registers one
 
 
+def faked() -> bool:
+    """Whether :mod:`cudafut.testing`'s fake GPU is installed (for error
+    messages: a flag read, no call to CUDA)."""
+    return _swapped is not None
+
+
+#: The end of the refusal of a GPU-array-only call under the fake GPU.
+NOT_FAKED: Final = (
+    "; under cudafut.testing's fake GPU, NumPy arrays stand for GPU arrays, but {call} is not faked "
+    "(it needs GPU memory): test this part on a GPU (docs/testing.md)"
+)
+
+
 def on_swap(hook: Callable[[Any], Callable[[], None]]) -> None:
     """Register ``hook(backend)``, called when :func:`swap` installs a
     backend: it sets aside what the module holds of the previous backend

@@ -20,10 +20,16 @@ The fake keeps the order a GPU guarantees, and no more: an event completes
 only after the earlier events of its stream and the events its stream was
 made to wait for (completing a ``then()`` child completes its parent), but
 nothing runs: no kernel, no copy engine, no timing. Work your callbacks
-enqueue with CuPy is not faked (CuPy is never imported); calls that need
-CuPy's runtime (pinned memory, task streams, :class:`cudafut.Tracked`,
-``cudafut.distributed``) raise :class:`cudafut.CudaUnavailableError`. See
-docs/testing.md.
+enqueue with CuPy is not faked (CuPy is never imported; CuPy refusing the
+NumPy array a callback got is a :class:`TypeError` that says so). Calls that
+need CuPy's runtime (pinned memory, :func:`cudafut.own_stream`,
+``cudafut.distributed``) raise :class:`cudafut.CudaUnavailableError`; calls
+that take GPU memory only (:class:`cudafut.Tracked`,
+:func:`cudafut.record_stream`, :func:`cudafut.graphed`) refuse NumPy arrays
+with :class:`TypeError`. :func:`cudafut.task_stream` gives each task a fake
+stream of its own (to pass as ``stream=``), and
+:func:`cudafut.use_task_streams` changes nothing: no step runs on a stream
+of its own. See docs/testing.md.
 
 The pytest fixture ``fake_cuda`` (registered by installing cudafut) gives a
 :class:`FakeCuda` for one test. Importing this module imports neither CuPy
@@ -64,9 +70,9 @@ _ERROR_NAMES: Final = {
 
 _NOT_MODELLED = (
     "this call needs CuPy's CUDA runtime, which cudafut.testing's fake CUDA does not have: "
-    "it fakes events, streams and NumPy values only (pinned memory, task streams, Tracked, "
-    "record_stream and cudafut.distributed are not faked; see docs/testing.md). Test this "
-    "part on a GPU"
+    "it fakes events, streams and NumPy values only (pinned memory, @own_stream and "
+    "cudafut.distributed are not faked; task_stream() gives a task a fake stream to pass as "
+    "stream=; see docs/testing.md). Test this part on a GPU"
 )
 
 

@@ -186,6 +186,26 @@ def test_calls_that_need_cupy_say_so(fake_cuda: testing.FakeCuda) -> None:
         cudafut.empty_pinned((4,), np.float32)
 
 
+def test_what_the_fake_does_with_task_streams_tracked_and_record_stream(fake_cuda: testing.FakeCuda) -> None:
+    # As docs/testing.md and cudafut.testing's docstring say.
+    fake_cuda.auto_complete = True
+
+    async def task() -> tuple[Any, Any]:
+        stream = cudafut.task_stream()
+        assert cudafut.task_stream() is stream  # the task's own, for its life
+        return stream, await cudafut.record(np.ones(2), stream=stream)
+
+    stream, value = asyncio.run(task())
+    assert isinstance(stream, testing.FakeStream) and value.tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match=r"GPU array.*fake GPU.*Tracked is not faked.*on a GPU"):
+        cudafut.Tracked(np.ones(2))
+    with pytest.raises(TypeError, match=r"GPU array.*fake GPU.*record_stream\(\) is not faked.*on a GPU"):
+        cudafut.record_stream(np.ones(2), fake_cuda.stream())
+    with pytest.raises(cudafut.CudaUnavailableError, match=r"@own_stream") as info:
+        cudafut.empty_pinned((2,), np.float32)
+    assert "Tracked" not in str(info.value)  # a TypeError, said above
+
+
 def test_own_stream_says_it_is_not_faked_and_leaves_no_coroutine_unawaited(
     fake_cuda: testing.FakeCuda,
 ) -> None:
