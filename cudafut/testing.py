@@ -40,15 +40,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
-from . import _cuda, _pools
+from . import _checks, _cuda, _pools
 from ._errors import CudaError, CudaUnavailableError
 from ._events import FAILED, EventRecord
 from ._future import CudaFuture, records_of, when_set
+from ._log import logger
 
 __all__ = ["FakeCuda", "FakeStream", "fake_cuda"]
 
@@ -110,6 +113,15 @@ def _cupy_refused_numpy(exc: TypeError) -> bool:
     return tb is not None and "cupy" in tb.tb_frame.f_code.co_filename
 
 
+#: The hint a wait on work the fake keeps pending gives (once per fake).
+_STILL_PENDING = (
+    "cudafut.testing: a future has waited %.3g s on the fake GPU, whose work completes only when "
+    "the test says so: set `fake_cuda.auto_complete = True` (or `fake_cuda(auto_complete=True)`), "
+    "or call `fake.complete(future)` or `fake.complete_all()` (docs/testing.md, \"Completing work "
+    "when the test says\")"
+)
+
+
 def _fake_error(code: int, device: int) -> CudaError:
     name, description = _ERROR_NAMES.get(code, ("", ""))
     return CudaError(code, name, description, device=device)
@@ -162,9 +174,12 @@ class FakeStream:
 class _Backend:
     """The fake GPU's state and its implementation of ``_cuda.SEAM``."""
 
-    def __init__(self, devices: int, auto_complete: bool) -> None:
+    def __init__(self, devices: int, auto_complete: bool, hint_after_s: float = math.inf) -> None:
         self.devices = devices
         self.auto_complete = auto_complete
+        #: After how long pending a waited-on event logs the hint; whether it has.
+        self.hint_after_s = hint_after_s
+        self.hinted = False
         self.active = True
         #: The event pool made for the fake (by cudafut._pools), once installed.
         self.pool: Any = None
@@ -440,25 +455,40 @@ class _Backend:
     def pending(self) -> int:
         return len(self._pending)
 
+    def still_pending(self, since: float, now: float) -> None:
+        """A wait has found an event pending since ``since`` (monotonic):
+        past ``hint_after_s``, log the hint, once for this fake."""
+        waited = now - since
+        if waited >= self.hint_after_s and not self.hinted:
+            self.hinted = True
+            logger.warning(_STILL_PENDING, waited)
+
 
 def _record_type(backend: _Backend) -> type[EventRecord]:
     """The record type of one fake: its records ask it, never CUDA, for as
     long as they live (after the fake is removed too)."""
 
     class FakeEventRecord(EventRecord):
-        __slots__ = ("event",)
+        __slots__ = ("asked", "event")
 
         def __init__(
             self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
         ) -> None:
             super().__init__(handle, device, stream, stream_key, seq, t)
             self.event = backend.take(handle)
+            self.asked = 0.0  # when first found pending (monotonic; 0: never)
 
         def query(self) -> int | None:
             if self.status is None:
                 raw = self.event.status
                 if raw is not None and self.failure is None:
                     return self.settle(raw)
+                if raw is None and not backend.hinted:  # still pending: hint past hint_after_s
+                    now = time.monotonic()
+                    if not self.asked:
+                        self.asked = now
+                    else:
+                        backend.still_pending(self.asked, now)
             return self.status
 
         def error(self) -> CudaError | None:
@@ -500,6 +530,8 @@ class FakeCuda:
     Attributes:
         auto_complete: whether events complete as they are recorded; may be
             changed at any time (events recorded before stay as they are).
+        hint_after_s: after how long a wait on a still pending event logs
+            the hint to complete the fake's work (see :func:`fake_cuda`).
     """
 
     def __init__(self, backend: _Backend) -> None:
@@ -515,6 +547,18 @@ class FakeCuda:
         if not isinstance(value, bool):
             raise TypeError(f"auto_complete must be True or False, not {value!r}")
         self._backend.auto_complete = value
+
+    @property
+    def hint_after_s(self) -> float | None:
+        """After how long a wait on a still pending event logs the hint to
+        complete the fake's work (settable; ``None``: never; see
+        :func:`fake_cuda`)."""
+        value = self._backend.hint_after_s
+        return None if value == math.inf else value
+
+    @hint_after_s.setter
+    def hint_after_s(self, value: float | None) -> None:
+        self._backend.hint_after_s = _hint_after(value)
 
     @property
     def devices(self) -> int:
@@ -612,8 +656,16 @@ class FakeCuda:
         return f"<FakeCuda devices={self.devices} pending={self.pending}{mode}>"
 
 
+def _hint_after(value: object) -> float:
+    if value is None:
+        return math.inf
+    return _checks.timeout_seconds(value, "hint_after_s")
+
+
 @contextlib.contextmanager
-def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[FakeCuda]:
+def fake_cuda(
+    *, devices: int = 1, auto_complete: bool = False, hint_after_s: float | None = 5.0
+) -> Iterator[FakeCuda]:
     """Run the block with a fake GPU in place of CUDA; yield its :class:`FakeCuda`.
 
     For the whole process (every thread) until the block ends; not
@@ -628,10 +680,17 @@ def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[Fake
         devices: how many devices the fake GPU has (device 0 is current).
         auto_complete: events complete as they are recorded (see
             :attr:`FakeCuda.auto_complete`).
+        hint_after_s: a wait (``await``, ``result()``, ...) that finds the
+            same event still pending this many seconds after it first did
+            logs a warning, once per fake, on the ``cudafut`` logger: it
+            names ``auto_complete=True`` and :meth:`FakeCuda.complete_all`,
+            which a test that hangs on the fake most likely lacks. Only a
+            log: no test fails or waits less for it. ``None``: never.
 
     Raises:
         RuntimeError: a fake is installed already.
-        TypeError, ValueError: ``devices`` is not an int from 1 to 64.
+        TypeError, ValueError: ``devices`` is not an int from 1 to 64;
+            ``hint_after_s`` is not a non-negative number of seconds or None.
     """
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise TypeError(f"devices must be an int, not {devices!r}")
@@ -639,7 +698,7 @@ def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[Fake
         raise ValueError(f"devices must be from 1 to 64, not {devices}")
     if not isinstance(auto_complete, bool):
         raise TypeError(f"auto_complete must be True or False, not {auto_complete!r}")
-    backend = _Backend(devices, auto_complete)
+    backend = _Backend(devices, auto_complete, _hint_after(hint_after_s))
     restore = _cuda.swap(backend)
     backend.pool = _pools.events
     try:

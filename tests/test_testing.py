@@ -4,7 +4,9 @@ runs it (no CUDA, no CuPy needed), on every async backend."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
 import threading
 import warnings
 from typing import Any
@@ -262,6 +264,43 @@ def test_the_fake_is_removed_on_exit() -> None:
     assert (_cuda.current_device, _pools.events, _pools.streams) == real
     assert left.done()  # what was queued completes as the fake leaves
     assert not any(t.is_alive() for t in fake_launchers)  # the fake's launchers ended
+
+
+def test_a_wait_on_work_left_pending_hints_at_auto_complete(caplog: pytest.LogCaptureFixture) -> None:
+    # A log, never a failure: the test waits until it shows, however slow the machine.
+    def hints() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "auto_complete = True" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="cudafut"), testing.fake_cuda(hint_after_s=0) as fake:
+        fut = cudafut.record(np.ones(2))
+        for _ in range(10_000):
+            with pytest.raises(cudafut.TimeoutError):
+                fut.result(timeout=0.001)
+            if hints():
+                break
+        assert "fake.complete_all()" in hints()[0]
+
+        async def waits() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cudafut.record(np.ones(2)), 0.01)
+
+        asyncio.run(waits())
+        assert len(hints()) == 1  # once per fake
+    with caplog.at_level(logging.WARNING, logger="cudafut"), testing.fake_cuda(hint_after_s=0) as fake:
+
+        async def await_until_hinted() -> None:
+            fut = cudafut.record(np.ones(2))
+            while len(hints()) < 2:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(fut.to_asyncio()), 0.001)
+
+        asyncio.run(await_until_hinted())
+        fake.hint_after_s = None
+        assert fake.hint_after_s is None
+    with testing.fake_cuda() as fake:
+        assert fake.hint_after_s == 5.0  # the fixture's too
+    with pytest.raises(ValueError, match="hint_after_s"), testing.fake_cuda(hint_after_s=-1):
+        pass
 
 
 def test_a_future_of_an_ended_fake_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
