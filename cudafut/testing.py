@@ -117,8 +117,8 @@ def _cupy_refused_numpy(exc: TypeError) -> bool:
 _STILL_PENDING = (
     "cudafut.testing: a future has waited %.3g s on the fake GPU, whose work completes only when "
     "the test says so: set `fake_cuda.auto_complete = True` (or `fake_cuda(auto_complete=True)`), "
-    "or call `fake.complete(future)` or `fake.complete_all()` (docs/testing.md, \"Completing work "
-    "when the test says\")"
+    'or call `fake.complete(future)` or `fake.complete_all()` (docs/testing.md, "Completing work '
+    'when the test says")'
 )
 
 

@@ -231,21 +231,25 @@ def test_cupy_in_a_callback_says_the_fake_hands_it_numpy(fake_cuda: testing.Fake
     fake_cuda.auto_complete = True
 
     def like_cupy(v: np.ndarray[Any, Any]) -> Any:  # CuPy's own words
-        raise TypeError("Argument 'a' has incorrect type (expected cupy._core.core._ndarray_base, got numpy.ndarray)")
+        raise TypeError(
+            "Argument 'a' has incorrect type (expected cupy._core.core._ndarray_base, got numpy.ndarray)"
+        )
 
     for fut in (
         cudafut.record(np.ones(2)).then(like_cupy),
         cudafut.submit(like_cupy, np.ones(2)),
         cudafut.launch(like_cupy, np.ones(2)),
     ):
-        with pytest.raises(TypeError, match=r"fake GPU, values are NumPy arrays.*CuPy's functions cannot") as info:
+        with pytest.raises(
+            TypeError, match=r"fake GPU, values are NumPy arrays.*CuPy's functions cannot"
+        ) as info:
             fut.result(timeout=10)
         assert "expected cupy._core.core._ndarray_base" in str(info.value.__cause__)
 
     def other(v: np.ndarray[Any, Any]) -> Any:
         raise TypeError("not about CuPy")
 
-    with pytest.raises(TypeError, match="^not about CuPy$"):  # other TypeErrors pass as they are
+    with pytest.raises(TypeError, match=r"^not about CuPy$"):  # other TypeErrors pass as they are
         cudafut.record(np.ones(2)).then(other).result(timeout=10)
 
 
@@ -325,7 +329,9 @@ def test_a_fake_that_ended_refuses_its_calls() -> None:
     with testing.fake_cuda() as fake:
         fut = cudafut.record(np.ones(2))
     for call in (fake.complete_all, lambda: fake.complete(fut), lambda: fake.fail(fut), fake.stream):
-        with pytest.raises(RuntimeError, match=r"this fake GPU has ended \(its `with cudafut\.testing\.fake_cuda"):
+        with pytest.raises(
+            RuntimeError, match=r"this fake GPU has ended \(its `with cudafut\.testing\.fake_cuda"
+        ):
             call()
 
 

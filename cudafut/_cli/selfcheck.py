@@ -152,7 +152,7 @@ def _fixes(cupy_facts: dict[str, Any], driver: str | None, driver_cuda: str | No
         )
     if not fixes:
         fixes.append("check that `nvidia-smi` lists your GPU and that this process may use it")
-    return fixes + [_cuda.NO_GPU_TESTING]
+    return [*fixes, _cuda.NO_GPU_TESTING]
 
 
 def _older(a: str, b: str) -> bool:
