@@ -52,6 +52,8 @@ _DRIVER_HINTS = {
     999: "the CUDA driver reported an unknown error; check `nvidia-smi`",
 }
 
+#: Ends every message of a machine without a usable GPU: the fake GPU.
+NO_GPU_TESTING: Final = "or test without a GPU: cudafut.testing (docs/testing.md)"
 
 _FORK_MESSAGE = (
     "CUDA cannot be used in a process forked after CUDA was initialised in its "
@@ -125,16 +127,16 @@ def _initialise() -> Any:
             raise CudaUnavailableError(
                 "CuPy is not installed. Install cudafut with the extra that "
                 "matches your CUDA driver: pip install 'cudafut[cuda12]' or "
-                "'cudafut[cuda13]'"
+                f"'cudafut[cuda13]'; {NO_GPU_TESTING}"
             ) from exc
         rt = cp.cuda.runtime
         try:
             count = rt.getDeviceCount()
         except rt.CUDARuntimeError as exc:
             hint = _DRIVER_HINTS.get(exc.status, "CUDA could not be initialised")
-            raise CudaUnavailableError(f"{hint} (CUDA said: {exc})") from exc
+            raise CudaUnavailableError(f"{hint} (CUDA said: {exc}); {NO_GPU_TESTING}") from exc
         if count == 0:
-            raise CudaUnavailableError(_DRIVER_HINTS[100])
+            raise CudaUnavailableError(f"{_DRIVER_HINTS[100]}; {NO_GPU_TESTING}")
         _cupy, _count = cp, count
         for hook in _init_hooks:
             hook(cp)
@@ -1141,6 +1143,19 @@ _swap_hooks: list[Callable[[Any], Callable[[], None]]] = []
 # The backend installed and the restore functions of its hooks; None: CUDA.
 _swapped: tuple[Any, list[Callable[[], None]]] | None = None
 _swap_lock = threading.RLock()  # a hook may import a module that registers one
+
+
+def faked() -> bool:
+    """Whether :mod:`cudafut.testing`'s fake GPU is installed (for error
+    messages: a flag read, no call to CUDA)."""
+    return _swapped is not None
+
+
+#: The end of the refusal of a GPU-array-only call under the fake GPU.
+NOT_FAKED: Final = (
+    "; under cudafut.testing's fake GPU, NumPy arrays stand for GPU arrays, but {call} is not faked "
+    "(it needs GPU memory): test this part on a GPU (docs/testing.md)"
+)
 
 
 def on_swap(hook: Callable[[Any], Callable[[], None]]) -> None:

@@ -122,6 +122,13 @@ class EventRecord:
         if self.status is None:
             _cuda.stream_wait(stream, self.handle, device)
 
+    def ended(self) -> str | None:
+        """Why this record's backend can no longer be used, or None: a
+        record of :mod:`cudafut.testing`'s fake GPU once the fake has ended
+        says so (asked only when a call on its future failed for want of
+        CUDA, to name the real cause)."""
+        return None
+
     def __repr__(self) -> str:
         state = {None: "pending", 0: "complete", FAILED: "failed"}.get(self.status, f"error {self.status}")
         return f"<EventRecord device={self.device} stream={self.stream:#x} seq={self.seq} {state}>"

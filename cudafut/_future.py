@@ -397,14 +397,20 @@ class CudaFuture(Generic[T]):
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state is _SET:
-            for rec in self._records:
-                if rec.status is None:
-                    rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
-            torch = _torch.loaded()
-            if torch is not None:  # PyTorch's current streams wait too
-                _torch.wait_current(torch, self._records, self._value)
-            value = self._outcome(CancelledError)
-            _record_current_consumers(value, self._records, untracked=True)
+            try:
+                for rec in self._records:
+                    if rec.status is None:
+                        rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
+                torch = _torch.loaded()
+                if torch is not None:  # PyTorch's current streams wait too
+                    _torch.wait_current(torch, self._records, self._value)
+                value = self._outcome(CancelledError)
+                _record_current_consumers(value, self._records, untracked=True)
+            except CudaUnavailableError as exc:
+                error = _explained(self, exc)
+                if error is exc:
+                    raise
+                raise error from exc
             return value
         return self._outcome(CancelledError)
 
@@ -1228,7 +1234,21 @@ def _run_then(
         _record_consumers(parent._value, streams, untracked=False)
         return _settle_later(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
-        return child._fail_later(exc)
+        return child._fail_later(_explained(parent, exc))
+
+
+def _explained(fut: CudaFuture[Any], exc: Exception) -> Exception:
+    """``exc``, or, where it is CUDA's absence and ``fut`` belongs to
+    cudafut.testing's fake GPU that has ended, an :class:`InvalidStateError`
+    that says so (caused by ``exc``). On failure paths only."""
+    if isinstance(exc, CudaUnavailableError):
+        for rec in fut._records:
+            reason = rec.ended()
+            if reason is not None:
+                error = InvalidStateError(reason)
+                error.__cause__ = exc
+                return error
+    return exc
 
 
 def _then_streams(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:
@@ -1359,7 +1379,8 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
     docs/interop.md, "Work queued by other libraries").
 
     Raises:
-        ValueError: no ``stream`` and ``value`` holds no GPU array; or
+        ValueError: no ``stream`` and ``value`` holds no GPU array (a NumPy
+            array is a host array: copy it with :func:`to_device`); or
             ``value`` holds an array whose producer cannot be ordered.
     """
     if _cuda.forked:  # a flag test, without a call
@@ -1374,6 +1395,15 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         if not records:  # under cudafut.testing's fake: its current device
             records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
         if not records:
+            if hasattr(value, "__array_interface__"):  # NumPy's (or another host array's)
+                raise ValueError(
+                    f"record() got a host array ({type(value).__module__}.{type(value).__name__}), "
+                    "which it does not take: it records GPU work, and a host array is on no GPU. "
+                    "Copy it to the GPU first (cudafut.to_device() returns its future), or pass "
+                    "stream=... if GPU work on that stream produces it; to test without a GPU, use "
+                    "cudafut.testing's fake GPU, where NumPy arrays stand for GPU arrays "
+                    "(docs/testing.md)"
+                )
             raise ValueError(
                 f"record() got a value on no GPU ({type(value).__name__}); pass "
                 "stream=... to say which stream produces it"

@@ -30,6 +30,7 @@ How the launchers work, and why (docs/serving.md, "How launch() works"):
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import threading
@@ -142,7 +143,7 @@ def _serve(device: int, jobs: queue.SimpleQueue[_Job | None], stream: Any) -> No
         try:
             for rec in job.after:
                 rec.wait_on(ptr, device)
-            settle_launched(future, job.fn, job.args, job.kwargs, streams)
+            settle_launched(future, _no_awaitable(job.fn), job.args, job.kwargs, streams)
             if future.cancelled():
                 # Cancelled while fn ran: its work still reads the arguments.
                 _lifetimes.hold((_events.record(ptr, device),), (job.args, job.kwargs))
@@ -157,6 +158,40 @@ def _serve(device: int, jobs: queue.SimpleQueue[_Job | None], stream: Any) -> No
             except BaseException:  # noqa: BLE001
                 logger.exception("cudafut: a launcher could not fail %r", future)
         del job, future  # not kept alive while waiting for the next job
+
+
+#: launch()'s refusal of a coroutine function, or of an awaitable ``fn`` returned.
+_ASYNC_FN: Final = (
+    "launch() runs fn on a launcher thread, which has no event loop to run a coroutine: {fn!r} is "
+    "a coroutine function (async def). Make it a plain function (def) that enqueues the GPU work, "
+    "or await the coroutine on your loop itself (cudafut.Batcher takes an async run_batch)"
+)
+
+
+_AWAITABLE: Final = (
+    "launch() runs fn on a launcher thread, which has no event loop to await what fn returned: "
+    "{fn!r} returned {kind}. Make fn a plain function that enqueues the GPU work and returns its "
+    "value (or a CudaFuture), or await the awaitable on your loop itself"
+)
+
+
+def _no_awaitable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, raising :class:`TypeError` where it returns an awaitable other
+    than a :class:`CudaFuture` (a coroutine is closed, so Python does not
+    warn later that it was never awaited). Costs the launcher thread a call
+    and a type test, under a µs."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if not isinstance(out, CudaFuture) and inspect.isawaitable(out):
+            if inspect.iscoroutine(out):
+                out.close()
+            raise TypeError(_AWAITABLE.format(fn=fn, kind=f"an awaitable ({type(out).__name__})"))
+        return out
+
+    name = getattr(getattr(fn, "func", fn), "__qualname__", None)  # as the trace names fn
+    call.__qualname__ = name if isinstance(name, str) else type(fn).__qualname__
+    return call
 
 
 @overload
@@ -213,13 +248,22 @@ def launch(
     caller set: grad mode on, no autocast. Enter ``torch.inference_mode()``
     (or ``no_grad``, ``autocast``) inside ``fn``.
 
+    ``fn`` must be a plain function: a launcher thread runs no event loop.
+    A coroutine function (``async def``) is refused at the call, before
+    anything is enqueued; if ``fn`` returns an awaitable all the same (a
+    coroutine, an asyncio future; a :class:`CudaFuture` is followed), the
+    future fails with :class:`TypeError` and a coroutine is closed unrun.
+
     Raises:
-        TypeError: ``fn`` is not callable, or ``device`` is not an int.
+        TypeError: ``fn`` is not callable, or is a coroutine function, or
+            ``device`` is not an int.
         ValueError: ``device`` is out of range.
         CudaUnavailableError: CUDA cannot be used here.
     """
     if not callable(fn):
         raise TypeError(f"launch() needs a callable, not {fn!r}")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(_ASYNC_FN.format(fn=fn))
     _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     return enqueue(fn, args, kwargs, dev, _torch.current_records(dev))

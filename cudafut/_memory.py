@@ -171,6 +171,7 @@ def record_stream(array: Any, stream: Any) -> None:
         raise TypeError(
             f"record_stream() needs a GPU array (CuPy, PyTorch, or any "
             f"__cuda_array_interface__ object), not {type(array).__name__}"
+            + (_cuda.NOT_FAKED.format(call="record_stream()") if _cuda.faked() else "")
         )
     ptr, device = _cuda.stream_handle(stream)
     _record(array, ptr, device, stream)

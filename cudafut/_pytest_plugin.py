@@ -16,7 +16,8 @@ from cudafut import testing
 def fake_cuda() -> Iterator[testing.FakeCuda]:
     """A fake GPU in place of CUDA for the test (:func:`cudafut.testing.fake_cuda`
     with one device; events complete when the test says, or set
-    ``fake_cuda.auto_complete = True``). Works on machines with and without
+    ``fake_cuda.auto_complete = True``; a wait on work still pending after
+    5 s logs a warning that says so). Works on machines with and without
     a GPU, on asyncio, uvloop and trio."""
     with testing.fake_cuda() as fake:
         yield fake

@@ -390,8 +390,12 @@ def _steps(coro: Coroutine[Any, Any, T], *, root: bool, owner: object) -> Genera
         # Inline in a task that runs on its own stream already: its steps
         # are ours, and the join would be a stream waiting on itself.
         return (yield from coro.__await__())
-    state = _state_of_task(owner)
-    state.stream(_cuda.current_device())
+    try:
+        state = _state_of_task(owner)
+        state.stream(_cuda.current_device())
+    except BaseException:
+        coro.close()  # never started: Python must not warn that it was never awaited
+        raise
     state.depth += 1
     # One generator drives the coroutine (no inner `yield from`): each layer
     # costs every step of the task a frame resumption.
@@ -417,6 +421,8 @@ def _steps(coro: Coroutine[Any, Any, T], *, root: bool, owner: object) -> Genera
             except BaseException as exc:  # noqa: BLE001 - cancellation or an error thrown in: the coroutine's
                 value, error = None, exc
     except BaseException:
+        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            coro.close()  # its first step could not start: no "never awaited" warning
         state.depth -= 1
         if state.depth == 0:
             try:  # noqa: SIM105 - the coroutine's exception is the one to see

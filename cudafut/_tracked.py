@@ -225,6 +225,8 @@ class Tracked(Generic[A]):
                 if not found
                 else "wrap each array of a container in its own Tracked"
             )
+            if _cuda.faked():
+                hint += _cuda.NOT_FAKED.format(call="Tracked")
             raise TypeError(
                 "Tracked() takes one GPU array (a CuPy array, a PyTorch CUDA tensor, or any "
                 f"__cuda_array_interface__ object), not {type(array).__name__}: {hint}"

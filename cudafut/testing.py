@@ -20,10 +20,16 @@ The fake keeps the order a GPU guarantees, and no more: an event completes
 only after the earlier events of its stream and the events its stream was
 made to wait for (completing a ``then()`` child completes its parent), but
 nothing runs: no kernel, no copy engine, no timing. Work your callbacks
-enqueue with CuPy is not faked (CuPy is never imported); calls that need
-CuPy's runtime (pinned memory, task streams, :class:`cudafut.Tracked`,
-``cudafut.distributed``) raise :class:`cudafut.CudaUnavailableError`. See
-docs/testing.md.
+enqueue with CuPy is not faked (CuPy is never imported; CuPy refusing the
+NumPy array a callback got is a :class:`TypeError` that says so). Calls that
+need CuPy's runtime (pinned memory, :func:`cudafut.own_stream`,
+``cudafut.distributed``) raise :class:`cudafut.CudaUnavailableError`; calls
+that take GPU memory only (:class:`cudafut.Tracked`,
+:func:`cudafut.record_stream`, :func:`cudafut.graphed`) refuse NumPy arrays
+with :class:`TypeError`. :func:`cudafut.task_stream` gives each task a fake
+stream of its own (to pass as ``stream=``), and
+:func:`cudafut.use_task_streams` changes nothing: no step runs on a stream
+of its own. See docs/testing.md.
 
 The pytest fixture ``fake_cuda`` (registered by installing cudafut) gives a
 :class:`FakeCuda` for one test. Importing this module imports neither CuPy
@@ -34,15 +40,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
-from . import _cuda, _pools
+from . import _checks, _cuda, _pools
 from ._errors import CudaError, CudaUnavailableError
 from ._events import FAILED, EventRecord
 from ._future import CudaFuture, records_of, when_set
+from ._log import logger
 
 __all__ = ["FakeCuda", "FakeStream", "fake_cuda"]
 
@@ -64,9 +73,52 @@ _ERROR_NAMES: Final = {
 
 _NOT_MODELLED = (
     "this call needs CuPy's CUDA runtime, which cudafut.testing's fake CUDA does not have: "
-    "it fakes events, streams and NumPy values only (pinned memory, task streams, Tracked, "
-    "record_stream and cudafut.distributed are not faked; see docs/testing.md). Test this "
-    "part on a GPU"
+    "it fakes events, streams and NumPy values only (pinned memory, @own_stream and "
+    "cudafut.distributed are not faked; task_stream() gives a task a fake stream to pass as "
+    "stream=; see docs/testing.md). Test this part on a GPU"
+)
+
+
+#: When a fake has ended: for the errors of what is used after it.
+_ENDED_WHEN = (
+    "(its `with cudafut.testing.fake_cuda()` block, or the test that took the fake_cuda fixture, is over)"
+)
+_ENDED_FUTURE = (
+    f"this future was made under cudafut.testing's fake GPU, which has ended {_ENDED_WHEN}: the "
+    "fake's futures and streams cannot be used after it, with real CUDA or another fake. Use them "
+    "inside the block (or the test)"
+)
+
+
+_CUPY_ON_NUMPY = (
+    "a callback called CuPy on a NumPy array: under cudafut.testing's fake GPU, values are NumPy "
+    "arrays, and so are the arrays handed to then(), submit() and launch() callbacks, which CuPy's "
+    "functions cannot take. Write the code under test so that it takes the array module (numpy in "
+    "tests, cupy in production), or test this part on a GPU (docs/testing.md)"
+)
+
+
+def _cupy_refused_numpy(exc: TypeError) -> bool:
+    """Whether ``exc`` is CuPy refusing a NumPy array ("expected
+    cupy._core.core._ndarray_base, got numpy.ndarray", "must be a
+    cupy.ndarray object", a ufunc's "Unsupported type")."""
+    text = str(exc)
+    if "numpy.ndarray" not in text:
+        return False
+    if "cupy" in text:
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "cupy" in tb.tb_frame.f_code.co_filename
+
+
+#: The hint a wait on work the fake keeps pending gives (once per fake).
+_STILL_PENDING = (
+    "cudafut.testing: a future has waited %.3g s on the fake GPU, whose work completes only when "
+    "the test says so: set `fake_cuda.auto_complete = True` (or `fake_cuda(auto_complete=True)`), "
+    'or call `fake.complete(future)` or `fake.complete_all()` (docs/testing.md, "Completing work '
+    'when the test says")'
 )
 
 
@@ -122,9 +174,12 @@ class FakeStream:
 class _Backend:
     """The fake GPU's state and its implementation of ``_cuda.SEAM``."""
 
-    def __init__(self, devices: int, auto_complete: bool) -> None:
+    def __init__(self, devices: int, auto_complete: bool, hint_after_s: float = math.inf) -> None:
         self.devices = devices
         self.auto_complete = auto_complete
+        #: After how long pending a waited-on event logs the hint; whether it has.
+        self.hint_after_s = hint_after_s
+        self.hinted = False
         self.active = True
         #: The event pool made for the fake (by cudafut._pools), once installed.
         self.pool: Any = None
@@ -208,7 +263,12 @@ class _Backend:
                 stream.__enter__()
                 entered.append(stream)
             with self.on_device(primary):
-                return fn(*args, **kwargs)
+                try:
+                    return fn(*args, **kwargs)
+                except TypeError as exc:
+                    if _cupy_refused_numpy(exc):
+                        raise TypeError(_CUPY_ON_NUMPY) from exc
+                    raise
         finally:
             for stream in reversed(entered):
                 stream.__exit__(None, None, None)
@@ -395,25 +455,40 @@ class _Backend:
     def pending(self) -> int:
         return len(self._pending)
 
+    def still_pending(self, since: float, now: float) -> None:
+        """A wait has found an event pending since ``since`` (monotonic):
+        past ``hint_after_s``, log the hint, once for this fake."""
+        waited = now - since
+        if waited >= self.hint_after_s and not self.hinted:
+            self.hinted = True
+            logger.warning(_STILL_PENDING, waited)
+
 
 def _record_type(backend: _Backend) -> type[EventRecord]:
     """The record type of one fake: its records ask it, never CUDA, for as
     long as they live (after the fake is removed too)."""
 
     class FakeEventRecord(EventRecord):
-        __slots__ = ("event",)
+        __slots__ = ("asked", "event")
 
         def __init__(
             self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
         ) -> None:
             super().__init__(handle, device, stream, stream_key, seq, t)
             self.event = backend.take(handle)
+            self.asked = 0.0  # when first found pending (monotonic; 0: never)
 
         def query(self) -> int | None:
             if self.status is None:
                 raw = self.event.status
                 if raw is not None and self.failure is None:
                     return self.settle(raw)
+                if raw is None and not backend.hinted:  # still pending: hint past hint_after_s
+                    now = time.monotonic()
+                    if not self.asked:
+                        self.asked = now
+                    else:
+                        backend.still_pending(self.asked, now)
             return self.status
 
         def error(self) -> CudaError | None:
@@ -425,6 +500,9 @@ def _record_type(backend: _Backend) -> type[EventRecord]:
         def wait_on(self, stream: int, device: int) -> None:
             if self.status is None:
                 backend.wait(stream, device, self.event)
+
+        def ended(self) -> str | None:
+            return None if backend.active else _ENDED_FUTURE
 
         def __del__(self) -> None:
             pool = backend.pool
@@ -452,6 +530,8 @@ class FakeCuda:
     Attributes:
         auto_complete: whether events complete as they are recorded; may be
             changed at any time (events recorded before stay as they are).
+        hint_after_s: after how long a wait on a still pending event logs
+            the hint to complete the fake's work (see :func:`fake_cuda`).
     """
 
     def __init__(self, backend: _Backend) -> None:
@@ -467,6 +547,18 @@ class FakeCuda:
         if not isinstance(value, bool):
             raise TypeError(f"auto_complete must be True or False, not {value!r}")
         self._backend.auto_complete = value
+
+    @property
+    def hint_after_s(self) -> float | None:
+        """After how long a wait on a still pending event logs the hint to
+        complete the fake's work (settable; ``None``: never; see
+        :func:`fake_cuda`)."""
+        value = self._backend.hint_after_s
+        return None if value == math.inf else value
+
+    @hint_after_s.setter
+    def hint_after_s(self, value: float | None) -> None:
+        self._backend.hint_after_s = _hint_after(value)
 
     @property
     def devices(self) -> int:
@@ -492,7 +584,9 @@ class FakeCuda:
 
         Raises:
             TypeError: an argument is not a :class:`cudafut.CudaFuture`.
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
         """
+        self._check_active("complete()")
         self._act(futures, self._backend.complete)
 
     def fail(self, future: CudaFuture[Any], code: int = 700) -> None:
@@ -506,7 +600,9 @@ class FakeCuda:
             TypeError: ``future`` is not a CudaFuture, or ``code`` not an int.
             ValueError: ``code`` is 0 (success) or 600 (``cudaErrorNotReady``,
                 which means pending).
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
         """
+        self._check_active("fail()")
         if isinstance(code, bool) or not isinstance(code, int):
             raise TypeError(f"code must be a CUDA error number (an int), not {code!r}")
         if code in (0, NOT_READY, FAILED):
@@ -515,7 +611,12 @@ class FakeCuda:
 
     def complete_all(self) -> None:
         """Complete every event recorded so far (events recorded later are
-        pending, unless :attr:`auto_complete` is on)."""
+        pending, unless :attr:`auto_complete` is on).
+
+        Raises:
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
+        """
+        self._check_active("complete_all()")
         self._backend.complete_all()
 
     def stream(self, device: int = 0, *, priority: str = "normal") -> FakeStream:
@@ -526,9 +627,18 @@ class FakeCuda:
         Raises:
             TypeError, ValueError: ``device`` is not a device of the fake;
                 ``priority`` not ``"normal"`` or ``"high"``.
+            RuntimeError: the fake has ended (its ``fake_cuda()`` block is over).
         """
+        self._check_active("stream()")
         dev = _cuda.check_device(device)
         return self._backend.new_stream(dev, _pools.check_priority(priority))
+
+    def _check_active(self, call: str) -> None:
+        if not self._backend.active:
+            raise RuntimeError(
+                f"{call}: this fake GPU has ended {_ENDED_WHEN}, and every event it "
+                "recorded completed then. Call it inside the block (or the test)"
+            )
 
     def _act(self, futures: tuple[Any, ...], act: Callable[[list[_Event]], None]) -> None:
         backend = self._backend
@@ -546,8 +656,16 @@ class FakeCuda:
         return f"<FakeCuda devices={self.devices} pending={self.pending}{mode}>"
 
 
+def _hint_after(value: object) -> float:
+    if value is None:
+        return math.inf
+    return _checks.timeout_seconds(value, "hint_after_s")
+
+
 @contextlib.contextmanager
-def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[FakeCuda]:
+def fake_cuda(
+    *, devices: int = 1, auto_complete: bool = False, hint_after_s: float | None = 5.0
+) -> Iterator[FakeCuda]:
     """Run the block with a fake GPU in place of CUDA; yield its :class:`FakeCuda`.
 
     For the whole process (every thread) until the block ends; not
@@ -562,10 +680,17 @@ def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[Fake
         devices: how many devices the fake GPU has (device 0 is current).
         auto_complete: events complete as they are recorded (see
             :attr:`FakeCuda.auto_complete`).
+        hint_after_s: a wait (``await``, ``result()``, ...) that finds the
+            same event still pending this many seconds after it first did
+            logs a warning, once per fake, on the ``cudafut`` logger: it
+            names ``auto_complete=True`` and :meth:`FakeCuda.complete_all`,
+            which a test that hangs on the fake most likely lacks. Only a
+            log: no test fails or waits less for it. ``None``: never.
 
     Raises:
         RuntimeError: a fake is installed already.
-        TypeError, ValueError: ``devices`` is not an int from 1 to 64.
+        TypeError, ValueError: ``devices`` is not an int from 1 to 64;
+            ``hint_after_s`` is not a non-negative number of seconds or None.
     """
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise TypeError(f"devices must be an int, not {devices!r}")
@@ -573,7 +698,7 @@ def fake_cuda(*, devices: int = 1, auto_complete: bool = False) -> Iterator[Fake
         raise ValueError(f"devices must be from 1 to 64, not {devices}")
     if not isinstance(auto_complete, bool):
         raise TypeError(f"auto_complete must be True or False, not {auto_complete!r}")
-    backend = _Backend(devices, auto_complete)
+    backend = _Backend(devices, auto_complete, _hint_after(hint_after_s))
     restore = _cuda.swap(backend)
     backend.pool = _pools.events
     try:

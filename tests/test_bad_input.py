@@ -651,3 +651,15 @@ def test_every_public_call_is_tried() -> None:
     functions = {n for n in ALSO_DOCUMENTED if "." not in n}
     assert functions <= set(names), functions - set(names)
     assert sys.modules["cudafut"] is cudafut
+
+
+# -- misuse that names its cause (issue 34) ---------------------------------------------
+
+
+def test_record_of_a_numpy_array_says_it_got_a_host_array() -> None:
+    # Without the fake, GPU or not: a NumPy array is on no GPU.
+    with pytest.raises(ValueError, match=r"got a host array \(numpy\.ndarray\).*cudafut\.to_device") as info:
+        cudafut.record(np.ones(2))
+    assert "cudafut.testing" in str(info.value)
+    with pytest.raises(ValueError, match="on no GPU"):
+        cudafut.record([1, 2])  # not an array: as before

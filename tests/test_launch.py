@@ -4,6 +4,8 @@ tests/test_gpu_serve.py."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from typing import Any
 
@@ -79,3 +81,34 @@ def test_a_launch_cancelled_while_fn_runs_keeps_its_arguments_until_its_stream_p
             break
         threading.Event().wait(0.01)
     assert held and held[0] == ((arg,), {})
+
+
+def test_a_coroutine_function_is_refused_before_anything_is_enqueued(fake_cuda: testing.FakeCuda) -> None:
+    async def model(x: int) -> int:
+        return x
+
+    for fn in (model, functools.partial(model, 1)):
+        with pytest.raises(TypeError, match=r"coroutine function \(async def\).*plain function"):
+            cudafut.launch(fn, 1)
+    assert fake_cuda.pending == 0  # not even the caller's event was recorded
+
+
+def test_an_awaitable_returned_fails_the_future_and_the_coroutine_is_closed(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    fake_cuda.auto_complete = True
+
+    async def model() -> int:
+        return 1
+
+    made: list[Any] = []
+
+    def returns_a_coroutine() -> Any:
+        made.append(model())
+        return made[-1]
+
+    with pytest.raises(TypeError, match=r"returned an awaitable \(coroutine\).*plain function"):
+        cudafut.launch(returns_a_coroutine).result(timeout=10)
+    # Closed unrun: Python will not warn that it was never awaited.
+    assert inspect.getcoroutinestate(made[0]) == inspect.CORO_CLOSED
+    assert cudafut.launch(np.arange, 2).result(timeout=10).tolist() == [0, 1]  # the launcher lives on

@@ -124,6 +124,24 @@ def test_no_gpu_json_says_why() -> None:
     assert doc["selfcheck"]["problem"] == doc["error"]["reason"]
 
 
+def test_no_gpu_points_to_the_fake_gpu() -> None:
+    # The last fix, whatever is missing (no device here; no CuPy), once.
+    for proc in (run_python(MAIN, CUDA_VISIBLE_DEVICES=""), run_python(NO_CUPY)):
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.rstrip().endswith("- or test without a GPU: cudafut.testing (docs/testing.md)")
+        assert proc.stderr.count("cudafut.testing") == 1, proc.stderr
+    # And the error a call raises says it too.
+    proc = run_python(
+        "import cudafut\n"
+        "try:\n"
+        "    cudafut.CudaFuture(devices=0)\n"
+        "except cudafut.CudaUnavailableError as exc:\n"
+        "    print(exc)",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    assert proc.stdout.rstrip().endswith("; or test without a GPU: cudafut.testing (docs/testing.md)"), proc
+
+
 def test_no_cupy_names_the_extra() -> None:
     proc = run_python(NO_CUPY)
     assert proc.returncode == 1

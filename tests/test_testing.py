@@ -3,8 +3,12 @@ runs it (no CUDA, no CuPy needed), on every async backend."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import logging
 import threading
+import warnings
 from typing import Any
 
 import anyio
@@ -184,6 +188,71 @@ def test_calls_that_need_cupy_say_so(fake_cuda: testing.FakeCuda) -> None:
         cudafut.empty_pinned((4,), np.float32)
 
 
+def test_what_the_fake_does_with_task_streams_tracked_and_record_stream(fake_cuda: testing.FakeCuda) -> None:
+    # As docs/testing.md and cudafut.testing's docstring say.
+    fake_cuda.auto_complete = True
+
+    async def task() -> tuple[Any, Any]:
+        stream = cudafut.task_stream()
+        assert cudafut.task_stream() is stream  # the task's own, for its life
+        return stream, await cudafut.record(np.ones(2), stream=stream)
+
+    stream, value = asyncio.run(task())
+    assert isinstance(stream, testing.FakeStream) and value.tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match=r"GPU array.*fake GPU.*Tracked is not faked.*on a GPU"):
+        cudafut.Tracked(np.ones(2))
+    with pytest.raises(TypeError, match=r"GPU array.*fake GPU.*record_stream\(\) is not faked.*on a GPU"):
+        cudafut.record_stream(np.ones(2), fake_cuda.stream())
+    with pytest.raises(cudafut.CudaUnavailableError, match=r"@own_stream") as info:
+        cudafut.empty_pinned((2,), np.float32)
+    assert "Tracked" not in str(info.value)  # a TypeError, said above
+
+
+def test_own_stream_says_it_is_not_faked_and_leaves_no_coroutine_unawaited(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    async def inner() -> int:
+        return 1
+
+    decorated = cudafut.own_stream(inner)
+    error = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            asyncio.run(decorated())
+        except cudafut.CudaUnavailableError as exc:
+            error = str(exc)
+        gc.collect()  # what is left of the run: a coroutine never closed would warn now
+    assert "cudafut.testing" in error
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_cupy_in_a_callback_says_the_fake_hands_it_numpy(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+
+    def like_cupy(v: np.ndarray[Any, Any]) -> Any:  # CuPy's own words
+        raise TypeError(
+            "Argument 'a' has incorrect type (expected cupy._core.core._ndarray_base, got numpy.ndarray)"
+        )
+
+    for fut in (
+        cudafut.record(np.ones(2)).then(like_cupy),
+        cudafut.submit(like_cupy, np.ones(2)),
+        cudafut.launch(like_cupy, np.ones(2)),
+    ):
+        with pytest.raises(
+            TypeError, match=r"fake GPU, values are NumPy arrays.*CuPy's functions cannot"
+        ) as info:
+            fut.result(timeout=10)
+        assert "expected cupy._core.core._ndarray_base" in str(info.value.__cause__)
+
+    def other(v: np.ndarray[Any, Any]) -> Any:
+        raise TypeError("not about CuPy")
+
+    with pytest.raises(TypeError, match=r"^not about CuPy$"):  # other TypeErrors pass as they are
+        cudafut.record(np.ones(2)).then(other).result(timeout=10)
+
+
 def test_the_fake_is_removed_on_exit() -> None:
     real = (_cuda.current_device, _pools.events, _pools.streams)
     with testing.fake_cuda() as fake:
@@ -199,6 +268,71 @@ def test_the_fake_is_removed_on_exit() -> None:
     assert (_cuda.current_device, _pools.events, _pools.streams) == real
     assert left.done()  # what was queued completes as the fake leaves
     assert not any(t.is_alive() for t in fake_launchers)  # the fake's launchers ended
+
+
+def test_a_wait_on_work_left_pending_hints_at_auto_complete(caplog: pytest.LogCaptureFixture) -> None:
+    # A log, never a failure: the test waits until it shows, however slow the machine.
+    def hints() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "auto_complete = True" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="cudafut"), testing.fake_cuda(hint_after_s=0) as fake:
+        fut = cudafut.record(np.ones(2))
+        for _ in range(10_000):
+            with pytest.raises(cudafut.TimeoutError):
+                fut.result(timeout=0.001)
+            if hints():
+                break
+        assert "fake.complete_all()" in hints()[0]
+
+        async def waits() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cudafut.record(np.ones(2)), 0.01)
+
+        asyncio.run(waits())
+        assert len(hints()) == 1  # once per fake
+    with caplog.at_level(logging.WARNING, logger="cudafut"), testing.fake_cuda(hint_after_s=0) as fake:
+
+        async def await_until_hinted() -> None:
+            fut = cudafut.record(np.ones(2))
+            while len(hints()) < 2:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(fut.to_asyncio()), 0.001)
+
+        asyncio.run(await_until_hinted())
+        fake.hint_after_s = None
+        assert fake.hint_after_s is None
+    with testing.fake_cuda() as fake:
+        assert fake.hint_after_s == 5.0  # the fixture's too
+    with pytest.raises(ValueError, match="hint_after_s"), testing.fake_cuda(hint_after_s=-1):
+        pass
+
+
+def test_a_future_of_an_ended_fake_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    with testing.fake_cuda(auto_complete=True):
+        left = cudafut.record(np.ones(2))
+
+    # As on a machine without a GPU, whether or not this one has one.
+    def no_cuda(*args: object) -> Any:
+        raise cudafut.CudaUnavailableError("the NVIDIA driver is missing")
+
+    monkeypatch.setattr(_pools.streams, "get", no_cuda)
+    monkeypatch.setattr(_cuda, "current_stream", no_cuda)
+    with pytest.raises(cudafut.InvalidStateError, match=r"fake GPU, which has ended .*fake_cuda\(\)") as info:
+        left.then(lambda v: v).result(timeout=10)
+    assert isinstance(info.value.__cause__, cudafut.CudaUnavailableError)
+    with pytest.raises(cudafut.InvalidStateError, match=r"fake GPU, which has ended"):
+        left.wait(timeout=10)
+    assert left.result(timeout=10).tolist() == [1.0, 1.0]  # its value is still there
+
+
+def test_a_fake_that_ended_refuses_its_calls() -> None:
+    with testing.fake_cuda() as fake:
+        fut = cudafut.record(np.ones(2))
+    for call in (fake.complete_all, lambda: fake.complete(fut), lambda: fake.fail(fut), fake.stream):
+        with pytest.raises(
+            RuntimeError, match=r"this fake GPU has ended \(its `with cudafut\.testing\.fake_cuda"
+        ):
+            call()
 
 
 @pytest.mark.parametrize("devices", [0, 65, True, 1.0])

@@ -130,8 +130,11 @@ def _policy_facts() -> dict[str, Any]:
 def _fixes(cupy_facts: dict[str, Any], driver: str | None, driver_cuda: str | None) -> list[str]:
     if not cupy_facts["present"]:
         if "error" in cupy_facts:
-            return [f"CuPy is installed but fails to import; reinstall it: {_EXTRAS}"]
-        return [f"install CuPy with cudafut's extra: {_EXTRAS}; `nvidia-smi` shows the driver's CUDA version"]
+            return [f"CuPy is installed but fails to import; reinstall it: {_EXTRAS}", _cuda.NO_GPU_TESTING]
+        return [
+            f"install CuPy with cudafut's extra: {_EXTRAS}; `nvidia-smi` shows the driver's CUDA version",
+            _cuda.NO_GPU_TESTING,
+        ]
     fixes = []
     if driver is None and driver_cuda is None:
         fixes.append(
@@ -149,7 +152,7 @@ def _fixes(cupy_facts: dict[str, Any], driver: str | None, driver_cuda: str | No
         )
     if not fixes:
         fixes.append("check that `nvidia-smi` lists your GPU and that this process may use it")
-    return fixes
+    return [*fixes, _cuda.NO_GPU_TESTING]
 
 
 def _older(a: str, b: str) -> bool:
@@ -193,7 +196,7 @@ def gather() -> dict[str, Any]:
     try:
         count = _cuda.device_count()
     except CudaUnavailableError as exc:
-        check["problem"] = str(exc)
+        check["problem"] = str(exc).removesuffix(f"; {_cuda.NO_GPU_TESTING}")  # the last fix says it
         check["fix"] = _fixes(cupy_facts, driver, driver_cuda)
         return check
     except Exception as exc:  # noqa: BLE001 - a broken CuPy install: reported, not raised
