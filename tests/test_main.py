@@ -21,7 +21,7 @@ import cudafut
 from cudafut import _cli as cli
 from cudafut._cli import headline as _headline
 from cudafut._cli import selfcheck as _selfcheck
-from tests.subproc import run_python
+from tests.subproc import ROOT, run_python
 
 MAIN = "import sys; from cudafut._cli import main; sys.exit(main(sys.argv[1:]))"
 NO_CUPY = "import sys; sys.modules['cupy'] = None; " + MAIN  # as if CuPy were not installed
@@ -109,6 +109,9 @@ def test_no_gpu_says_what_is_missing() -> None:
     assert "To fix it:" in proc.stderr
     assert "CUDA_VISIBLE_DEVICES" in proc.stderr  # set to '': the fix says so
     assert "CuPy" in proc.stdout and "wait policy" in proc.stdout  # the self-check ran
+    # What it needs, and what works without it.
+    assert "python -m cudafut needs an NVIDIA GPU" in proc.stderr
+    assert "pytest" in proc.stderr and "cudafut.testing" in proc.stderr and "docs/testing.md" in proc.stderr
 
 
 def test_no_gpu_json_says_why() -> None:
@@ -363,3 +366,32 @@ def test_check_only(measured: list[bool], capsys: pytest.CaptureFixture[str]) ->
     doc = json.loads(capsys.readouterr().out)
     assert doc["results"] is None and doc["selfcheck"]["usable"] is True
     assert measured == []
+
+
+# -- README's set-up block --------------------------------------------------------------
+
+
+def _set_up_commands() -> list[tuple[str, str]]:
+    """README.md's first ``sh`` block under "Set up": (command, its comment)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Set up", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    commands: list[tuple[str, str]] = []
+    for line in block.splitlines():
+        command, _, comment = line.partition("#")
+        if command.strip():
+            commands.append((command.strip(), comment.strip()))
+        elif comment.strip() and commands:  # a comment continued on the next line
+            commands[-1] = (commands[-1][0], f"{commands[-1][1]} {comment.strip()}")
+    return commands
+
+
+def test_the_set_up_block_runs_under_set_e_without_a_gpu() -> None:
+    """CI runs README's install and test commands as written (.ci/run, under
+    ``set -e``); ``python -m cudafut`` exits 1 without a GPU, so it comes
+    after them and its comment says what it needs and what it does without."""
+    commands = _set_up_commands()
+    names = [command for command, _ in commands]
+    assert names[:2] == ['pip install -e ".[cuda12,test]"', "pytest"], names
+    assert names[-1] == "python -m cudafut", names
+    comment = commands[-1][1]
+    assert "needs an NVIDIA GPU" in comment and "status 1" in comment, comment

@@ -263,6 +263,13 @@ def lines(check: dict[str, Any]) -> list[str]:
     return out
 
 
+#: What works without a GPU: the lines after the fixes, where a command needs one.
+WITHOUT_A_GPU = [
+    "Without a GPU, `import cudafut` works, pytest runs the test suite (the GPU tests skip), "
+    "and cudafut.testing fakes a GPU for your own tests (docs/testing.md).",
+]
+
+
 def failure_lines(problem: str, fix: list[str]) -> list[str]:
     """What ``python -m cudafut`` prints when no GPU is usable: the reason,
     then what to do."""
