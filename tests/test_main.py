@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -182,19 +183,26 @@ def test_import_loads_no_optional_package() -> None:
 # -- bench -----------------------------------------------------------------------------
 
 
-def test_bench_dispatches_to_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[list[str]] = []
+def test_bench_runs_the_suite_in_a_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m cudafut bench ARGS`` runs ``python -m benchmarks ARGS`` of
+    the checkout (first on PYTHONPATH, in the caller's folder) and exits
+    with its status; the package never imports benchmarks/."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
 
-    def suite_main(argv: list[str]) -> int:
-        seen.append(argv)
-        return 7
+    class Child:
+        def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+            seen.append((cmd, env))
 
-    suite = types.ModuleType("benchmarks.support.suite")
-    suite.main = suite_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "benchmarks.support.suite", suite)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+        def wait(self) -> int:
+            return 7
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    monkeypatch.delitem(sys.modules, "benchmarks", raising=False)
     assert cli.main(["bench", "--quick", "--only", "wake"]) == 7
-    assert seen == [["--quick", "--only", "wake"]]
+    [(cmd, env)] = seen
+    assert cmd == [sys.executable, "-m", "benchmarks", "--quick", "--only", "wake"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    assert "benchmarks" not in sys.modules
 
 
 def test_python_dash_m_runs_the_command_line() -> None:
