@@ -34,6 +34,7 @@ import cudafut
 from cudafut import _loops, _pools, _waiter
 
 from .support.gpu import environment, quantiles, work
+from .support.interrupt import ctrl_c_during_result
 
 
 def resources() -> dict[str, float]:
@@ -259,8 +260,6 @@ def load_run(seconds: float, clients: int = 64) -> dict[str, Any]:
 
 
 def ctrl_c_runs(trials: int = 5) -> dict[str, Any]:
-    from tests.test_gpu_reliability import ctrl_c_during_result
-
     latencies = [ctrl_c_during_result()[0] for _ in range(trials)]
     return {"trials": trials, "latency_ms": [x * 1e3 for x in latencies], "max_ms": max(latencies) * 1e3}
 

@@ -48,14 +48,18 @@ def _check_one_async_runner(items: list[pytest.Item]) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _check_one_async_runner(items)
-    if GPU_MISSING is None:
-        return
-    if os.environ.get("CUDAFUT_REQUIRE_GPU"):
+    if GPU_MISSING is not None and os.environ.get("CUDAFUT_REQUIRE_GPU"):
         pytest.exit(f"CUDAFUT_REQUIRE_GPU is set but {GPU_MISSING}", returncode=3)
-    skip = pytest.mark.skip(reason=GPU_MISSING)
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Without a usable GPU, every test marked ``gpu`` skips, before its
+    fixtures, from this one line: ``pytest -ra`` then reports them all in
+    one line with the reason (a skip marker would report each test's own
+    location, one line per test)."""
+    if GPU_MISSING is not None and "gpu" in item.keywords:
+        pytest.skip(GPU_MISSING)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,3 +110,76 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# -- a missing dependency: one line that says what to install, at once ---------------------
+
+_BLOCKER = """
+import os, sys
+
+
+class _Blocker:
+    # Makes the modules named in CUDAFUT_TEST_BLOCK unimportable, as if not installed.
+    names = set(os.environ.get("CUDAFUT_TEST_BLOCK", "").split(","))
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Blocker())
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "missing", "install"),
+    [
+        ("load.py", ["--port", "PORT", "--seconds", "0.5", "--procs", "2"], "aiohttp", "cudafut[service]"),
+        ("server.py", ["--mode", "nogpu", "--reference", "ref.npy"], "aiohttp", "cudafut[service]"),
+        ("compare.py", ["--quick"], "aiohttp", "cudafut[service]"),
+        ("litserve_server.py", ["--port", "PORT"], "litserve", "pip install litserve"),
+    ],
+)
+def test_a_missing_dependency_is_named_at_once(
+    script: str, args: list[str], missing: str, install: str, tmp_path: Path
+) -> None:
+    """Each script, its dependency made unimportable (in the processes it
+    spawns too: a sitecustomize on PYTHONPATH): a non-zero exit within
+    seconds, one line on stderr saying what to install, no traceback."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCKER)
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "CUDAFUT_TEST_BLOCK": missing}
+    port = str(_free_port())  # nothing listens there
+    cmd = [sys.executable, str(SERVICE / script), *(port if a == "PORT" else a for a in args)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} without {missing} still ran after {exc.timeout} s")
+    took = time.monotonic() - t0
+    assert proc.returncode not in (0, None), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert missing in lines[0].lower() and install in lines[0], lines[0]
+    assert took < 15, took
+
+
+def test_the_load_generator_stops_when_a_load_process_dies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load process that died (an exception, a kill) ends the wait for
+    results at once, with a line, instead of after the two-minute limit."""
+    monkeypatch.setitem(sys.modules, "aiohttp", types.ModuleType("aiohttp"))  # load.py imports it
+    load = load_example(SERVICE / "load.py")
+    out: queue.Queue[Any] = queue.Queue()
+    alive, dead = types.SimpleNamespace(exitcode=None), types.SimpleNamespace(exitcode=1)
+    out.put({"latencies": []})
+    assert load._collect(out, 1, [alive, alive], 60) == [{"latencies": []}]
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match=r"1 load process\(es\) failed \(exit status 1\)"):
+        load._collect(out, 1, [alive, dead], 60)
+    with pytest.raises(SystemExit, match="no result from the load processes in 0 s"):
+        load._collect(out, 1, [alive, alive], 0.1)
+    assert time.monotonic() - t0 < 5

@@ -8,10 +8,6 @@ import gc
 import logging
 import math
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -22,11 +18,12 @@ import numpy as np
 import pytest
 
 import cudafut
+from benchmarks.support.interrupt import ctrl_c_during_result
 from cudafut import _cuda, _loops, _waiter
 from cudafut._future import _State
 from tests.kernels import Gate, gated_fill, spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
-from tests.subproc import ROOT, run_python
+from tests.subproc import run_python
 
 pytestmark = pytest.mark.gpu
 
@@ -346,49 +343,6 @@ def test_fork_child_gets_a_clear_error_and_the_parent_goes_on() -> None:
         "then CudaUnavailableError True",
         "parent 2.0",
     ], proc.stdout + proc.stderr
-
-
-CTRL_C = """
-import sys, time
-import cudafut
-from cudafut import _cuda
-from tests.kernels import spin_fill
-cp = _cuda.cupy()
-s = cp.cuda.Stream(non_blocking=True)
-x = cp.zeros(4, dtype=cp.float32)
-with s:
-    spin_fill(x, 1, 20_000)          # 20 s of GPU work
-    fut = cudafut.record(x)
-print("waiting", flush=True)
-try:
-    fut.result()
-except KeyboardInterrupt:
-    print("interrupted", time.monotonic(), fut.done(), flush=True)
-import os
-os._exit(0)                          # do not wait for the kernel at exit
-"""
-
-
-def ctrl_c_during_result() -> tuple[float, str]:
-    """Run CTRL_C, send SIGINT during result(); (latency in s, its output)."""
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(CTRL_C)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": path},
-    )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "waiting"
-    time.sleep(0.5)  # well inside result()
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    words = out.split()
-    assert words[:1] == ["interrupted"], out + err
-    return float(words[1]) - sent, out
 
 
 def test_ctrl_c_interrupts_result_while_the_gpu_works() -> None:

@@ -99,3 +99,55 @@ def test_the_tracer_never_imports_the_future() -> None:
     for name, path in modules.items():
         if name.startswith("cudafut._trace"):
             assert "cudafut._future" not in _imports(name, path, modules), name
+
+
+# -- the source tree: tests -> benchmarks -> cudafut, never back ------------------------
+
+
+def _reaches(path: Path) -> set[str]:
+    """The top-level names ``path`` imports, wherever (``import_module("x.y")``
+    and Python code in strings run by child processes included), and
+    ``"sys.path"`` if it changes the import path."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value.split(".")[0])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "import " in node.value:
+            for line in node.value.splitlines():
+                words = line.split()
+                if len(words) >= 2 and words[0] in ("import", "from"):
+                    found.add(words[1].split(".")[0])
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
+            found.add("sys.path")
+    return found
+
+
+def test_the_package_never_reaches_into_the_checkout() -> None:
+    # `python -m cudafut bench` runs benchmarks/ in a child process instead.
+    for path in sorted(PACKAGE.rglob("*.py")):
+        bad = _reaches(path) & {"benchmarks", "tests", "examples", "sys.path"}
+        assert not bad, f"{path.relative_to(ROOT)} reaches {sorted(bad)} (cudafut is below them)"
+
+
+def test_the_benchmarks_never_import_the_tests() -> None:
+    # The tests may use benchmarks/support (the figures check, the Ctrl-C
+    # child); what both need lives there.
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        assert "tests" not in _reaches(path), f"{path.relative_to(ROOT)} imports from tests/"

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import cudafut
 from cudafut import _cli as cli
 from cudafut._cli import headline as _headline
 from cudafut._cli import selfcheck as _selfcheck
-from tests.subproc import run_python
+from tests.subproc import ROOT, run_python
 
 MAIN = "import sys; from cudafut._cli import main; sys.exit(main(sys.argv[1:]))"
 NO_CUPY = "import sys; sys.modules['cupy'] = None; " + MAIN  # as if CuPy were not installed
@@ -109,6 +110,9 @@ def test_no_gpu_says_what_is_missing() -> None:
     assert "To fix it:" in proc.stderr
     assert "CUDA_VISIBLE_DEVICES" in proc.stderr  # set to '': the fix says so
     assert "CuPy" in proc.stdout and "wait policy" in proc.stdout  # the self-check ran
+    # What it needs, and what works without it.
+    assert "python -m cudafut needs an NVIDIA GPU" in proc.stderr
+    assert "pytest" in proc.stderr and "cudafut.testing" in proc.stderr and "docs/testing.md" in proc.stderr
 
 
 def test_no_gpu_json_says_why() -> None:
@@ -197,19 +201,26 @@ def test_import_loads_no_optional_package() -> None:
 # -- bench -----------------------------------------------------------------------------
 
 
-def test_bench_dispatches_to_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[list[str]] = []
+def test_bench_runs_the_suite_in_a_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m cudafut bench ARGS`` runs ``python -m benchmarks ARGS`` of
+    the checkout (first on PYTHONPATH, in the caller's folder) and exits
+    with its status; the package never imports benchmarks/."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
 
-    def suite_main(argv: list[str]) -> int:
-        seen.append(argv)
-        return 7
+    class Child:
+        def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+            seen.append((cmd, env))
 
-    suite = types.ModuleType("benchmarks.support.suite")
-    suite.main = suite_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "benchmarks.support.suite", suite)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+        def wait(self) -> int:
+            return 7
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    monkeypatch.delitem(sys.modules, "benchmarks", raising=False)
     assert cli.main(["bench", "--quick", "--only", "wake"]) == 7
-    assert seen == [["--quick", "--only", "wake"]]
+    [(cmd, env)] = seen
+    assert cmd == [sys.executable, "-m", "benchmarks", "--quick", "--only", "wake"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    assert "benchmarks" not in sys.modules
 
 
 def test_python_dash_m_runs_the_command_line() -> None:
@@ -381,3 +392,32 @@ def test_check_only(measured: list[bool], capsys: pytest.CaptureFixture[str]) ->
     doc = json.loads(capsys.readouterr().out)
     assert doc["results"] is None and doc["selfcheck"]["usable"] is True
     assert measured == []
+
+
+# -- README's set-up block --------------------------------------------------------------
+
+
+def _set_up_commands() -> list[tuple[str, str]]:
+    """README.md's first ``sh`` block under "Set up": (command, its comment)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Set up", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    commands: list[tuple[str, str]] = []
+    for line in block.splitlines():
+        command, _, comment = line.partition("#")
+        if command.strip():
+            commands.append((command.strip(), comment.strip()))
+        elif comment.strip() and commands:  # a comment continued on the next line
+            commands[-1] = (commands[-1][0], f"{commands[-1][1]} {comment.strip()}")
+    return commands
+
+
+def test_the_set_up_block_runs_under_set_e_without_a_gpu() -> None:
+    """CI runs README's install and test commands as written (.ci/run, under
+    ``set -e``); ``python -m cudafut`` exits 1 without a GPU, so it comes
+    after them and its comment says what it needs and what it does without."""
+    commands = _set_up_commands()
+    names = [command for command, _ in commands]
+    assert names[:2] == ['pip install -e ".[cuda12,test]"', "pytest"], names
+    assert names[-1] == "python -m cudafut", names
+    comment = commands[-1][1]
+    assert "needs an NVIDIA GPU" in comment and "status 1" in comment, comment

@@ -65,6 +65,12 @@ python -m cudafut bench [--help | options]
 """
 
 
+_NEEDS = (
+    "python -m cudafut needs an NVIDIA GPU (with its driver, and CuPy built for the driver's CUDA): "
+    "it checks the GPU, then measures cudafut on it."
+)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m cudafut`` (``bench`` aside)."""
     p = argparse.ArgumentParser(
@@ -173,7 +179,8 @@ def _fail(doc: dict[str, Any], as_json: bool, reason: str, fix: list[str]) -> in
     else:
         from . import selfcheck
 
-        print("\n" + "\n".join(selfcheck.failure_lines(reason, fix)), file=sys.stderr)
+        lines = [_NEEDS, *selfcheck.failure_lines(reason, fix), *selfcheck.WITHOUT_A_GPU]
+        print("\n" + "\n".join(lines), file=sys.stderr)
     return 1
 
 

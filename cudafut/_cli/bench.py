@@ -1,9 +1,15 @@
 """``python -m cudafut bench``: the front door of the benchmark suite, which
-lives in benchmarks/ of a source checkout, not in the package."""
+lives in benchmarks/ of a source checkout, not in the package.
+
+It runs ``python -m benchmarks`` of that checkout in a child process (same
+interpreter, same working directory, the checkout first on ``PYTHONPATH``)
+and exits with its status: the package never imports the suite, which
+imports the package."""
 
 from __future__ import annotations
 
-import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,18 +30,25 @@ To run it, run from a source checkout:
 """
 
 
+def command(root: Path, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The suite's command line and environment, for the checkout at ``root``."""
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return [sys.executable, "-m", "benchmarks", *argv], {**os.environ, "PYTHONPATH": path}
+
+
 def bench(argv: list[str]) -> int:
-    """``python -m cudafut bench``: the suite of a source checkout (a
-    message and status 2 without one; the self-check's message and status
-    1 without a usable GPU, ``--help`` aside)."""
+    """``python -m cudafut bench``: the suite of a source checkout, in a
+    child process, and its exit status (a message and status 2 without a
+    checkout; the self-check's message and status 1 without a usable GPU,
+    ``--help`` aside)."""
     package = Path(__file__).resolve().parent.parent
     root = package.parent
-    if not (root / "benchmarks" / "support" / "suite.py").is_file():
+    if not (root / "benchmarks" / "__main__.py").is_file():
         print(_NO_CHECKOUT.format(where=package), file=sys.stderr, end="")
         return 2
-    sys.path.insert(0, str(root))
-    suite = importlib.import_module("benchmarks.support.suite")  # not a part of the package
+    cmd, env = command(root, argv)
+    proc = subprocess.Popen(cmd, env=env)
     try:
-        return int(suite.main(argv))
-    except SystemExit as exc:  # argparse (--help, bad options) and require_gpu()
-        return exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+        return proc.wait()
+    except KeyboardInterrupt:  # the child got the Ctrl-C too: let it write what it measured
+        return proc.wait()

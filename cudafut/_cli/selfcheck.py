@@ -7,8 +7,9 @@ CuPy, nvtx), whether event-loop waiters can sleep on a timerfd, and the wait
 policy in force; and, when CUDA cannot be used, why and how to fix it.
 
 Nothing here is imported by ``import cudafut``; the benchmarks reuse
-:func:`nvidia_driver_version` for their metadata, and the examples and
-``python -m cudafut bench`` start with :func:`require_gpu`.
+:func:`nvidia_driver_version` for their metadata, and the examples and the
+benchmark suite (``python -m benchmarks``, which ``python -m cudafut bench``
+runs in a child process) start with :func:`require_gpu`.
 """
 
 from __future__ import annotations
@@ -264,6 +265,13 @@ def lines(check: dict[str, Any]) -> list[str]:
     pol = check["policy"]
     row("wait policy", (f"{pol['name']}: " if pol["name"] else "custom: ") + pol["repr"])
     return out
+
+
+#: What works without a GPU: the lines after the fixes, where a command needs one.
+WITHOUT_A_GPU = [
+    "Without a GPU, `import cudafut` works, pytest runs the test suite (the GPU tests skip), "
+    "and cudafut.testing fakes a GPU for your own tests (docs/testing.md).",
+]
 
 
 def failure_lines(problem: str, fix: list[str]) -> list[str]:

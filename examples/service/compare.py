@@ -13,8 +13,9 @@ the figures; run it alone with::
 
     python examples/service/compare.py --models resnet50 --seconds 5 [--open] [--quick]
 
-Needs a GPU, torchvision and aiohttp; LitServe where installed (its row is
-skipped otherwise).
+Needs a GPU, torchvision and the ``service`` extra (``pip install -e
+'.[service]'``: aiohttp, psutil, uvloop); LitServe where installed
+(``pip install litserve``; its row is skipped otherwise).
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models, load: next to this file
 
+from models import MODELS, missing, reference
+
+try:  # before load.py, which would say the same of itself
+    import aiohttp  # noqa: F401 - load.py's clients
+    import psutil  # noqa: F401 - the server's CPU time
+except ImportError as exc:  # one line that says what to install, not a traceback
+    sys.exit(missing("compare.py", exc.name or "aiohttp", exc))
+
 from load import run_load
-from models import MODELS, reference
 
 HERE = Path(__file__).resolve().parent
 

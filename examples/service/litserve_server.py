@@ -17,8 +17,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-import litserve as ls
-from models import MODELS, Served
+from models import MODELS, Served, missing
+
+try:
+    import litserve as ls
+except ImportError as exc:  # one line that says what to install, not a traceback
+    # LitServe is the peer compare.py measures cudafut against: no cudafut extra installs it.
+    sys.exit(missing("litserve_server.py", "LitServe", exc, "pip install litserve"))
 
 
 class VisionAPI(ls.LitAPI):  # type: ignore[misc]

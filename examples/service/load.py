@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import queue
 import random
 import sys
 import time
@@ -31,7 +32,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import IMAGES, check, tolerance
+from models import IMAGES, check, missing, tolerance
+
+try:  # here, not only in the load processes: they would fail one by one, and slowly
+    import aiohttp
+except ImportError as exc:  # one line that says what to install, not a traceback
+    sys.exit(missing(Path(sys.argv[0]).name or "load.py", "aiohttp", exc))  # compare.py imports this
 
 
 def quantiles_ms(samples: list[float]) -> dict[str, float | None]:
@@ -59,8 +65,6 @@ async def _clients(
     ``rate`` per second (``clients == 0``), from ``start`` (``time.time()``)
     for ``warmup + seconds``; latencies of the requests sent and answered in
     the last ``seconds``."""
-    import aiohttp
-
     ref = np.load(reference) if reference else None
     tol = tolerance(ref) if ref is not None else 0.0
     rng = random.Random(seed)
@@ -120,8 +124,6 @@ async def _clients(
 
 
 async def _health(url: str, period: float, start: float, seconds: float) -> list[float]:
-    import aiohttp
-
     samples: list[float] = []
     async with aiohttp.ClientSession() as session:
         await asyncio.sleep(max(0.0, start - time.time()))
@@ -149,6 +151,23 @@ def _run_clients(args: tuple[Any, ...], out: Any) -> None:
 
 def _run_health(args: tuple[Any, ...], out: Any) -> None:
     out.put(asyncio.run(_health(*args)))
+
+
+def _collect(out: Any, n: int, procs: list[Any], limit: float) -> list[Any]:
+    """``n`` results from the queue ``out``; exits with a line as soon as one
+    of ``procs`` has died (its traceback is above), not after ``limit`` s."""
+    got: list[Any] = []
+    deadline = time.monotonic() + limit
+    while len(got) < n:
+        try:
+            got.append(out.get(timeout=0.2))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                sys.exit(f"load.py: {len(dead)} load process(es) failed (exit status {dead[0]})")
+            if time.monotonic() > deadline:
+                sys.exit(f"load.py: no result from the load processes in {limit:.0f} s")
+    return got
 
 
 def run_load(
@@ -184,12 +203,18 @@ def run_load(
         jobs.append(ctx.Process(target=_run_clients, args=(job_args, out)))
     health_out = ctx.Queue()
     health = ctx.Process(target=_run_health, args=((url, health_ms / 1e3, window_start, seconds), health_out))
-    for job in [*jobs, health]:
+    everyone = [*jobs, health]
+    for job in everyone:
         job.start()
-    results = [out.get(timeout=warmup + seconds + 120) for _ in jobs]
-    probes = health_out.get(timeout=warmup + seconds + 120)
-    for job in [*jobs, health]:
-        job.join(timeout=30)
+    try:
+        limit = max(0.0, start - time.time()) + warmup + seconds + 120
+        results = _collect(out, len(jobs), everyone, limit)
+        probes = _collect(health_out, 1, everyone, limit)[0]
+    finally:
+        for job in everyone:
+            job.join(timeout=30)
+            if job.is_alive():
+                job.terminate()
     latencies = [lat for r in results for lat in r["latencies"]]
     return {
         "mode": "closed" if clients else "open",

@@ -18,6 +18,9 @@ bucket of ``BUCKETS``.
 :func:`reference` computes every image's logits eagerly, one image at a
 time, and :func:`check` compares an answer with them; the load generator
 checks every answer it gets.
+
+:func:`missing` is the one line each script of this folder exits with when
+a package it needs is not installed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import numpy as np
 
 import cudafut
 
+#: What installs the service example's packages (pyproject.toml's `service` extra).
+SERVICE_EXTRA = "pip install 'cudafut[service]', or pip install -e '.[service]' in a checkout"
+
 MODELS = ("resnet50", "vit_b_16")
 IMAGES = 256
 SIZE = 224
@@ -38,6 +44,14 @@ SEED = 20261125
 # ImageNet's normalisation, as torchvision's transforms apply it.
 _MEAN = (0.485, 0.456, 0.406)
 _STD = (0.229, 0.224, 0.225)
+
+
+def missing(script: str, what: str, exc: ImportError, install: str = SERVICE_EXTRA) -> str:
+    """The one line ``script`` exits with (``sys.exit(missing(...))``: status 1,
+    no traceback) when importing ``what`` failed with ``exc``."""
+    name = getattr(exc, "name", None) or what
+    why = "not installed" if name.split(".")[0] == what.split(".")[0].lower() else f"it needs {name}"
+    return f"{script} needs {what} ({why}): {install}"
 
 
 def image_bank(n: int = IMAGES) -> np.ndarray[Any, Any]:

@@ -21,7 +21,8 @@ answer:
   ``run_batch`` is ``answer`` (so it runs through ``launch``).
 - ``batch_graph``: the same with buckets, one captured graph per bucket.
 
-Run it (from the repository root, on a machine with a GPU and torchvision)::
+Run it (from the repository root, on a machine with a GPU and torchvision;
+``pip install -e '.[service]'`` installs aiohttp and the rest)::
 
     python examples/service/server.py --model resnet50 --mode batch_graph --port 8080
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,13 +43,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BUCKETS, IMAGES, MODELS, Served, top_of
+from models import BUCKETS, IMAGES, MODELS, Served, missing, top_of
 
 import cudafut
+
+try:
+    from aiohttp import web
+except ImportError as exc:  # one line that says what to install, not a traceback
+    sys.exit(missing("server.py", "aiohttp", exc))
 
 MODES = ("nogpu", "sync", "executor", "await", "launch", "launch_graph", "batch", "batch_graph")
 Compute = Callable[[int], Awaitable[list[float]]]
@@ -192,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     served = None
     if args.mode != "nogpu":
         require_gpu()
+        for module in ("torch", "torchvision"):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                how = "pip install torch torchvision, the build for your CUDA (https://pytorch.org)"
+                sys.exit(missing("server.py --mode " + args.mode, module, exc, how))
         served = Served(args.model, graphs=args.mode.endswith("graph"))
         served.answer([0])
     elif ref is None:
