@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import cudafut
-from cudafut import WaitPolicy
+from cudafut import WaitPolicy, _cuda
 
 from .support.common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure
 
@@ -44,9 +44,26 @@ EXECUTOR = "peer: run_in_executor(event.synchronize)"
 SLEEP0 = "peer: asyncio sleep(0) polling"
 #: The balanced policy without CUDA notices (WaitPolicy.notify): the waiter before them.
 BALANCED_TIMED = "cudafut await (balanced, timed polls)"
-STRATEGIES = (BALANCED, BALANCED_TIMED, LOW_CPU, LOW_LATENCY, THREAD, EXECUTOR, SLEEP0)
+#: The balanced policy with CUDA host-function notices instead of the native
+#: notice threads (cudafut._waker): the notices before them.
+BALANCED_HOSTFN = "cudafut await (balanced, host-function notices)"
+#: Notices alone: no spin around predicted ends (WaitPolicy.predict=False).
+NOTICES_ONLY = "cudafut await (notices, no predicted spin)"
+STRATEGIES = (
+    BALANCED,
+    BALANCED_HOSTFN,
+    NOTICES_ONLY,
+    BALANCED_TIMED,
+    LOW_CPU,
+    LOW_LATENCY,
+    THREAD,
+    EXECUTOR,
+    SLEEP0,
+)
 _PRESETS: dict[str, WaitPolicy | str] = {
     BALANCED: "balanced",
+    BALANCED_HOSTFN: "balanced",
+    NOTICES_ONLY: WaitPolicy(predict=False),
     BALANCED_TIMED: WaitPolicy(notify=False),
     LOW_CPU: "low_cpu",
     LOW_LATENCY: "low_latency",
@@ -195,9 +212,15 @@ def _strategy(name: str, gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) 
     if name in _PRESETS:
         preset = _PRESETS[name]
 
+        native = name != BALANCED_HOSTFN
+
         def run_cudafut(jobs: Jobs, streams: list[Any]) -> Any:
-            with policy(preset):
-                return _run_async(_await_cudafut(gpu), jobs, streams)
+            previous = _cuda.set_native_notices(native)
+            try:
+                with policy(preset):
+                    return _run_async(_await_cudafut(gpu), jobs, streams)
+            finally:
+                _cuda.set_native_notices(previous)
 
         return run_cudafut
     if name == THREAD:

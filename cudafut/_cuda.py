@@ -86,6 +86,7 @@ def _after_fork_in_child() -> None:
         table.clear()
     _notice_making.clear()
     _primary_contexts.clear()  # the child has no CUDA context (forked)
+    _notice_events.clear()
 
 
 def check_usable() -> None:
@@ -492,12 +493,13 @@ def call_on_streams(
 
 
 def event_create(device: int) -> int:
-    """A new event on ``device``, created with timing disabled (cheapest)
-    and blocking sync: a thread in ``cudaEventSynchronize`` on it (a native
-    notice thread, a copy thread) sleeps in the driver instead of spinning."""
+    """A new event on ``device``, created with timing disabled (cheapest).
+    Not blocking-sync: such events cost more to query and wait on, and
+    10,000 awaits with them stalled a loop for the GPU's whole busy time
+    (the notices' own events are blocking-sync: :func:`close_after`)."""
     rt = runtime()
     with on_device(device):
-        return int(rt.eventCreateWithFlags(rt.eventDisableTiming | rt.eventBlockingSync))
+        return int(rt.eventCreateWithFlags(rt.eventDisableTiming))
 
 
 def event_destroy(event: int) -> None:
@@ -559,13 +561,18 @@ _NOTICE_TRIES: Final = 4
 # it), loaded with cuLaunchHostFunc.
 _stream_calls: Any = None
 _notice_lock = threading.Lock()
+# cuEventCreate, loaded with cuLaunchHostFunc; the blocking-sync event of
+# each notice stream (for the native notice threads), never destroyed.
+_notice_event_create: Any = None
+_notice_events: dict[int, int] = {}
+_BLOCKING_SYNC_NO_TIMING: Final = 0x1 | 0x2  # CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING
 # cuLaunchHostFunc's refusals that queue nothing: the descriptor is still ours.
 # (Any other code may come from earlier work, with the function queued.)
 _REFUSED_BEFORE_QUEUEING: Final = frozenset({1, 3, 4, 201, 400, 800, 801})
 
 
 def _load_host_close() -> Any:
-    global _host_close, _stream_calls
+    global _host_close, _stream_calls, _notice_event_create
     with _notice_lock:
         if _host_close is None:
             try:
@@ -586,6 +593,8 @@ def _load_host_close() -> Any:
                     call.restype = ctypes.c_int
                     calls.append(call)
                 _stream_calls = tuple(calls)
+                _notice_event_create = libcuda.cuEventCreate
+                _notice_event_create.restype = ctypes.c_int
                 _host_close = (launch, close)
             except (OSError, AttributeError):
                 _host_close = False
@@ -612,13 +621,26 @@ def _new_stream_handle(device: int) -> int:
     rc = push(context)
     if rc:
         raise cuda_error(rc, device, driver=True)
+    event = ctypes.c_void_p()
     try:
         rc = create(ctypes.byref(stream), 1, 0)  # CU_STREAM_NON_BLOCKING, default priority
+        # The stream's own event for native notices, blocking-sync (a thread
+        # waiting on it sleeps in the driver); none: host functions serve.
+        if (
+            not rc
+            and _notice_event_create is not None
+            and _notice_event_create(ctypes.byref(event), _BLOCKING_SYNC_NO_TIMING)
+        ):
+            event.value = None
     finally:
         pop(ctypes.byref(ctypes.c_void_p()))
     if rc:
         raise cuda_error(rc, device, driver=True)
-    return int(stream.value or 0)
+    handle = int(stream.value or 0)
+    if event.value:
+        _notice_events[handle] = int(event.value)
+        _primary_contexts.setdefault(device, int(context.value or 0))
+    return handle
 
 
 def _make_notice_streams(device: int) -> None:
@@ -658,29 +680,22 @@ def _make_notice_streams(device: int) -> None:
         )
 
 
-#: What :func:`notice_stream` returns when a native notice thread
-#: (``cudafut._waker``) will deliver the notice: no stream is needed.
-NATIVE_NOTICE: Final = -1
-# At most this many native notice threads, each blocked on one stream's
-# oldest awaited event (one notice per stream per loop at a time).
+# At most this many native notice threads, each blocked on one notice
+# stream's event (one notice per stream per loop at a time).
 _NATIVE_NOTICE_THREADS: Final = 64
 # The compiled waker once started, False where it cannot be (not built,
 # CUDAFUT_PURE=1, no libcuda), None before the first notice; whether to
 # use it (set_native_notices: the benchmarks compare both kinds).
 _waker: Any = None
 _native_notices = True
+# Each device's primary context, retained with its notice streams.
 _primary_contexts: dict[int, int] = {}
 
 
-class NoticeBusyError(Exception):
-    """Every native notice thread is busy: poll this time (never escapes
-    the waiter)."""
-
-
 def set_native_notices(enabled: bool) -> bool:
-    """Use native notice threads where built (the default) or CUDA host
-    functions; returns the previous setting. For the benchmarks, which
-    compare the two in one run."""
+    """Deliver notices by native notice threads where they are built (the
+    default) or by CUDA host functions; returns the previous setting. For
+    the benchmarks and tests, which compare the two in one process."""
     global _native_notices
     previous, _native_notices = _native_notices, bool(enabled)
     return previous
@@ -699,25 +714,6 @@ def _load_waker() -> Any:
                 waker = False
     _waker = waker
     return waker
-
-
-def _primary_context(device: int) -> int:
-    """``device``'s primary context (the runtime's), retained once and never
-    released, for the native notice threads to make current."""
-    context = _primary_contexts.get(device)
-    if context is None:
-        if _stream_calls is None and _load_host_close() is False:
-            raise CudaUnavailableError("no libcuda.so.1 for native notices")
-        device_get, retain = _stream_calls[0], _stream_calls[1]
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        rc = device_get(ctypes.byref(dev), device)
-        if rc:
-            raise cuda_error(rc, device, driver=True)
-        rc = retain(ctypes.byref(ctx), dev)
-        if rc:
-            raise cuda_error(rc, device, driver=True)
-        context = _primary_contexts[device] = int(ctx.value or 0)
-    return context
 
 
 def notice_stream(device: int) -> int | None:
@@ -742,10 +738,6 @@ def notice_stream(device: int) -> int | None:
             forked child.
     """
     check_usable()
-    if _native_notices:
-        waker = _waker if _waker is not None else _load_waker()
-        if waker:
-            return NATIVE_NOTICE
     with _notice_lock:
         pool = _notice_pool.get(device)
         if pool is None:
@@ -795,27 +787,34 @@ def close_after(record: Any, fd: int, stream: int) -> None:
     CUDA runs no host function after a context error (hazard 2), so ``fd``
     may never be closed: callers keep a poll to fall back on.
 
-    With ``stream`` :data:`NATIVE_NOTICE`, a native notice thread
-    (``cudafut._waker``) blocks in ``cuEventSynchronize`` on the event
-    (blocking sync: it sleeps in the driver) and then closes ``fd``; it
-    returns after a context error too. Queueing it takes the GIL for a
-    list append (a thread is started, tens of µs, when none is idle).
+    Where the compiled waker is built (``cudafut._waker``, and not
+    ``CUDAFUT_PURE=1``), a native notice thread closes ``fd`` instead of a
+    host function: ``stream`` waits for the event and records its own
+    blocking-sync event, and the thread blocks in ``cuEventSynchronize`` on
+    that (sleeping in the driver, no GIL), then closes ``fd``. Unlike a host
+    function it returns after a context error too (hazard 2). Queueing it
+    costs a stream wait, an event record and a list append (a thread is
+    started, tens of µs, when none is idle); with every thread busy, the
+    host function serves.
 
     Raises:
         CudaUnavailableError: no ``libcuda`` to launch host functions with.
         CudaError: the notice could not be set up or launched.
-        NoticeBusyError: every native notice thread is busy (``fd`` is closed).
     """
-    if stream == NATIVE_NOTICE:
+    native = _notice_events.get(int(stream)) if _native_notices else None
+    if native is not None and (_waker if _waker is not None else _load_waker()):
         try:
-            queued = _waker.notice(_primary_context(record.device), record.handle, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not queued:
-            os.close(fd)
-            raise NoticeBusyError
-        return
+            device = record.device
+            stream_wait(int(stream), record.handle, device)
+            runtime().eventRecord(native, int(stream))
+            if _waker.notice(_primary_contexts[device], native, fd):
+                return
+        except BaseException as exc:
+            os.close(fd)  # nothing queued that closes it
+            if isinstance(exc, (CudaError, CudaUnavailableError)) or not isinstance(exc, Exception):
+                raise
+            raise cuda_error(getattr(exc, "status", 999), record.device) from exc
+        # Every notice thread busy: the host function, after the wait queued.
     try:
         loaded = _host_close if _host_close is not None else _load_host_close()
         if loaded is False:

@@ -266,14 +266,12 @@ class AsyncioDriver(LoopDriver):
             r, w = os.pipe()
         except OSError:  # out of descriptors: poll instead
             return False
-        notice = self._notices[key] = _Notice(record, r, w)  # known to a fork from now on
+        notice = self._notices[key] = _Notice(record.seq, r, w)  # known to a fork from now on
         try:
             _cuda.close_after(record, w, stream)  # takes w, whatever happens
         except BaseException as exc:
             del self._notices[key]
             os.close(r)
-            if isinstance(exc, _cuda.NoticeBusyError):  # every native thread busy: poll this time
-                return False
             if not isinstance(exc, Exception):
                 raise
             return self._stop_notices("no CUDA notices")
@@ -362,16 +360,14 @@ class AsyncioDriver(LoopDriver):
 
 
 class _Notice:
-    """One armed notice: the record (kept alive, so that its event is not
-    recorded again while a native notice thread waits on it) and its
-    sequence number on its stream, and the pipe (CUDA or the notice thread
-    closes ``w``; the loop watches ``r``)."""
+    """One armed notice: the record's sequence number on its stream, and
+    the pipe (CUDA or a native notice thread closes ``w``; the loop watches
+    ``r``)."""
 
-    __slots__ = ("r", "record", "seq", "w")
+    __slots__ = ("r", "seq", "w")
 
-    def __init__(self, record: EventRecord, r: int, w: int) -> None:
-        self.record = record
-        self.seq = record.seq
+    def __init__(self, seq: int, r: int, w: int) -> None:
+        self.seq = seq
         self.r = r
         self.w = w
 

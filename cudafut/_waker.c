@@ -65,11 +65,14 @@ static void *worker(void *arg) {
         /* A failure (a context error, a destroyed context) ends the wait
          * too: the loop's poll then reads the event's status itself. */
         if (cu_ctx_set(j->ctx) == 0) (void)cu_event_sync(j->event);
+        /* Counted before the close, which may wake a reader of the count. */
+        pthread_mutex_lock(&lock);
+        done_count++;
+        pthread_mutex_unlock(&lock);
         while (close(j->fd) == -1 && errno == EINTR) {
         }
         free(j);
         pthread_mutex_lock(&lock);
-        done_count++;
     }
     return NULL;
 }

@@ -19,6 +19,7 @@ import gc
 import importlib.util
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +48,10 @@ def kind(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip("the native waker (cudafut._waker) is not built, or CUDAFUT_PURE=1")
     old = cudafut.set_wait_policy("balanced")
     previous = _cuda.set_native_notices(native)
+    if not native:  # the notice streams are made on a helper thread: wait until they exist
+        deadline = time.monotonic() + 30
+        while _cuda.notice_stream(0) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
     _policy.predictor.clear()  # a reused stream handle must not bring a learnt duration
     yield str(request.param)
     _cuda.set_native_notices(previous)

@@ -35,8 +35,16 @@ def _tree(text: str) -> tuple[str, Path]:
     return name, root
 
 
-def run(trees: list[tuple[str, Path]], rounds: int, out: Path, bench_args: list[str], timeout: float) -> int:
-    """Run the benchmark ``rounds`` times over ``trees``; the number of runs that failed."""
+def run(
+    trees: list[tuple[str, Path]],
+    rounds: int,
+    out: Path,
+    bench_args: list[str],
+    timeout: float,
+    envs: dict[str, dict[str, str]] | None = None,
+) -> int:
+    """Run the benchmark ``rounds`` times over ``trees`` (``envs``: extra
+    variables per tree name); the number of runs that failed."""
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for round_ in range(1, rounds + 1):
@@ -45,6 +53,7 @@ def run(trees: list[tuple[str, Path]], rounds: int, out: Path, bench_args: list[
             env = {
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+                **(envs or {}).get(name, {}),
             }
             cmd = [
                 sys.executable,
@@ -73,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.support.alternate", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--tree", type=_tree, action="append", required=True, help="NAME=PATH, repeatable")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE",
+        help="an environment variable for tree NAME's runs (CUDAFUT_PURE=1: its pure core), repeatable",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
@@ -81,10 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     names = [name for name, _root in args.tree]
-    if len(set(names)) != len(names):
+    if len(set(names)) != len(names):  # one tree may run twice under two names
         parser.error(f"tree names must differ: {names}")
+    envs: dict[str, dict[str, str]] = {}
+    for item in args.env:
+        name, sep, assignment = item.partition(":")
+        var, eq, value = assignment.partition("=")
+        if not (sep and eq and var) or name not in names:
+            parser.error(f"--env needs NAME:VAR=VALUE with NAME one of {names}, not {item!r}")
+        envs.setdefault(name, {})[var] = value
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
-    return 1 if run(args.tree, args.rounds, args.out, bench_args, args.timeout) else 0
+    return 1 if run(args.tree, args.rounds, args.out, bench_args, args.timeout, envs) else 0
 
 
 if __name__ == "__main__":
