@@ -412,7 +412,12 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
     ``__cuda_stream__`` object); by default a copy stream of cudafut's, so
     that copies overlap compute.
 
-    Returns at once, whatever the size; the calling thread does about 20 µs
+    Returns without waiting for the copy, whatever the size, but the
+    destination array is allocated on the calling thread, from CuPy's
+    memory pool of the device: when the pool has no free block of that
+    size, that is a ``cudaMalloc``, which can take milliseconds for
+    hundreds of MB (later calls of the same size reuse the pool's block).
+    Besides, the calling thread does about 20 µs
     of work for pinned sources (one ``cudaMemcpyAsync``), plus a host copy
     of at most ``INLINE_BYTES`` (256 KB) for small pageable ones. Larger
     pageable sources are staged by cudafut's copy threads, in chunks through

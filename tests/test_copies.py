@@ -111,3 +111,11 @@ def test_a_copy_uses_one_thread_per_job_bytes() -> None:
     assert _copies._plan(4 << 20)[0] == 1
     assert _copies._plan(16 << 20)[0] == min(2, _copies.WORKERS)
     assert _copies._plan(1 << 30)[0] == _copies.WORKERS
+
+
+def test_to_devices_docstring_tells_of_the_allocation_on_the_caller() -> None:
+    # Issue 34: it said "returns at once, whatever the size", yet the first
+    # call of a size runs the destination's cudaMalloc on the calling thread.
+    doc = " ".join(cudafut.to_device.__doc__.split())  # type: ignore[union-attr]
+    assert "Returns at once" not in doc
+    assert "allocated on the calling thread" in doc and "cudaMalloc" in doc

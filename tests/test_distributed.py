@@ -7,6 +7,7 @@ import json
 import pickle
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import pytest
@@ -201,6 +202,20 @@ def test_collective_error_is_a_cuda_error_that_says_who_what_and_why() -> None:
     with pytest.raises(cudafut.CudaError) as info:  # code that handles failed GPU work handles it
         raise err
     assert info.value is err
+
+
+def test_collective_errors_repr_and_str_do_not_call_it_a_cuda_error() -> None:
+    # Issue 34: its repr said "CUDA error -1 (CollectiveError) ...".
+    for err in (
+        dist.CollectiveError(0, "all_reduce", 2, "a peer may have died", device=1),
+        dist.CollectiveError(3, "broadcast", 8, "NCCL reported an error"),
+    ):
+        for again in (err, pickle.loads(pickle.dumps(err))):
+            for text in (repr(again), str(again), "".join(traceback.format_exception_only(again))):
+                assert "CUDA error" not in text and "-1" not in text, text
+                assert again.op in text and f"rank {again.rank} of {again.size}" in text, text
+                assert again.reason in text, text
+            assert repr(again) == f"CollectiveError({str(again)!r})"
 
 
 def test_public_names() -> None:

@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -470,6 +472,174 @@ def test_nobody_at_the_stores_address_fails_the_start_up_in_time() -> None:
         pytest.skip(f"no store client here: {out}")
     assert out.startswith("CollectiveError"), (out, proc.stderr[-2000:])
     assert "did not answer" in out or "store failed" in out, out
+
+
+# The bad-input cases of init_process_group that leave a store's call behind
+# (nobody at the store's address, rank 0 waiting for a worker that never
+# comes, a torch store whose key never comes), then an exit with the script's
+# own status right away: what once aborted at exit (issue 34).
+_BAD_STARTS = """
+import os, socket, sys, threading, time, warnings
+timeout, status = float(sys.argv[1]), int(sys.argv[2])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:
+        import torch.distributed as td
+    except ImportError:
+        td = None
+        try:
+            from cupyx.distributed import _store  # noqa: F401
+        except Exception as exc:
+            print("SKIP", type(exc).__name__, exc)
+            sys.exit(status)
+from cudafut import _cuda
+from cudafut.distributed import _nccl
+import cudafut.distributed as dist
+
+_cuda.device_count = lambda: 1
+_cuda.check_device = lambda device: device
+_cuda.use_device = lambda device: None
+_nccl.check_available = lambda: None
+_nccl.unique_id = lambda: b"\x01\x02\x03"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+cases = [{"rank": 1, "world_size": 2}]
+if td is not None:
+    cases += [{"rank": 0, "world_size": 2}, {"rank": 1, "world_size": 2, "store": td.HashStore()}]
+for case in cases:
+    os.environ["MASTER_PORT"] = str(free_port())
+    t = time.monotonic()
+    try:
+        dist.init_process_group(timeout=timeout, **case)
+    except dist.CollectiveError as exc:
+        print("CollectiveError", round(time.monotonic() - t, 2), exc, flush=True)
+    else:
+        print("JOINED", case, flush=True)
+left = [t.name for t in threading.enumerate() if t.name == "cudafut-store"]
+print("left in a store:", left, flush=True)
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize(("timeout", "runs"), [(0.2, 10), (2.0, 4), (5.0, 2)])
+def test_a_start_up_that_gave_up_never_kills_the_process_at_exit(timeout: float, runs: int) -> None:
+    # torch's TCPStore where torch is installed (the GPU machine), else cupyx's store.
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1"}
+    statuses = [0, 3] * (runs // 2)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BAD_STARTS, str(timeout), str(status)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        for status in statuses
+    ]
+    outs = [
+        (status, *p.communicate(timeout=120 + 10 * timeout), p.returncode)
+        for status, p in zip(statuses, procs, strict=True)
+    ]
+    if all(out.startswith("SKIP") for _, out, _, _ in outs):
+        pytest.skip(f"no store client here: {outs[0][1]}")
+    for status, out, err, rc in outs:
+        assert rc == status, (rc, out, err[-3000:])  # never 134 (SIGABRT) or -6
+        assert "terminate called" not in err, err[-3000:]
+        lines = out.splitlines()
+        assert lines[-1] == "left in a store: []", out
+        failed = [line for line in lines if line.startswith("CollectiveError")]
+        assert failed and len(failed) == len(lines) - 1, out
+        for line in failed:  # in time: the timeout, and at most the grace to leave the store
+            took = float(line.split()[1])
+            assert took < timeout + _group.STORE_GRACE_S + 1.0, out
+
+
+def _slow_store(inside: threading.Event, seconds: float) -> Any:
+    """A ``_make_store`` whose store, like torch's TCPStore connecting,
+    returns (fails) by itself a little after the start-up's deadline."""
+
+    def make(rank: int, size: int, timeout: float, deadline: float) -> Any:
+        inside.set()
+        try:
+            time.sleep(seconds)
+            raise TimeoutError("the store's own timeout")
+        finally:
+            inside.clear()
+
+    return make
+
+
+@pytest.mark.usefixtures("fake_cuda_for_dist")
+def test_a_start_up_that_gave_up_waits_for_its_store_to_return_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Raising while the store's thread is still inside torch's C++ code let
+    # that thread come back into Python as the interpreter ended: SIGABRT.
+    inside = threading.Event()
+    monkeypatch.setattr(_group, "_make_store", _slow_store(inside, 0.5))
+    t = time.monotonic()
+    with pytest.raises(dist.CollectiveError, match=r"did not answer within 0.2 s"):
+        dist.init_process_group(rank=1, world_size=2, timeout=0.2)
+    assert not inside.is_set()  # out of the store before the call raised
+    assert 0.45 < time.monotonic() - t < 0.2 + _group.STORE_GRACE_S
+    assert not [th for th in threading.enumerate() if th.name == "cudafut-store" and th.is_alive()]
+
+
+@pytest.mark.usefixtures("fake_cuda_for_dist")
+def test_a_store_past_the_grace_is_waited_for_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    inside = threading.Event()
+    monkeypatch.setattr(_group, "_make_store", _slow_store(inside, 0.6))
+    monkeypatch.setattr(_group, "STORE_GRACE_S", 0.05)
+    t = time.monotonic()
+    with pytest.raises(dist.CollectiveError, match=r"did not answer within 0.1 s"):
+        dist.init_process_group(rank=1, world_size=2, timeout=0.1)
+    assert time.monotonic() - t < 0.4
+    assert inside.is_set()
+    [(thread, until)] = [(th, u) for th, u in _group._left if th.is_alive()]
+    assert until >= t + 0.1 + _group.EXIT_GRACE_S
+    _group._join_left()  # what atexit runs, before the interpreter finalizes
+    assert not thread.is_alive() and not inside.is_set()
+    assert _group._left == []
+
+
+def test_cupyxs_store_ends_its_calls_in_time_when_nobody_listens() -> None:
+    pytest.importorskip("cupyx.distributed._store")
+    # cupyx's own client retries for 25 s: the thread would outlive the start-up.
+    store = _nccl.CupyxStore(1, 2, "127.0.0.1", _free_port(), 0.3)
+    for call in (lambda: store.get("k"), lambda: store.set("k", b"v")):
+        t = time.monotonic()
+        with pytest.raises(TimeoutError, match="nobody took connections"):
+            call()
+        assert 0.25 < time.monotonic() - t < 1.5
+    t = time.monotonic()
+    with pytest.raises(TimeoutError):
+        store.wait(["k"], timedelta(seconds=0.1))
+    assert time.monotonic() - t < 1.0
+
+
+def test_cupyxs_store_server_never_holds_up_the_exit() -> None:
+    pytest.importorskip("cupyx.distributed._store")
+    # Rank 0's server process, of a world never destroyed, ran until killed.
+    proc = run_python(
+        """
+        import sys, warnings
+        warnings.simplefilter("ignore")
+        from cudafut.distributed import _nccl
+        store = _nccl.CupyxStore(0, 2, "127.0.0.1", int(sys.argv[1]), 5.0)
+        store.set("k", b"v")
+        print(store.get("k"))
+        sys.exit(3)
+        """,
+        str(_free_port()),
+        timeout=60,
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (3, "b'v'"), proc.stderr[-2000:]
 
 
 # -- the front door: no checkout, no GPU ------------------------------------------------------------

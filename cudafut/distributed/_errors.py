@@ -13,7 +13,8 @@ class CollectiveError(CudaError):
     communicator is aborted: later calls on the group raise it at once.
     Restart the processes (or at least make new groups) to go on. It
     subclasses :class:`cudafut.CudaError`, so code that handles failed GPU
-    work handles it too.
+    work handles it too; it is not a CUDA error, though: its ``code`` is -1,
+    and its message and repr speak of the collective only.
 
     Attributes:
         rank: this process's rank in the group.
@@ -33,6 +34,8 @@ class CollectiveError(CudaError):
             f"{op} failed on rank {rank} of {size}: {reason}",
             device,
         )
+        # RuntimeError's repr shows args: CudaError's "CUDA error -1 (...)" text.
+        self.args = (str(self),)
 
     def __str__(self) -> str:
         where = "" if self.device is None else f" (device {self.device})"

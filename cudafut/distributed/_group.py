@@ -18,8 +18,10 @@ thread, since ``ncclCommAbort`` can itself hang.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,6 +41,17 @@ WATCH_EVERY_S: Final = 5e-3
 _DOUBT: Final = 0.1
 #: torch.distributed's default for NCCL.
 DEFAULT_TIMEOUT_S: Final = 600.0
+#: The store's calls made by a start-up end this long after its deadline:
+#: the deadline, not the store's own timeout, tells of a silent store.
+_STORE_SLACK_S: Final = 0.05
+#: How long a start-up whose timeout ran out waits more for its store's
+#: thread, whose calls were given the same deadline, to leave the store
+#: (torch's TCPStore, connecting, overshoots its timeout by a retry delay
+#: of about a second).
+STORE_GRACE_S: Final = 2.0
+#: At exit, how long past its deadline a store's thread still inside the
+#: store (see _join_left) is waited for.
+EXIT_GRACE_S: Final = 5.0
 
 
 class Store(Protocol):
@@ -352,7 +365,14 @@ _world: _World | None = None
 _world_lock: Final = threading.Lock()
 
 
-def _make_store(rank: int, size: int, timeout: float) -> Store:
+def _left_seconds(deadline: float) -> float:
+    """The timeout of a store's call that must end just after ``deadline``
+    (never zero: torch reads a zero timeout as none)."""
+    return max(deadline - time.monotonic(), 0.0) + _STORE_SLACK_S
+
+
+def _make_store(rank: int, size: int, timeout: float, deadline: float) -> Store:
+    """The default store, made by ``deadline``; ``timeout`` is its calls'."""
     addr, port = _env.store_address()
     try:
         from torch.distributed import TCPStore
@@ -361,15 +381,63 @@ def _make_store(rank: int, size: int, timeout: float) -> Store:
     # Under torchrun the agent hosts a store on MASTER_PORT already: every
     # rank is a client then (a second server on that port would fail).
     host = rank == 0 and not _env.agent_store()
-    return TCPStore(addr, port, size, host, timedelta(seconds=timeout))  # type: ignore[no-any-return]
+    # Made (connected, the workers waited for) within the time left, so that
+    # its thread leaves torch's C++ code by itself (see _bounded).
+    store = TCPStore(addr, port, size, host, timedelta(seconds=_left_seconds(deadline)))
+    store.set_timeout(timedelta(seconds=timeout))
+    return store  # type: ignore[no-any-return]
 
 
-def _bounded(fn: Callable[[], Any], deadline: float, name: str) -> tuple[bool, Any]:
+def _has_wait(store: object) -> bool:
+    """Whether ``store`` has ``wait(keys, timeout)``: a
+    ``torch.distributed.Store`` (torch imported already) or cupyx's."""
+    if isinstance(store, _nccl.CupyxStore):
+        return True
+    cls = getattr(sys.modules.get("torch.distributed"), "Store", None)
+    return isinstance(cls, type) and isinstance(store, cls)
+
+
+_left_lock: Final = threading.Lock()
+#: Threads left inside a store by a call that gave up: (thread, when its
+#: store's own timeout has surely ended its call).
+_left: list[tuple[threading.Thread, float]] = []
+
+
+def _leave(thread: threading.Thread, until: float) -> None:
+    with _left_lock:
+        if not _left:
+            atexit.register(_join_left)  # at most once: nothing is left then
+        _left.append((thread, until))
+
+
+def _join_left() -> None:
+    """At exit, after the non-daemon threads and before the interpreter
+    finalizes: wait (each until its ``until``) for the threads left inside
+    a store. A daemon thread that comes back from C++ (torch's ``TCPStore``)
+    into Python while the interpreter finalizes is ended by it, which can
+    abort the whole process ("terminate called without an active
+    exception", SIGABRT) whatever status the script exits with."""
+    with _left_lock:
+        left = list(_left)
+        _left.clear()
+    for thread, until in left:
+        thread.join(max(0.0, until - time.monotonic()))
+
+
+def _bounded(
+    fn: Callable[[], Any], deadline: float, name: str, *, ends_by: float | None = None
+) -> tuple[bool, Any]:
     """Run ``fn()`` in a daemon thread until ``deadline`` (``time.monotonic``);
     ``(True, its result)``, ``(True, the exception it raised)``, or
-    ``(False, None)`` when the deadline came first. Neither a store nor NCCL
-    can be told to give up, so a call that never returns is left to its
-    thread (a daemon: it never holds up the exit)."""
+    ``(False, None)`` when the deadline came first.
+
+    ``ends_by``: when ``fn`` returns by itself (its store's calls were
+    given that deadline), if known. Past ``deadline``, such a thread is
+    waited for up to :data:`STORE_GRACE_S` more, so that it is out of the
+    store before the caller raises; if it is not, it is waited for at exit
+    (up to :data:`EXIT_GRACE_S` past ``ends_by``). Any other call that never
+    returns (NCCL, a store of the user's with no timeout) is left to its
+    thread, a daemon: it never holds up the exit."""
     result: list[Any] = []
 
     def run() -> None:
@@ -381,7 +449,13 @@ def _bounded(fn: Callable[[], Any], deadline: float, name: str) -> tuple[bool, A
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join(max(0.0, deadline - time.monotonic()))
-    return (True, result[0]) if result else (False, None)
+    if result:
+        return True, result[0]
+    if ends_by is not None:
+        thread.join(max(0.0, ends_by + STORE_GRACE_S - time.monotonic()))
+        if thread.is_alive():
+            _leave(thread, ends_by + EXIT_GRACE_S)
+    return False, None
 
 
 def _communicator(
@@ -453,9 +527,16 @@ def _rendezvous(
         if leader:
             s.set(key, uid)
             return uid, s
+        if _has_wait(s):
+            # Its get() waits up to the store's own timeout: wait() is told
+            # the time left instead, so that the thread leaves it in time.
+            s.wait([key], timedelta(seconds=_left_seconds(deadline)))  # type: ignore[attr-defined]
         return bytes(s.get(key)), s
 
-    done, result = _bounded(exchange, deadline, "cudafut-store")
+    # A store made here, or torch's, returns by the deadline by itself.
+    bounded = make_store is not None or _has_wait(store)
+    ends_by = deadline + _STORE_SLACK_S if bounded else None
+    done, result = _bounded(exchange, deadline, "cudafut-store", ends_by=ends_by)
     if not done:
         if make_store is not None:
             addr, port = _env.store_address()
@@ -500,9 +581,15 @@ def init_process_group(
     Blocks the calling thread until every rank has joined, at most
     ``timeout`` seconds in all, the store's calls included (a store that
     never answers, or nobody listening at its address, fails the call when
-    the timeout runs out; the store's call is left to a daemon thread,
-    since a store cannot be told to give up); ``timeout`` is also the
-    default timeout of every collective of the world.
+    the timeout runs out); ``timeout`` is also the default timeout of every
+    collective of the world. The store's calls run in a thread and are
+    given the same deadline (the default store's own timeout, ``wait()`` on
+    a torch store): when it runs out, the call waits up to 2 s more for
+    that thread to leave the store before it raises (torch's ``TCPStore``
+    overshoots its timeout by a retry delay), and the exit waits for one
+    still inside, so that no thread comes back from torch's C++ code as
+    the interpreter ends (which aborts the process). Only a store of yours
+    that is not torch's and never answers is left to a daemon thread.
 
     Raises:
         TypeError: ``store`` without callable ``set`` and ``get``, or a
@@ -531,7 +618,7 @@ def init_process_group(
         _cuda.use_device(dev)
         make = None
         if n > 1 and store is None:
-            make = functools.partial(_make_store, r, n, limit)
+            make = functools.partial(_make_store, r, n, limit, deadline)
         uid, store = _rendezvous(
             store if n > 1 else None,
             _env.key("group/0/uid"),

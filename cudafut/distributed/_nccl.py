@@ -10,7 +10,11 @@ first call to a peer (which may block until the peer calls too).
 
 from __future__ import annotations
 
+import atexit
+import socket
 import time
+import weakref
+from datetime import timedelta
 from typing import Any
 
 from .. import _cuda
@@ -135,27 +139,63 @@ class CupyxStore:
 
     Making one on rank 0 starts the server (a process of cupyx's); ``set``
     and ``get`` are a round trip to it each, ``get`` retrying every 10 ms
-    until the key is there or ``timeout`` seconds have passed."""
+    until the key is there. Each call ends within ``timeout`` seconds
+    (``wait``: its own), ``TimeoutError`` at the latest: cupyx's own client
+    retries for 25 s when nobody listens, so it is called only once the
+    server takes connections."""
 
     def __init__(self, rank: int, size: int, addr: str, port: int, timeout: float) -> None:
         from cupyx.distributed import _store
 
+        self._address = (addr, port)
         self._server = None
         if rank == 0:
             self._server = _store.TCPStore(size)
             self._server.run(addr, port)
+            # Its process runs until stopped, and multiprocessing joins it at
+            # exit (after cupyx's own exit hook, which stops nothing): stop it
+            # first, else a world not destroyed holds up the exit for ever.
+            atexit.register(_stop_server, weakref.ref(self._server))
         self._proxy = _store.TCPStoreProxy(addr, port)
         self._timeout = timeout
 
+    def _wait_for_server(self, deadline: float) -> None:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"nobody took connections at {self._address[0]}:{self._address[1]}")
+            try:
+                with socket.create_connection(self._address, timeout=min(left, 1.0)):
+                    return
+            except OSError:
+                time.sleep(min(0.01, left))
+
     def set(self, key: str, value: bytes) -> None:
+        self._wait_for_server(time.monotonic() + self._timeout)
         self._proxy[key] = value
 
     def get(self, key: str) -> bytes:
-        deadline = time.monotonic() + self._timeout
+        return self._get(key, time.monotonic() + self._timeout)
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Block until every key is set, at most ``timeout`` (as torch's
+        ``Store.wait``)."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        for key in keys:
+            self._get(key, deadline)
+
+    def _get(self, key: str, deadline: float) -> bytes:
         while True:
+            self._wait_for_server(deadline)
             try:
                 return bytes(self._proxy[key])
             except Exception:  # not there yet
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
+
+
+def _stop_server(server: weakref.ref[Any]) -> None:
+    alive = server()
+    if alive is not None:
+        alive.stop()
