@@ -132,7 +132,7 @@ def test_no_gpu_points_to_the_fake_gpu() -> None:
     # The last fix, whatever is missing (no device here; no CuPy), once.
     for proc in (run_python(MAIN, CUDA_VISIBLE_DEVICES=""), run_python(NO_CUPY)):
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert proc.stderr.rstrip().endswith("- or test without a GPU: cudafut.testing (docs/testing.md)")
+        assert "\n  - or test without a GPU: cudafut.testing (docs/testing.md)\n" in proc.stderr, proc.stderr
         assert proc.stderr.count("cudafut.testing") == 1, proc.stderr
     # And the error a call raises says it too.
     proc = run_python(

@@ -269,8 +269,8 @@ def lines(check: dict[str, Any]) -> list[str]:
 
 #: What works without a GPU: the lines after the fixes, where a command needs one.
 WITHOUT_A_GPU = [
-    "Without a GPU, `import cudafut` works, pytest runs the test suite (the GPU tests skip), "
-    "and cudafut.testing fakes a GPU for your own tests (docs/testing.md).",
+    "Without a GPU, `import cudafut` works and pytest runs the test suite (the GPU tests skip); "
+    "the fix above names the fake GPU for your own tests.",
 ]
 
 
