@@ -11,8 +11,11 @@ behaves the same, only slower.
 
 ``CUDAFUT_PURE=1`` in the environment, read once at ``import cudafut``,
 makes the package import the ``.py`` files even where the extensions exist
-(tests run the whole suite both ways). This module is imported first by
-``cudafut/__init__.py`` and must import nothing of cudafut's.
+(tests run the whole suite both ways). A ``.py`` file edited after its
+extension was built (an editable install, ``pip install -e .``) is imported
+instead of the stale extension, with a warning that says how to rebuild:
+the code that runs is always the code in the tree. This module is imported
+first by ``cudafut/__init__.py`` and must import nothing of cudafut's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -52,8 +56,25 @@ _PACKAGE_DIR: Final = Path(__file__).resolve().parent
 PURE: Final = os.environ.get("CUDAFUT_PURE", "") not in ("", "0")
 
 
+def _stale(source: Path) -> bool:
+    """Whether ``source`` has an extension built beside it that is older."""
+    try:
+        mtime = source.stat().st_mtime
+    except OSError:
+        return False
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        try:
+            if source.with_suffix(suffix).stat().st_mtime < mtime:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class _SourceFinder(importlib.abc.MetaPathFinder):
-    """Finds the ``.py`` source of a compiled module, ahead of its extension."""
+    """Finds the ``.py`` source of a compiled module ahead of its extension:
+    for all of them under ``CUDAFUT_PURE=1``, else for a stale one (two
+    ``stat`` calls per module, once, at import)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -61,12 +82,20 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
         if fullname not in MODULES:
             return None
         source = _PACKAGE_DIR.joinpath(*fullname.split(".")[1:]).with_suffix(".py")
+        if not PURE:
+            if not _stale(source):
+                return None
+            warnings.warn(
+                f"cudafut: {source.name} is newer than its compiled extension; importing the .py "
+                "(rebuild with `pip install -e .` or `python setup.py build_ext --inplace`)",
+                stacklevel=2,
+            )
         return importlib.util.spec_from_file_location(fullname, source)
 
 
 def install() -> None:
-    """Make ``CUDAFUT_PURE=1`` take effect: called once by ``cudafut/__init__``."""
-    if PURE and not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
+    """Put the source finder first: called once by ``cudafut/__init__``."""
+    if not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _SourceFinder())
 
 

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from typing import Any
 
 import pytest
-
-from cudafut import _compiled
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("cudafut._waker") is None, reason="cudafut._waker is not built (pure install)"
@@ -97,12 +94,3 @@ def test_pure_mode_never_loads_the_waker() -> None:
         CUDAFUT_PURE="1",
     )
     assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
-
-
-def test_compiled_modules_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    core = _compiled.core()
-    if _compiled.PURE:
-        assert core.startswith("pure") and not _compiled.compiled_modules()
-    elif _compiled.compiled_modules():
-        assert core in ("compiled", "mixed")
-    assert all(name in sys.modules for name in _compiled.compiled_modules())

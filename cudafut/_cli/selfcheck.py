@@ -24,7 +24,7 @@ import sys
 import warnings
 from typing import Any
 
-from .. import _cuda, _policy, _timer
+from .. import _compiled, _cuda, _policy, _timer
 from .._errors import CudaUnavailableError
 
 #: The optional packages reported (distribution names), besides NCCL.
@@ -189,6 +189,7 @@ def gather() -> dict[str, Any]:
         "packages": {name: _package(name) for name in OPTIONAL},
         "timerfd": _timerfd(),
         "policy": _policy_facts(),
+        "core": _compiled.core(),
         "usable": False,
         "problem": None,
         "fix": [],
@@ -262,6 +263,7 @@ def lines(check: dict[str, Any]) -> list[str]:
         if check["timerfd"]
         else "no (waiters sleep with the loop's millisecond timers)",
     )
+    row("core", check["core"])
     pol = check["policy"]
     row("wait policy", (f"{pol['name']}: " if pol["name"] else "custom: ") + pol["repr"])
     return out
