@@ -29,6 +29,7 @@ SECTIONS = (
     "vary",
     "many",
     "host",
+    "batcher",
     "copies",
     "pipeline",
     "tracing",
