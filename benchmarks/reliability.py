@@ -1,7 +1,7 @@
 """Reliability runs that take minutes: leaks over 1,000,000 futures, a
 loopback server under 64 clients, Ctrl-C latency, mass cancellation, and a
 soak of 64 tasks awaiting work that changes duration (steps and random:
-the waiter's notices and polls in turn).
+the waiter's spins and timed polls in turn, under the default policy).
 
     python -m benchmarks.reliability [--futures 1000000] [--seconds 60]
         [--soak-seconds 60] [--only cancel|ctrl_c|leak|load|soak ...] [--out DIR]
@@ -119,9 +119,10 @@ def soak_run(seconds: float, tasks: int = 64) -> dict[str, Any]:
     """``tasks`` tasks on their own streams for ``seconds``, each launching
     work and awaiting it: half in steps (blocks of 2 ms jobs, then of 20 ms),
     half of random duration (log-uniform, 50 µs to 20 ms), so that the
-    waiter spins around what it learnt, polls, and asks for notices in turn.
-    Every answer is checked; resources are sampled every 5 s: a leak of
-    threads, descriptors (a notice's pipe), events or memory grows them."""
+    waiter spins around what it learnt and polls in turn (the default
+    policy: no CUDA notices; tests/test_gpu_notices.py checks that theirs
+    leave no pipe). Every answer is checked; resources are sampled every
+    5 s: a leak of threads, descriptors, events or memory grows them."""
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(tasks)]
     samples: list[dict[str, float]] = []
     counts = {"awaits": 0, "wrong": 0}

@@ -36,24 +36,26 @@ from .support.common import CpuMeter, Progress, meta_of, policy, pyplot, save_fi
 NAME = "vary"
 
 # The strategies (row names in the JSON and the tables).
+#: The default policy: timed polls, no CUDA notices (WaitPolicy.notify=False).
 BALANCED = "cudafut await (balanced)"
 LOW_CPU = "cudafut await (low_cpu)"
 LOW_LATENCY = "cudafut await (low_latency)"
 THREAD = "peer: blocking-sync event in a thread"
 EXECUTOR = "peer: run_in_executor(event.synchronize)"
 SLEEP0 = "peer: asyncio sleep(0) polling"
-#: The balanced policy without CUDA notices (WaitPolicy.notify): the waiter before them.
-BALANCED_TIMED = "cudafut await (balanced, timed polls)"
-#: The balanced policy with CUDA host-function notices instead of the native
-#: notice threads (cudafut._waker): the notices before them.
+#: The balanced policy with CUDA notices (WaitPolicy(notify=True), off by
+#: default), delivered by the native notice threads (cudafut._waker).
+BALANCED_NOTICES = "cudafut await (balanced, native notices)"
+#: The same with CUDA host-function notices instead of the native notice
+#: threads: the notices before them.
 BALANCED_HOSTFN = "cudafut await (balanced, host-function notices)"
 #: Notices alone: no spin around predicted ends (WaitPolicy.predict=False).
 NOTICES_ONLY = "cudafut await (notices, no predicted spin)"
 STRATEGIES = (
     BALANCED,
+    BALANCED_NOTICES,
     BALANCED_HOSTFN,
     NOTICES_ONLY,
-    BALANCED_TIMED,
     LOW_CPU,
     LOW_LATENCY,
     THREAD,
@@ -62,9 +64,9 @@ STRATEGIES = (
 )
 _PRESETS: dict[str, WaitPolicy | str] = {
     BALANCED: "balanced",
-    BALANCED_HOSTFN: "balanced",
-    NOTICES_ONLY: WaitPolicy(predict=False),
-    BALANCED_TIMED: WaitPolicy(notify=False),
+    BALANCED_NOTICES: WaitPolicy(notify=True),
+    BALANCED_HOSTFN: WaitPolicy(notify=True),
+    NOTICES_ONLY: WaitPolicy(predict=False, notify=True),
     LOW_CPU: "low_cpu",
     LOW_LATENCY: "low_latency",
 }
@@ -212,7 +214,7 @@ def _strategy(name: str, gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) 
     if name in _PRESETS:
         preset = _PRESETS[name]
 
-        native = name != BALANCED_HOSTFN
+        native = name != BALANCED_HOSTFN  # the policies without notify=True ask for none
 
         def run_cudafut(jobs: Jobs, streams: list[Any]) -> Any:
             previous = _cuda.set_native_notices(native)

@@ -47,12 +47,13 @@ ROUNDS = 4
 
 # The strategies (row names in the JSON and the tables).
 FLOOR = "floor: launch + stream.synchronize()"
+#: The default policy and the same without prediction: timed polls, no
+#: CUDA notices (WaitPolicy.notify=False, the default).
 AWAIT_BALANCED = "cudafut await (balanced)"
 AWAIT_NO_PREDICTION = "cudafut await (balanced, no prediction)"
-#: The same two without CUDA notices (WaitPolicy.notify): timed polls only,
-#: the waiter before notices.
-AWAIT_TIMED = "cudafut await (balanced, timed polls)"
-AWAIT_TIMED_NO_PREDICTION = "cudafut await (timed polls, no prediction)"
+#: The same two with CUDA notices (WaitPolicy(notify=True)).
+AWAIT_NOTICES = "cudafut await (balanced, notices)"
+AWAIT_NOTICES_NO_PREDICTION = "cudafut await (notices, no prediction)"
 AWAIT_LOW_CPU = "cudafut await (low_cpu)"
 AWAIT_LOW_LATENCY = "cudafut await (low_latency)"
 PEER_SLEEP0 = "peer: asyncio sleep(0) polling"
@@ -216,8 +217,8 @@ def s_numba() -> Once:
 ASYNC_STRATEGIES: dict[str, tuple[Callable[[], Once], WaitPolicy | str]] = {
     AWAIT_BALANCED: (s_cudafut_await, "balanced"),
     AWAIT_NO_PREDICTION: (s_cudafut_await, WaitPolicy(predict=False)),
-    AWAIT_TIMED: (s_cudafut_await, WaitPolicy(notify=False)),
-    AWAIT_TIMED_NO_PREDICTION: (s_cudafut_await, WaitPolicy(predict=False, notify=False)),
+    AWAIT_NOTICES: (s_cudafut_await, WaitPolicy(notify=True)),
+    AWAIT_NOTICES_NO_PREDICTION: (s_cudafut_await, WaitPolicy(predict=False, notify=True)),
     AWAIT_LOW_CPU: (s_cudafut_await, "low_cpu"),
     AWAIT_LOW_LATENCY: (s_cudafut_await, "low_latency"),
     PEER_SLEEP0: (s_sleep0_poll, "balanced"),

@@ -187,9 +187,12 @@ MUTATIONS = {
     "tracked_record": _patch_tracked_record,
     # Tracked: the streams that used the array are not recorded for its free
     "tracked_free": _patch_tracked_free,
-    # notices never come (as after a context error): the waiter falls back to polls
+    # notices never come (as after a context error): the waiter falls back to polls.
+    # Notices are off by default: only tests that set WaitPolicy(notify=True)
+    # arm them (tests/test_gpu_notices.py, and the notice variants of
+    # test_gpu.py, test_gpu_waiter.py and test_gpu_reliability.py)
     "notice_drop": lambda: setattr(_cuda, "close_after", _close_never),
-    # notices come at once, before the work they follow has ended
+    # notices come at once, before the work they follow has ended (likewise)
     "notice_early": lambda: setattr(_cuda, "close_after", _close_at_once),
 }
 

@@ -465,10 +465,28 @@ def test_await_in_a_plain_asyncio_run(cp: Any, producer: Any) -> None:
 
 # -- the wait policy on repeating work -----------------------------------------
 
-POLICIES = ["balanced", "low_cpu", "low_latency", cudafut.WaitPolicy(predict=False, spin_s=0)]
+# Notices are off by default: the last two ask for them (notify=True).
+POLICIES = [
+    "balanced",
+    "low_cpu",
+    "low_latency",
+    cudafut.WaitPolicy(predict=False, spin_s=0),
+    cudafut.WaitPolicy(notify=True),
+    cudafut.WaitPolicy(predict=False, spin_s=0, notify=True),
+]
 
 
-@pytest.fixture(params=POLICIES, ids=["balanced", "low_cpu", "low_latency", "no-spin-no-prediction"])
+@pytest.fixture(
+    params=POLICIES,
+    ids=[
+        "balanced",
+        "low_cpu",
+        "low_latency",
+        "no-spin-no-prediction",
+        "notices",
+        "no-spin-no-prediction-notices",
+    ],
+)
 def policy(request: pytest.FixtureRequest) -> Any:
     old = cudafut.set_wait_policy(request.param)
     yield request.param

@@ -10,6 +10,9 @@ mutation); every pipe is closed afterwards and no thread is left; the
 function CUDA runs is libc's ``close`` itself, so no Python runs on CUDA's
 threads. The bound when notices never come is proved on the CPU
 (tests/test_policy.py); ``notice_drop`` is the mutation that stops them.
+
+Notices are off by default: these tests turn them on (``NOTICES``), except
+the one that checks the default polls on timers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ pytestmark = pytest.mark.gpu
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
 SPIN_MS = 50.0
 
+#: The default policy with notices on (they are off by default).
+NOTICES = cudafut.WaitPolicy(notify=True)
+
 
 #: Who delivers a notice: a native notice thread (cudafut._waker, where the
 #: compiled core is built) or a CUDA host function.
@@ -46,7 +52,7 @@ def kind(request: pytest.FixtureRequest) -> Iterator[str]:
     native = request.param == "native"
     if native and not _native_built():
         pytest.skip("the native waker (cudafut._waker) is not built, or CUDAFUT_PURE=1")
-    old = cudafut.set_wait_policy("balanced")
+    old = cudafut.set_wait_policy(NOTICES)
     previous = _cuda.set_native_notices(native)
     if not native:  # the notice streams are made on a helper thread: wait until they exist
         deadline = time.monotonic() + 30
@@ -125,8 +131,11 @@ def test_notices_leave_no_pipe_and_no_thread(seen: _Seen, loop: str) -> None:
     assert seen.fired >= 5
 
 
-def test_without_notify_the_wait_is_polled(seen: _Seen) -> None:
-    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=False))
+@pytest.mark.parametrize(
+    "policy", [cudafut.WaitPolicy(notify=False), "balanced"], ids=["notify=False", "balanced (the default)"]
+)
+def test_without_notify_the_wait_is_polled(seen: _Seen, policy: Any) -> None:
+    cudafut.set_wait_policy(policy)
     assert run_on("asyncio", _slow_value, 3.0) == 3.0
     assert seen.armed == 0 and seen.fired == 0
 
@@ -168,6 +177,7 @@ import asyncio, time, cudafut
 from cudafut import _cuda, _waker
 from tests import kernels
 cp = _cuda.cupy()
+cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # off by default
 async def main():
     out = cp.zeros(1, dtype=cp.float32)
     s = cp.cuda.Stream(non_blocking=True)

@@ -10,7 +10,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -259,9 +259,20 @@ def test_set_in_one_thread_while_a_loop_in_another_awaits(cp: Any) -> None:
     assert asyncio.run(main()) == 6.0
 
 
-def test_a_loop_closed_while_awaits_are_pending(cp: Any, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture(params=[False, True], ids=["timed polls", "notices"])
+def notify(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The default policy, then with CUDA notices on (off by default)."""
+    old = cudafut.set_wait_policy(cudafut.WaitPolicy(notify=request.param))
+    yield bool(request.param)
+    cudafut.set_wait_policy(old)
+
+
+def test_a_loop_closed_while_awaits_are_pending(
+    cp: Any, caplog: pytest.LogCaptureFixture, notify: bool
+) -> None:
     """The loop goes with its tasks pending: nothing of cudafut fails or leaks
-    (a timerfd per loop), and the future stays usable."""
+    (a timerfd per loop, a notice's pipe with ``notify=True``), and the
+    future stays usable."""
     producer = cp.cuda.Stream(non_blocking=True)
     fds_before = len(os.listdir("/proc/self/fd"))
     futs = []

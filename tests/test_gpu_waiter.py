@@ -6,7 +6,8 @@ job slept until its predicted end (34 ms late per 2 ms job, once); the bound
 says no completion is noticed later than ``max_sleep_s`` plus the operating
 system's wake-up delay. These tests assert that bound, with a generous
 allowance for the wake-up delay of a virtual machine (``_OS_WAKE_S``), far
-below what the unbounded waiter cost.
+below what the unbounded waiter cost: under the default policy (timed
+polls) and with CUDA notices on (``notify=True``, off by default).
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ _OS_WAKE_S = 2e-3
 _STEP_MS = [50.0] + [2.0] * 40
 
 
-@pytest.fixture(autouse=True)
-def _balanced() -> Iterator[None]:
-    old = cudafut.set_wait_policy("balanced")
+@pytest.fixture(
+    autouse=True,
+    params=["balanced", cudafut.WaitPolicy(notify=True)],
+    ids=["balanced", "balanced-notices"],
+)
+def _balanced(request: pytest.FixtureRequest) -> Iterator[None]:
+    old = cudafut.set_wait_policy(request.param)
     yield
     cudafut.set_wait_policy(old)
 

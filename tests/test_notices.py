@@ -2,7 +2,9 @@
 with work of no learnt duration asks CUDA to close a pipe when the work ends
 (``_cuda.close_after``), one notice per stream, and sleeps until then; a
 failed event, whose notice never comes, is still seen by the fallback poll.
-The bound itself is proved on a fake clock in tests/test_policy.py."""
+Notices are off by default: these tests turn them on (``NOTICES``), except
+those that check the default. The bound itself is proved on a fake clock in
+tests/test_policy.py."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ from tests.runners import run_on
 
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
 
+#: The default policy with notices on (they are off by default).
+NOTICES = cudafut.WaitPolicy(notify=True)
+
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
@@ -34,7 +39,7 @@ def _open_fds() -> int:
 
 @pytest.fixture(autouse=True)
 def _fresh_policy() -> Iterator[None]:
-    old = cudafut.get_wait_policy()
+    old = cudafut.set_wait_policy(NOTICES)
     # These are the host function's notices (with a libcuda present, native
     # notice threads would serve instead: tests/test_gpu_notices.py, test_waker.py).
     native = _cuda.set_native_notices(False)
@@ -114,7 +119,7 @@ def test_the_notice_not_a_timer_ends_the_sleep(
     # With a fallback poll a second away, a wait that ended on a timer would
     # show as a timer-fired poll: the notice must end it first.
     fake, handed = notices
-    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=1.0))
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, notice_sleep_s=1.0))
     fired = _polls_seen(monkeypatch)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
     (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.02)
@@ -131,7 +136,7 @@ def test_a_forked_child_does_not_hold_back_the_parents_notices(
     # runs nothing in a child, so unless the child closes its copy, the
     # parent's pipe never reaches end-of-file while the child lives.
     fake, handed = notices
-    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=5.0))
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, notice_sleep_s=5.0))
     fired = _polls_seen(monkeypatch)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
 
@@ -158,11 +163,17 @@ def test_a_forked_child_does_not_hold_back_the_parents_notices(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize(
+    "policy",
+    [cudafut.WaitPolicy(notify=False), cudafut.WaitPolicy(), "balanced", "low_cpu", "low_latency"],
+    ids=["notify=False", "default", "balanced", "low_cpu", "low_latency"],
+)
 def test_without_notify_the_waiter_polls_on_timers(
-    notices: tuple[testing.FakeCuda, list[int]], loop: str
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, policy: Any
 ) -> None:
+    # notify=False, and the default and every preset: notices are off by default.
     fake, handed = notices
-    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=False))
+    cudafut.set_wait_policy(policy)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
     (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.01)
     assert value.sum() == 2 and handed == []
@@ -173,7 +184,7 @@ def test_a_failed_event_whose_notice_never_comes_is_seen_by_the_fallback_poll(
     notices: tuple[testing.FakeCuda, list[int]], loop: str
 ) -> None:
     fake, handed = notices
-    cudafut.set_wait_policy(cudafut.WaitPolicy(notice_sleep_s=5e-3))
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, notice_sleep_s=5e-3))
     fut = cudafut.record(np.ones(2), stream=fake.stream())
 
     async def main() -> None:

@@ -30,6 +30,15 @@ def _default_policy() -> Iterator[None]:
 # -- WaitPolicy and set_wait_policy --------------------------------------------
 
 
+def test_notices_are_off_by_default_and_in_every_preset() -> None:
+    # Timed polls beat notices in the vary benchmark (benchmarks/results/):
+    # notices are asked for with WaitPolicy(notify=True) only.
+    assert WaitPolicy().notify is False
+    assert cudafut.get_wait_policy().notify is False
+    assert [name for name, preset in _policy.PRESETS.items() if preset.notify] == []
+    assert WaitPolicy(notify=True).notify is True
+
+
 def test_presets_and_return_of_the_previous_policy() -> None:
     assert cudafut.get_wait_policy() == WaitPolicy()
     old = cudafut.set_wait_policy("low_latency")
@@ -53,6 +62,7 @@ def test_presets_and_return_of_the_previous_policy() -> None:
         ({"max_sleep_s": math.inf}, ValueError, "max_sleep_s < inf"),
         ({"predict": "yes"}, TypeError, "predict must be True or False"),
         ({"predict": 1}, TypeError, "predict must be True or False"),
+        ({"notify": 1}, TypeError, "notify must be True or False"),
     ],
 )
 def test_bad_policies_are_refused(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
@@ -464,6 +474,7 @@ def test_every_completion_is_noticed_within_the_bound(
 # no host function after a context error). Whatever it does, every completion
 # is noticed within notice_sleep_s (or max_sleep_s where no notice was armed)
 # plus the OS's lateness; on time, within its delay or the usual bound.
+# Notices are off by default: these tests turn them on (notify=True).
 
 _NOTICE_KINDS = ("on time", "late", "early", "twice", "never")
 
@@ -558,7 +569,7 @@ def test_every_completion_is_noticed_within_the_bound_whatever_the_notices_do(
     delay: float,
     notice_sleep_s: float,
 ) -> None:
-    cudafut.set_wait_policy(WaitPolicy(notice_sleep_s=notice_sleep_s))
+    cudafut.set_wait_policy(WaitPolicy(notify=True, notice_sleep_s=notice_sleep_s))
     _policy.predictor.clear()
     clock.lateness = lateness
     rnd = random.Random(seed)
@@ -577,6 +588,7 @@ def test_every_completion_is_noticed_within_the_bound_whatever_the_notices_do(
 def test_unknown_work_is_noticed_by_its_notice_not_by_timed_polls(clock: _Clock) -> None:
     # 5 ms of work of no learnt duration: without notices the waiter polls
     # every max_sleep_s (1 ms) at most; with one, it sleeps until the notice.
+    cudafut.set_wait_policy(WaitPolicy(notify=True))
     _policy.predictor.clear()
     lates, armed = _run_driver_with_notices(clock, [[5e-3]], "on time", 100e-6)
     assert armed == 1
@@ -600,12 +612,16 @@ def test_unknown_work_is_noticed_by_its_notice_not_by_timed_polls(clock: _Clock)
     assert with_notice < without, (with_notice, without)
 
 
-def test_no_notice_is_asked_for_when_the_policy_says_so(clock: _Clock) -> None:
-    cudafut.set_wait_policy(WaitPolicy(notify=False))
+@pytest.mark.parametrize(
+    "policy", [WaitPolicy(notify=False), "balanced", "low_cpu"], ids=["notify=False", "balanced", "low_cpu"]
+)
+def test_no_notice_is_asked_for_when_the_policy_says_so(clock: _Clock, policy: Any) -> None:
+    # notify=False, and the default and the presets: notices are off by default.
+    cudafut.set_wait_policy(policy)
     _policy.predictor.clear()
     lates, armed = _run_driver_with_notices(clock, [[5e-3, 3e-3]], "on time", 0.0)
     assert armed == 0 and len(lates) == 2
-    assert max(lates) <= WaitPolicy().max_sleep_s + 20 * _TICK_S
+    assert max(lates) <= cudafut.get_wait_policy().max_sleep_s + 20 * _TICK_S
 
 
 def test_the_step_that_broke_the_old_predictor(clock: _Clock) -> None:
