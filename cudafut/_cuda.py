@@ -654,15 +654,7 @@ def _make_notice_streams(device: int) -> None:
             made.append(_new_stream_handle(device))
     except BaseException as exc:  # noqa: BLE001 - kept for the next caller, or logged
         failure = exc
-    with _notice_lock:
-        if made:
-            _notice_pool[device] = made
-        elif failure is not None:  # none made: every caller is told why
-            if isinstance(failure, (CudaError, CudaUnavailableError)):
-                _notice_broken[device] = failure
-            else:
-                _notice_broken[device] = cuda_error(getattr(failure, "status", 999), device)
-        _notice_making.discard(device)
+    # Logged before the streams are shown: whoever sees the helper done sees its log too.
     if not made and not isinstance(failure, (CudaError, CudaUnavailableError, type(None))):
         # Callers get a CudaError with CUDA's "unknown" code: the cause is here.
         _log.logger.warning(
@@ -678,6 +670,15 @@ def _make_notice_streams(device: int) -> None:
             device,
             exc_info=failure,
         )
+    with _notice_lock:
+        if made:
+            _notice_pool[device] = made
+        elif failure is not None:  # none made: every caller is told why
+            if isinstance(failure, (CudaError, CudaUnavailableError)):
+                _notice_broken[device] = failure
+            else:
+                _notice_broken[device] = cuda_error(getattr(failure, "status", 999), device)
+        _notice_making.discard(device)
 
 
 # At most this many native notice threads, each blocked on one notice
