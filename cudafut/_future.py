@@ -1434,21 +1434,6 @@ def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
     return fut._records
 
 
-def when_set(fut: CudaFuture[Any], fn: Callable[[], None]) -> None:
-    """Call ``fn()`` once ``fut`` is set, failed or cancelled: now, or in the
-    thread that completes it (an exception from ``fn`` is logged)."""
-    fut._on_set(fn)
-
-
-def complete_future(
-    fut: CudaFuture[T], value: T, records: tuple[EventRecord, ...], keep: object = None
-) -> None:
-    """Set a pending future made by one of cudafut's producers (a staged
-    copy) with ``records`` already recorded; ``keep`` lives until they
-    complete. A future its consumer cancelled meanwhile stays cancelled."""
-    fut._try_complete(_SET, value, None, records, keep)
-
-
 @overload
 def submit(
     fn: Callable[..., CudaFuture[U]],
@@ -1570,9 +1555,11 @@ def when_done(fut: CudaFuture[T], fn: Callable[[CudaFuture[T]], object], driver:
     fut._when_done(fn, driver)
 
 
-def when_completed(fut: CudaFuture[Any], listener: Listener) -> None:
-    """:func:`when_set` for a listener that may return what it completed,
-    for the caller's loop to run (see ``_run_listeners``)."""
+def when_set(fut: CudaFuture[Any], listener: Listener) -> None:
+    """Call ``listener()`` once ``fut`` is set, failed or cancelled: now, or
+    in the thread that completes it (an exception from it is logged). A
+    listener may return what it completed, for the caller's loop to run
+    (see ``_run_listeners``); one that returns None is a plain callback."""
     fut._on_set(listener)
 
 
@@ -1610,12 +1597,14 @@ def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bo
 
 
 def complete_with(
-    fut: CudaFuture[Any],
-    value: object,
+    fut: CudaFuture[T],
+    value: T,
     records: tuple[EventRecord, ...] = (),
     keep: object = None,
 ) -> None:
-    """:func:`complete_future` for a value of any type (a bridge's)."""
+    """Set a pending future made by one of cudafut's producers (a staged
+    copy, a bridge) with ``records`` already recorded; ``keep`` lives until
+    they complete. A future its consumer cancelled meanwhile stays cancelled."""
     fut._try_complete(_SET, value, None, records, keep)
 
 
