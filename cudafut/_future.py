@@ -1070,6 +1070,10 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# -- then()'s link, and the producers (record, submit, settle_launched) -------------------------
+# Running listeners and marking consumers: cudafut/_engine.py, below this module.
+
+
 #: Held while a follow is checked and noted, so that two follows closing one
 #: cycle in two threads cannot both miss it. Re-entrant: a finalizer run by
 #: the GC meanwhile may follow too.
@@ -1300,21 +1304,6 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
     return set_future(value, records, keep)
 
 
-def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) -> CudaFuture[T]:
-    """A future set with ``value`` and ``records`` already recorded (for
-    cudafut's own producers, such as the collectives); ``keep`` lives until
-    the records complete."""
-    fut: CudaFuture[T] = CudaFuture()
-    fut._complete(_SET, value, None, records, keep)
-    return fut
-
-
-def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
-    """The event records of a set future (none while pending, failed or
-    cancelled): for cudafut.testing, which completes them."""
-    return fut._records
-
-
 @overload
 def submit(
     fn: Callable[..., CudaFuture[U]],
@@ -1387,16 +1376,31 @@ def settle_launched(
     _settle(fut, fn, args, kwargs, streams, keep)
 
 
-def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
-    """Fail a pending future with an exception just caught (a producer
-    outside this module: a launcher thread); a completed one stays as is."""
-    fut._try_fail(exception)
-
-
 # -- the internal interface ------------------------------------------------------------------
 # For cudafut's other modules (combinators, bridges, producers, cudafut.testing): they complete,
 # combine and read futures through these functions, never through CudaFuture's attributes
 # (ruff's SLF rules check it). This module's own hot paths read the attributes directly.
+
+
+def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) -> CudaFuture[T]:
+    """A future set with ``value`` and ``records`` already recorded (for
+    cudafut's own producers, such as the collectives); ``keep`` lives until
+    the records complete."""
+    fut: CudaFuture[T] = CudaFuture()
+    fut._complete(_SET, value, None, records, keep)
+    return fut
+
+
+def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
+    """The event records of a set future (none while pending, failed or
+    cancelled): for cudafut.testing, which completes them."""
+    return fut._records
+
+
+def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
+    """Fail a pending future with an exception just caught (a producer
+    outside this module: a launcher thread); a completed one stays as is."""
+    fut._try_fail(exception)
 
 
 def settled(fut: CudaFuture[Any]) -> tuple[bool, Any, BaseException | None]:
