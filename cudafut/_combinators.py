@@ -17,8 +17,8 @@ from ._future import (
     remaining,
     succeeded,
     wait_for,
-    when_completed,
     when_done,
+    when_set,
 )
 from ._loops import current_driver, require_driver
 from ._trace import hooks as _trace
@@ -107,7 +107,7 @@ def gather(*futs: CudaFuture[Any]) -> CudaFuture[list[Any]]:
         return None
 
     for fut in items:
-        when_completed(fut, lambda fut=fut: one_completed(fut))  # type: ignore[misc]
+        when_set(fut, lambda fut=fut: one_completed(fut))  # type: ignore[misc]
     return out
 
 

@@ -38,6 +38,7 @@ __all__ = ["MODULES", "compiled_modules", "core"]
 MODULES: Final = (
     "cudafut._batcher",
     "cudafut._combinators",
+    "cudafut._engine",
     "cudafut._events",
     "cudafut._future",
     "cudafut._launch",

@@ -38,7 +38,7 @@ import numpy as np
 from . import _cuda, _events, _lifetimes, _pinned, _pools, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
-from ._future import CudaFuture, complete_future, set_future
+from ._future import CudaFuture, complete_with, set_future
 from ._values import find_devices, order_foreign
 
 __all__ = ["to_device", "to_host", "to_host_after"]
@@ -464,7 +464,7 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
     jobs = _split(_pieces(array, chunk), threads)
 
     def finish() -> None:
-        complete_future(fut, dst, (_events.record(ptr, dev),), array)
+        complete_with(fut, dst, (_events.record(ptr, dev),), array)
 
     transfer = _Transfer(fut, len(jobs), finish)
     for job in jobs:
@@ -672,7 +672,7 @@ def _start_staged_out(
 
     def finish() -> None:
         # Every chunk is on the host now: a host value, with no GPU work left.
-        complete_future(fut, out, (), keep)
+        complete_with(fut, out, (), keep)
 
     transfer = _Transfer(fut, len(jobs), finish)
     base = int(src.data.ptr)
@@ -703,7 +703,7 @@ def _pin_and_copy(
             _cuda.memcpy_to_host(result.ctypes.data, int(src.data.ptr), src.nbytes, ptr)
             rec = _events.record(ptr, device)
         buffer.guard = (rec,)
-        complete_future(fut, result, (rec,), keep)
+        complete_with(fut, result, (rec,), keep)
     except BaseException as exc:  # noqa: BLE001 - a copy thread never dies of a copy
         with contextlib.suppress(InvalidStateError):  # its consumer cancelled it
             fut.set_exception(exc)

@@ -22,12 +22,22 @@ from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, S
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _checks, _cuda, _events, _lifetimes, _loops, _memory, _pools, _torch, _waiter
+from . import _checks, _cuda, _events, _lifetimes, _loops, _pools, _torch, _waiter
+from ._engine import (
+    INTERRUPTS,
+    call_listener,
+    pending_records,
+    record_consumers,
+    record_current_consumers,
+    run_listeners,
+)
+from ._engine import Listener as Listener  # re-exported: the internal interface's types
+from ._engine import Pending as Pending
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
 from ._log import logger
 from ._trace import hooks as _trace
-from ._values import current_consumer, find_devices, gpu_arrays, normalize_devices, order_foreign
+from ._values import current_consumer, find_devices, normalize_devices, order_foreign
 
 __all__ = ["CudaFuture", "record", "submit"]
 
@@ -55,13 +65,6 @@ _CANCELLED: Final = _State.CANCELLED
 # limit": threading refuses them (OverflowError).
 _NO_LIMIT: Final = threading.TIMEOUT_MAX
 
-#: What runs once a future leaves the pending state. A listener that
-#: completes another future returns that future's listeners instead of
-#: running them (see ``_run_listeners``): a chain of any length completes in
-#: a loop, not by recursion.
-Listener = Callable[[], "Pending | None"]
-#: A future just completed, and its listeners still to run.
-Pending = tuple["CudaFuture[Any]", "list[Listener]"]
 #: Which stream pool ``then()`` and ``submit()`` take their streams from.
 Priority = Literal["normal", "high"]
 
@@ -266,7 +269,7 @@ class CudaFuture(Generic[T]):
 
     def _cancel_later(self) -> Pending | None:
         """:meth:`cancel` for a pending future, leaving its listeners to the
-        caller (see ``_run_listeners``)."""
+        caller (see ``_engine.run_listeners``)."""
         with self._lock:
             if self._state is not _PENDING:
                 return None
@@ -333,7 +336,7 @@ class CudaFuture(Generic[T]):
         self._block_until_done(timeout)
         value = self._outcome(CancelledError)
         if self._records:
-            _record_current_consumers(value, self._records, untracked=False)
+            record_current_consumers(value, self._records, untracked=False)
         return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -405,7 +408,7 @@ class CudaFuture(Generic[T]):
                 if torch is not None:  # PyTorch's current streams wait too
                     _torch.wait_current(torch, self._records, self._value)
                 value = self._outcome(CancelledError)
-                _record_current_consumers(value, self._records, untracked=True)
+                record_current_consumers(value, self._records, untracked=True)
             except CudaUnavailableError as exc:
                 error = _explained(self, exc)
                 if error is exc:
@@ -443,7 +446,7 @@ class CudaFuture(Generic[T]):
                 _trace.waited_at_once(self, "await")
             value = self._outcome(CancelledError)
             if self._records:
-                _record_current_consumers(value, self._records, untracked=False)
+                record_current_consumers(value, self._records, untracked=False)
             return value
         # A plain generator, not a coroutine: each pending await keeps only a
         # few objects alive, which matters to the cyclic GC at 10k awaits.
@@ -456,14 +459,14 @@ class CudaFuture(Generic[T]):
             if len(records) == 1:  # the common case, inline
                 pending: Sequence[EventRecord] = records if records[0].status is None else ()
             else:
-                pending = _pending_records(records)
+                pending = pending_records(records)
             if pending:
                 yield from driver.wait(pending)
         if token is not None:
             _trace.waited("await", token)
         value = self._outcome(driver.cancelled_error)
         if self._records:
-            _record_current_consumers(value, self._records, untracked=False)
+            record_current_consumers(value, self._records, untracked=False)
         return value
 
     def _until_set(self, driver: _loops.LoopDriver) -> Coroutine[Any, Any, None]:
@@ -739,7 +742,7 @@ class CudaFuture(Generic[T]):
 
         Runs the listeners before returning; with ``later``, returns them
         instead (with this future), for the caller's loop to run: internal
-        completions, made by a listener, use it (see ``_run_listeners``).
+        completions, made by a listener, use it (see ``_engine.run_listeners``).
         """
         with self._lock:
             if self._state is not _PENDING:
@@ -762,7 +765,7 @@ class CudaFuture(Generic[T]):
 
     def _announce(self, event: threading.Event | None, listeners: list[Listener] | None) -> Pending | None:
         """Wake the threads blocked on this just-completed future; return its
-        listeners to run (see ``_run_listeners``)."""
+        listeners to run (see ``_engine.run_listeners``)."""
         if _trace.active is not None:
             self._notify_traced(event, None)
         elif event is not None:
@@ -826,7 +829,7 @@ class CudaFuture(Generic[T]):
         stays as it is.
 
         Returns this future's listeners, for the caller to run (see
-        ``_run_listeners``): it is called by listeners.
+        ``_engine.run_listeners``): it is called by listeners.
         """
         for parent in parents:
             state = parent._state
@@ -857,7 +860,7 @@ class CudaFuture(Generic[T]):
         Fails it with :class:`InvalidStateError` instead if ``other`` is this
         future or waits on it: it would wait on itself for ever. Returns what
         is left to run if ``other`` is completed already (see
-        ``_run_listeners``).
+        ``_engine.run_listeners``).
         """
         with _follow_lock:  # two follows closing one cycle cannot both miss it
             if _waits_on(other, self):
@@ -888,7 +891,7 @@ class CudaFuture(Generic[T]):
         if event is not None:
             event.set()
         if listeners is not None:
-            _run_listeners(self, listeners)
+            run_listeners(self, listeners)
 
     def _notify_traced(self, event: threading.Event | None, listeners: list[Listener] | None) -> None:
         """:meth:`_notify` while tracing is on, between the tracer's hooks
@@ -922,7 +925,7 @@ class CudaFuture(Generic[T]):
                 else:
                     self._listeners.append(listener)
                 return
-        _call_listener(listener, self)
+        call_listener(listener, self)
 
     def _on_set_removable(self, listener: Listener) -> Callable[[], None]:
         self._on_set(listener)
@@ -1030,59 +1033,6 @@ class CudaFuture(Generic[T]):
                 pass
 
 
-def _record_consumers(value: object, streams: Mapping[int, Any], *, untracked: bool) -> None:
-    """Mark the GPU arrays of ``value`` used by ``streams`` (``{device:
-    CuPy stream}``), so that their memory outlives the work queued there
-    (:func:`cudafut.record_stream`)."""
-    arrays = gpu_arrays(value)
-    if arrays:
-        triples = [(int(s.ptr), d, s) for d, s in streams.items()]
-        _memory.record_streams_of(arrays, triples, untracked=untracked)
-
-
-def _record_current_consumers(value: object, records: tuple[EventRecord, ...], *, untracked: bool) -> None:
-    """For ``wait()``, ``await`` and ``result()``: the caller's current
-    streams of the future's devices consume the value (for ``await`` and
-    ``result()``, most likely: ``untracked`` is off there)."""
-    arrays = gpu_arrays(value)
-    if arrays:
-        if len(records) == 1:  # the common case, without the generic comprehensions
-            device = records[0].device
-            devices: Iterable[int] = (device,)
-            stream = _cuda.current_stream(device)
-            consumers = [(int(stream.ptr), device, stream)]
-        else:
-            devices = dict.fromkeys(r.device for r in records)
-            currents = [(d, _cuda.current_stream(d)) for d in devices]
-            consumers = [(int(s.ptr), d, s) for d, s in currents]
-        _memory.record_streams_of(arrays, consumers, untracked=untracked)
-        if not untracked:  # await, result(): wait() records torch's stream itself (_torch.wait_current)
-            torch = _torch.loaded()
-            if torch is not None:
-                # A tensor made on another stream (a launcher's): torch's
-                # allocator must not hand its memory out before what the
-                # caller's torch stream enqueues on it has run.
-                tensors = [a for a in arrays if isinstance(a, torch.Tensor)]
-                if tensors:
-                    _torch.record_tensors(tensors, {d: torch.cuda.current_stream(d) for d in devices})
-
-
-def _pending_records(records: tuple[EventRecord, ...]) -> Sequence[EventRecord]:
-    """The records an await must still wait for: those not known complete,
-    ``records`` itself when that is all of them (no list); none if one
-    failed (its error is raised at once)."""
-    pending: list[EventRecord] | None = None
-    for i, rec in enumerate(records):
-        status = rec.status
-        if status:
-            return ()
-        if status is not None and pending is None:  # complete: the first one not waited for
-            pending = list(records[:i])
-        elif status is None and pending is not None:
-            pending.append(rec)
-    return records if pending is None else pending
-
-
 _WAITING: Final = 0
 _STARTED: Final = 1
 _REMOVED: Final = 2
@@ -1120,73 +1070,8 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-#: What a callback may raise that must reach the user, not a log.
-_INTERRUPTS: Final = (KeyboardInterrupt, SystemExit)
-
-
-def _run_listeners(future: CudaFuture[Any], listeners: list[Listener]) -> None:
-    """Run the listeners of a just-completed ``future``, and, in a loop, the
-    listeners of every future they complete, depth first: the order the
-    calls would nest in, without the recursion (a chain of any length).
-
-    No listener's exception stops the others. ``KeyboardInterrupt`` and
-    ``SystemExit`` (the first one) are raised again once all have run, in
-    this thread; any other exception is logged (a then() ``fn``'s own
-    exceptions never come here: its child stores them).
-    """
-    interrupt: BaseException | None = None
-    for listener in listeners:
-        try:
-            more = listener()
-        except BaseException as exc:  # noqa: BLE001 - no listener may strand the others
-            interrupt = _listener_raised(future, exc, interrupt)
-            continue
-        if more is not None:
-            interrupt = _run_pending(more, interrupt)
-    if interrupt is not None:
-        raise interrupt
-
-
-def _run_pending(pending: Pending, interrupt: BaseException | None) -> BaseException | None:
-    """The loop of :func:`_run_listeners`, for what a listener handed back."""
-    stack = [(pending[0], iter(pending[1]))]
-    while stack:
-        future, listeners = stack[-1]
-        for listener in listeners:
-            try:
-                more = listener()
-            except BaseException as exc:  # noqa: BLE001 - see _run_listeners
-                interrupt = _listener_raised(future, exc, interrupt)
-                continue
-            if more is not None:
-                stack.append((more[0], iter(more[1])))
-                break
-        else:
-            stack.pop()
-    return interrupt
-
-
-def _listener_raised(
-    future: CudaFuture[Any], exc: BaseException, interrupt: BaseException | None
-) -> BaseException | None:
-    """The interrupt to raise once every listener ran: the first one."""
-    if interrupt is None and isinstance(exc, _INTERRUPTS):
-        return exc
-    logger.error("cudafut: exception while completing %r", future, exc_info=exc)
-    return interrupt
-
-
-def _call_listener(listener: Listener, future: CudaFuture[Any]) -> None:
-    """Run one listener of a completed future now (and what it hands back)."""
-    try:
-        more = listener()
-    except _INTERRUPTS:
-        raise  # in the thread of the call that added it: the user's
-    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
-        logger.error("cudafut: exception while completing %r", future, exc_info=exc)
-        return
-    if more is not None:
-        _run_listeners(*more)
+# -- then()'s link, and the producers (record, submit, settle_launched) -------------------------
+# Running listeners and marking consumers: cudafut/_engine.py, below this module.
 
 
 #: Held while a follow is checked and noted, so that two follows closing one
@@ -1231,7 +1116,7 @@ def _run_then(
         streams = _then_streams(parent, priority)
         # The child keeps the value until its own events complete; fn may also
         # queue work on these streams that outlives them.
-        _record_consumers(parent._value, streams, untracked=False)
+        record_consumers(parent._value, streams, untracked=False)
         return _settle_later(child, fn, (parent._value,), {}, streams, parent._value)
     except Exception as exc:  # noqa: BLE001 - stored in the child, not lost
         return child._fail_later(_explained(parent, exc))
@@ -1290,7 +1175,7 @@ def _settle(
     ``fut`` and are raised again."""
     more = _settle_later(fut, fn, args, kwargs, streams, keep)
     if more is not None:
-        _run_listeners(*more)
+        run_listeners(*more)
 
 
 def _settle_later(
@@ -1312,10 +1197,10 @@ def _settle_later(
             out = _cuda.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
         else:  # the pool streams are PyTorch's current streams too
             out = _torch.call_on_streams(torch, streams, fn, args, kwargs, keep)
-    except _INTERRUPTS as exc:
+    except INTERRUPTS as exc:
         # The child's consumers must not wait for ever: fail it (and run what
         # waits on it) now; the interrupt then goes on up to the thread's
-        # caller, after the other listeners (_run_listeners), as asyncio's
+        # caller, after the other listeners (_engine.run_listeners), as asyncio's
         # tasks do. Raised to the user: not logged again as unretrieved.
         fut._try_fail(exc)
         fut._retrieved = True
@@ -1419,36 +1304,6 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
     return set_future(value, records, keep)
 
 
-def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) -> CudaFuture[T]:
-    """A future set with ``value`` and ``records`` already recorded (for
-    cudafut's own producers, such as the collectives); ``keep`` lives until
-    the records complete."""
-    fut: CudaFuture[T] = CudaFuture()
-    fut._complete(_SET, value, None, records, keep)
-    return fut
-
-
-def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
-    """The event records of a set future (none while pending, failed or
-    cancelled): for cudafut.testing, which completes them."""
-    return fut._records
-
-
-def when_set(fut: CudaFuture[Any], fn: Callable[[], None]) -> None:
-    """Call ``fn()`` once ``fut`` is set, failed or cancelled: now, or in the
-    thread that completes it (an exception from ``fn`` is logged)."""
-    fut._on_set(fn)
-
-
-def complete_future(
-    fut: CudaFuture[T], value: T, records: tuple[EventRecord, ...], keep: object = None
-) -> None:
-    """Set a pending future made by one of cudafut's producers (a staged
-    copy) with ``records`` already recorded; ``keep`` lives until they
-    complete. A future its consumer cancelled meanwhile stays cancelled."""
-    fut._try_complete(_SET, value, None, records, keep)
-
-
 @overload
 def submit(
     fn: Callable[..., CudaFuture[U]],
@@ -1492,7 +1347,7 @@ def submit(
     for rec in _torch.current_records(dev):  # the caller's CuPy and torch streams
         rec.wait_on(ptr, dev)
     order_foreign((args, kwargs), lambda _d: (ptr, dev))  # and JAX's streams
-    _record_consumers((args, kwargs), {dev: stream}, untracked=False)
+    record_consumers((args, kwargs), {dev: stream}, untracked=False)
     fut: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "submit")
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut
@@ -1517,20 +1372,35 @@ def settle_launched(
         return
     # The launcher's stream is known to read them (not guessed): untracked
     # arrays are recorded too.
-    _record_consumers(keep, streams, untracked=True)
+    record_consumers(keep, streams, untracked=True)
     _settle(fut, fn, args, kwargs, streams, keep)
-
-
-def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
-    """Fail a pending future with an exception just caught (a producer
-    outside this module: a launcher thread); a completed one stays as is."""
-    fut._try_fail(exception)
 
 
 # -- the internal interface ------------------------------------------------------------------
 # For cudafut's other modules (combinators, bridges, producers, cudafut.testing): they complete,
 # combine and read futures through these functions, never through CudaFuture's attributes
 # (ruff's SLF rules check it). This module's own hot paths read the attributes directly.
+
+
+def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) -> CudaFuture[T]:
+    """A future set with ``value`` and ``records`` already recorded (for
+    cudafut's own producers, such as the collectives); ``keep`` lives until
+    the records complete."""
+    fut: CudaFuture[T] = CudaFuture()
+    fut._complete(_SET, value, None, records, keep)
+    return fut
+
+
+def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
+    """The event records of a set future (none while pending, failed or
+    cancelled): for cudafut.testing, which completes them."""
+    return fut._records
+
+
+def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
+    """Fail a pending future with an exception just caught (a producer
+    outside this module: a launcher thread); a completed one stays as is."""
+    fut._try_fail(exception)
 
 
 def settled(fut: CudaFuture[Any]) -> tuple[bool, Any, BaseException | None]:
@@ -1570,9 +1440,11 @@ def when_done(fut: CudaFuture[T], fn: Callable[[CudaFuture[T]], object], driver:
     fut._when_done(fn, driver)
 
 
-def when_completed(fut: CudaFuture[Any], listener: Listener) -> None:
-    """:func:`when_set` for a listener that may return what it completed,
-    for the caller's loop to run (see ``_run_listeners``)."""
+def when_set(fut: CudaFuture[Any], listener: Listener) -> None:
+    """Call ``listener()`` once ``fut`` is set, failed or cancelled: now, or
+    in the thread that completes it (an exception from it is logged). A
+    listener may return what it completed, for the caller's loop to run
+    (see ``_engine.run_listeners``); one that returns None is a plain callback."""
     fut._on_set(listener)
 
 
@@ -1610,12 +1482,14 @@ def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bo
 
 
 def complete_with(
-    fut: CudaFuture[Any],
-    value: object,
+    fut: CudaFuture[T],
+    value: T,
     records: tuple[EventRecord, ...] = (),
     keep: object = None,
 ) -> None:
-    """:func:`complete_future` for a value of any type (a bridge's)."""
+    """Set a pending future made by one of cudafut's producers (a staged
+    copy, a bridge) with ``records`` already recorded; ``keep`` lives until
+    they complete. A future its consumer cancelled meanwhile stays cancelled."""
     fut._try_complete(_SET, value, None, records, keep)
 
 

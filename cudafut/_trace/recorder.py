@@ -508,7 +508,7 @@ class Tracer:
 
 
 #: Functions that make futures for another one of cudafut's: the label names that one.
-INNER: Final = frozenset({"set_future", "complete_future", "__init__"})
+INNER: Final = frozenset({"set_future", "complete_with", "__init__"})
 #: Where cudafut's own code lives (labels name cudafut's public functions only).
 PACKAGE: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
