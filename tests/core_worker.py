@@ -76,7 +76,7 @@ def run(ops: list[list[Any]]) -> list[str]:
                 fn = plus_one if b % 3 else boom
                 seen.append(_outcome(lambda: futs.append(fut.then(fn))))
             elif op == "gather" and fut is not None:
-                other = pick(b)
+                other = pick(b) or fut  # futs is not empty here
                 seen.append(_outcome(lambda: futs.append(cudafut.gather(fut, other))))
             elif op == "callback" and fut is not None:
                 seen.append(_outcome(lambda: fut.add_done_callback(lambda f: called.append(1))))
