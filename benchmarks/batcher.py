@@ -1,7 +1,7 @@
 """Section ``batcher``: the loop's CPU per request of :class:`cudafut.Batcher`,
 with a ``run_batch`` that does no GPU work, beside the same hand-off written
 by hand: requests in a deque, one task forming batches, a plain asyncio
-future per request (the native-core issue's target: at most 10 µs per
+future per request (the native core's target: at most 10 µs per
 request). And, as the floor, each request awaiting a plain future that is
 set at once.
 
