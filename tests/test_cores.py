@@ -9,7 +9,6 @@ its first line)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.subproc import ROOT
+from tests.subproc import ROOT, python_env
 
 OPS = [
     "new",
@@ -39,15 +38,13 @@ OPS = [
 
 class _Worker:
     def __init__(self, pure: bool) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        env["CUDAFUT_PURE"] = "1" if pure else "0"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.core_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
-            env=env,
+            env=python_env(CUDAFUT_PURE="1" if pure else "0"),
         )
         self.core = json.loads(self._line())["core"]
 
