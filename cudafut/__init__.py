@@ -38,6 +38,7 @@ from ._errors import CancelledError as CancelledError
 from ._errors import CudaError as CudaError
 from ._errors import CudaUnavailableError as CudaUnavailableError
 from ._errors import InvalidStateError as InvalidStateError
+from ._errors import SharingError as SharingError
 from ._errors import TimeoutError as TimeoutError
 from ._future import CudaFuture as CudaFuture
 from ._future import record as record
@@ -56,6 +57,9 @@ from ._policy import get_wait_policy as get_wait_policy
 from ._policy import set_wait_policy as set_wait_policy
 from ._pools import PoolStatistics as PoolStatistics
 from ._pools import pool_statistics as pool_statistics
+from ._shared import SharedStatistics as SharedStatistics
+from ._shared import enqueued as enqueued
+from ._shared import shared_statistics as shared_statistics
 from ._tasks import own_stream as own_stream
 from ._tasks import task_stream as task_stream
 from ._tasks import use_stream as use_stream
@@ -80,6 +84,8 @@ __all__ = [
     "InvalidStateError",
     "MemoryStatistics",
     "PoolStatistics",
+    "SharedStatistics",
+    "SharingError",
     "TimeoutError",
     "Trace",
     "Tracked",
@@ -89,6 +95,7 @@ __all__ = [
     "as_completed",
     "as_completed_sync",
     "empty_pinned",
+    "enqueued",
     "from_torch",
     "gather",
     "get_pinned_limit",
@@ -104,6 +111,7 @@ __all__ = [
     "set_pinned_limit",
     "set_tracking",
     "set_wait_policy",
+    "shared_statistics",
     "submit",
     "task_stream",
     "to_device",

@@ -90,6 +90,12 @@ class CudaUnavailableError(RuntimeError):
     """
 
 
+class SharingError(RuntimeError):
+    """A future could not cross to another process, or its producing process
+    is gone: it died before the work completed, the pickled future expired
+    or was received already, or the processes run on different machines."""
+
+
 class InvalidStateError(asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
     """The call does not fit the future's state, e.g. setting it twice."""
 

@@ -73,7 +73,7 @@ class EventRecord:
         self.seen = 0.0
         #: An error decided on the host for the work behind this record (a
         #: collective that timed out): see :meth:`fail_with`.
-        self.failure: CudaError | None = None
+        self.failure: Exception | None = None
         #: Asked once the event completes: an error means the work did not
         #: succeed after all (an NCCL kernel that an abort ended early).
         self.confirm: Callable[[], CudaError | None] | None = None
@@ -101,14 +101,15 @@ class EventRecord:
         self.status = raw
         return raw
 
-    def error(self) -> CudaError | None:
-        """The :class:`CudaError` this record reported, if any."""
+    def error(self) -> Exception | None:
+        """The :class:`CudaError` this record reported, if any (or the
+        error :meth:`fail_with` gave it)."""
         status = self.status
         if status:
             return self.failure or _cuda.cuda_error(status, self.device)
         return None
 
-    def fail_with(self, error: CudaError) -> None:
+    def fail_with(self, error: Exception) -> None:
         """Fail the work behind this record from the host (callable from any
         thread): every waiter sees ``error`` at its next poll, whatever the
         event reports later. For work that can never complete (a collective
@@ -197,7 +198,7 @@ def is_newest(rec: EventRecord) -> bool:
     return _sequence.get(rec.stream_key) == rec.seq
 
 
-def first_error(records: tuple[EventRecord, ...]) -> CudaError | None:
+def first_error(records: tuple[EventRecord, ...]) -> Exception | None:
     for rec in records:
         if rec.status:
             return rec.error()

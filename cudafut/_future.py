@@ -987,6 +987,22 @@ class CudaFuture(Generic[T]):
         self._keep = None
         return self._value  # type: ignore[no-any-return]
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickling (a ``multiprocessing`` queue or pipe) sends this future
+        to another process of this machine, which gets a :class:`CudaFuture`
+        of the same work: see :func:`cudafut.enqueued` and docs/processes.md.
+        Costs a few µs and blocks nothing; the GPU value stays in this
+        process's memory (CUDA IPC) until the receiver lets go of it.
+
+        Raises:
+            InvalidStateError: the future is pending: its work is not
+                enqueued yet (``await cudafut.enqueued(fut)`` first).
+            TypeError: its value holds a GPU array CUDA IPC cannot share.
+        """
+        from . import _shared
+
+        return _shared.export(self)
+
     def __repr__(self) -> str:
         state = self._state
         if state is _SET:
@@ -1389,6 +1405,31 @@ def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) 
     fut: CudaFuture[T] = CudaFuture()
     fut._complete(_SET, value, None, records, keep)
     return fut
+
+
+def share_state(fut: CudaFuture[Any]) -> tuple[str, Any, BaseException | None, tuple[EventRecord, ...]]:
+    """``(state, value, exception, records)`` of ``fut`` as it is now, state
+    being ``"pending"``, ``"set"``, ``"failed"`` or ``"cancelled"``: for
+    ``_shared``, which pickles it. An exception read here counts as
+    retrieved (the receiving process carries it now)."""
+    with fut._lock:
+        state = fut._state
+        if state is _PENDING:
+            return "pending", None, None, ()
+        if state is _CANCELLED:
+            return "cancelled", None, None, ()
+        if state is _FAILED:
+            fut._retrieved = True
+            exc = fut._exception
+            assert exc is not None
+            return "failed", None, exc.with_traceback(fut._traceback), ()
+        return "set", fut._value, None, fut._records
+
+
+def until_set(fut: CudaFuture[Any]) -> Coroutine[Any, Any, None]:
+    """Wait in the running loop (asyncio, uvloop or trio) until ``fut`` is
+    set, failed or cancelled, not for its GPU work."""
+    return fut._until_set(_loops.require_driver())
 
 
 def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
 from . import _lifetimes
-from ._errors import CudaError
 from ._events import EventRecord
 from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
@@ -45,7 +44,7 @@ from ._trace import hooks as _trace
 FIRE_PER_POLL: Final = 64
 
 RecordCallback = Callable[[EventRecord], None]
-DoneCallback = Callable[[CudaError | None], None]
+DoneCallback = Callable[[Exception | None], None]
 
 
 class Watch:
@@ -492,7 +491,7 @@ class ThreadWaiter(Driver):
     def _hold(self, records: Sequence[EventRecord], obj: object) -> None:
         # The callback's default argument owns ``obj``: it goes when the
         # callback is dropped, once the records complete.
-        def done(_error: CudaError | None, _held: object = obj) -> None:
+        def done(_error: Exception | None, _held: object = obj) -> None:
             pass
 
         self.watch_all(records, done)

@@ -71,6 +71,11 @@ _ERROR_NAMES: Final = {
     999: ("cudaErrorUnknown", "unknown error"),
 }
 
+_NO_IPC = (
+    "cudafut.testing's fake GPU cannot share GPU memory or events between processes: "
+    "under the fake, a future crosses processes only once its work is complete and its "
+    "value holds no GPU array (docs/processes.md). Test the crossing itself on a GPU"
+)
 _NOT_MODELLED = (
     "this call needs CuPy's CUDA runtime, which cudafut.testing's fake CUDA does not have: "
     "it fakes events, streams and NumPy values only (pinned memory, @own_stream and "
@@ -393,6 +398,13 @@ class _Backend:
     def cupy(self) -> Any:
         raise CudaUnavailableError(_NOT_MODELLED)
 
+    # A future crossing processes needs CUDA's interprocess events and memory.
+    def _no_ipc(self, *args: object) -> Any:
+        raise CudaUnavailableError(_NO_IPC)
+
+    ipc_event_create = ipc_open_event = ipc_memory_handle = ipc_open_memory = _no_ipc
+    ipc_close_memory = device_bus_id = device_of_bus_id = device_synchronize = _no_ipc
+
     def initialised(self) -> bool:
         return False  # no GPU timing events (trace) under the fake
 
@@ -491,7 +503,7 @@ def _record_type(backend: _Backend) -> type[EventRecord]:
                         backend.still_pending(self.asked, now)
             return self.status
 
-        def error(self) -> CudaError | None:
+        def error(self) -> Exception | None:
             status = self.status
             if status:
                 return self.failure or _fake_error(status, self.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import cudafut
-from cudafut import _cuda, _events, _future, _lifetimes, _pools, _tasks, _tracked, _values
+from cudafut import _cuda, _events, _future, _lifetimes, _pools, _shared, _tasks, _tracked, _values
 from cudafut._future import _SET, CudaFuture
 
 _idle: dict[int, Any] = {}
@@ -151,6 +151,14 @@ def _close_at_once(record: Any, fd: int, lane: object) -> None:
     os.close(fd)  # before the work ends: a notice that orders nothing
 
 
+def _share_event_unordered(pending: list[_events.EventRecord]) -> tuple[int, int, bytes]:
+    """A shared future's interprocess event, recorded after nothing."""
+    device = pending[0].device
+    event, handle = _cuda.ipc_event_create(device)
+    _cuda.event_record(event, _idle_stream(device), device)
+    return device, event, handle
+
+
 MUTATIONS = {
     # every cudaStreamWaitEvent becomes a no-op
     "stream_wait": lambda: setattr(_cuda, "stream_wait", _no_stream_wait),
@@ -194,6 +202,9 @@ MUTATIONS = {
     "notice_drop": lambda: setattr(_cuda, "close_after", _close_never),
     # notices come at once, before the work they follow has ended (likewise)
     "notice_early": lambda: setattr(_cuda, "close_after", _close_at_once),
+    # a pickled future's interprocess event no longer follows its work (in
+    # the producing process: tests/shared_worker.py applies it there too)
+    "share_event": lambda: setattr(_shared, "_event_after", _share_event_unordered),
 }
 
 

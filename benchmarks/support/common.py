@@ -30,6 +30,7 @@ SECTIONS = (
     "many",
     "host",
     "batcher",
+    "shared",
     "copies",
     "pipeline",
     "tracing",

@@ -1,0 +1,916 @@
+"""Futures across processes: pickling a CudaFuture by CUDA IPC.
+
+Pickling a :class:`CudaFuture` (``CudaFuture.__reduce__``) exports it; the
+process that unpickles it imports a :class:`CudaFuture` of the same work.
+Nothing crosses through host memory: the work is followed by an
+interprocess event, and the GPU arrays of the value (CuPy arrays, PyTorch
+CUDA tensors, anywhere inside it) by the IPC handles of their allocations.
+docs/processes.md tells the user's side; this is how it works.
+
+The producer (the exporting process):
+
+- An export takes a *slot* of the producer's *ledger*: a file in
+  ``/dev/shm`` both processes map. The slot holds the export's generation
+  (a number never reused), the receiver's pid and start time, written when
+  it unpickles, and the generation again, written when the receiver lets go.
+  Each field has one writer, so no lock crosses processes.
+- Until then the producer keeps the value (so its memory is never reused)
+  and the interprocess event (never recorded again). The ``cudafut-share``
+  thread reads the ledger every ``_TICK_S`` and frees what receivers let go
+  of, what a receiver that died held, and, after ``CUDAFUT_SHARE_CLAIM_S``
+  (60 s), what nobody received.
+- Events are made once (interprocess events cost about 2 µs) and come back
+  to a free list when their export is freed.
+
+The consumer (the importing process):
+
+- Maps the allocations (cached by handle: opening one costs about 150 µs,
+  and an allocation is usually sent many times) and opens the event (also
+  cached). The future it gets is set, with one record of that event, and
+  awaits it like any other: the waiter queries the event.
+- While the event is pending, the ``cudafut-share`` thread checks every
+  ``_TICK_S`` that the producer lives: a producer that died fails the
+  future with :class:`SharingError` (CUDA would leave the event pending for
+  ever).
+- Once the future, its record and every array of the value are garbage,
+  the thread synchronises the devices (this process's work that read the
+  memory must end first) and writes the release into the producer's slot.
+
+torch.multiprocessing differs: it shares each tensor's storage with a
+reference count in shared memory, and keeps the sender's block until the
+count drops, polling it when it allocates; here one slot covers a whole
+value, the receiver writes its pid so that its death frees the slot, and an
+event carries the order (torch's receivers synchronise on receipt).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import itertools
+import mmap
+import os
+import pickle
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+from . import _cuda, _lifetimes, _pools, _torch
+from ._errors import CudaError, InvalidStateError, SharingError
+from ._events import EventRecord
+from ._future import CudaFuture, set_future, share_state, until_set
+from ._log import logger
+
+__all__ = ["SharedStatistics", "enqueued", "export", "held_ticket", "import_ticket", "shared_statistics"]
+
+_VERSION: Final = 1
+#: How often the cudafut-share thread reads the ledger and checks producers.
+_TICK_S: Final = 0.05
+#: How often receivers' liveness is checked (a /proc read per receiver).
+_ALIVE_S: Final = 0.5
+_SLOTS: Final = 1 << 16
+# gen, receiver pid, receiver start time, released gen
+_FIELDS: Final = 4
+# Mapped allocations and opened events kept for reuse once unused.
+_IDLE_MAPPINGS: Final = 64
+_IDLE_EVENTS: Final = 256
+
+
+def _claim_s() -> float:
+    text = os.environ.get("CUDAFUT_SHARE_CLAIM_S", "").strip()
+    if not text:
+        return 60.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"CUDAFUT_SHARE_CLAIM_S must be a number of seconds above 0, not {text!r}")
+    return value
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # not Linux: the host name is the best we have
+        import socket
+
+        return socket.gethostname()
+
+
+def _start_time(pid: int) -> int:
+    """A process's start time in clock ticks since boot (0: no such process):
+    with the pid, names a process even after its pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # Field 22; the command name (field 2) may hold spaces and parentheses.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    return _start_time(pid) == start if start else _pid_exists(pid)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Ledger:
+    """The slots of one producer: ``_SLOTS`` rows of ``_FIELDS`` int64 in a
+    file both sides map (sparse: pages are touched as slots are used)."""
+
+    def __init__(self, path: str, *, create: bool) -> None:
+        import numpy as np
+
+        self.path = path
+        size = _SLOTS * _FIELDS * 8
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.rows = np.frombuffer(self._map, dtype=np.int64).reshape(_SLOTS, _FIELDS)
+
+    @classmethod
+    def create(cls) -> Ledger:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(folder, f"cudafut-share-{os.getpid()}-{os.urandom(4).hex()}")
+        return cls(path, create=True)
+
+    def released(self, used: int) -> Any:
+        """The slots below ``used`` whose receiver let go (a vectorised read)."""
+        import numpy as np
+
+        rows = self.rows[:used]
+        return np.flatnonzero((rows[:, 3] != 0) & (rows[:, 3] == rows[:, 0]))
+
+    def close(self, *, unlink: bool) -> None:
+        self.rows = None  # type: ignore[assignment]  # closed: readers check
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+        if unlink:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+class _Export:
+    """What the producer keeps for one export until it is freed."""
+
+    __slots__ = ("event", "future", "gen", "t", "value")
+
+    def __init__(
+        self, gen: int, future: CudaFuture[Any], value: object, event: tuple[int, int, bytes] | None
+    ) -> None:
+        self.gen = gen
+        self.future = future
+        self.value = value
+        self.event = event  # (device, event, handle)
+        self.t = time.monotonic()
+
+
+class _Received:
+    """The consumer's side of one import: alive while the future's record
+    or an array of its value is; its end writes the release (via the
+    cudafut-share thread, which first synchronises the devices)."""
+
+    __slots__ = ("__weakref__", "devices", "event_key", "gen", "ledger", "mappings", "slot")
+
+    def __init__(self, ledger: Ledger, slot: int, gen: int) -> None:
+        self.ledger = ledger
+        self.slot = slot
+        self.gen = gen
+        self.mappings: list[bytes] = []
+        self.devices: set[int] = set()
+        self.event_key: bytes | None = None
+
+    def __del__(self) -> None:
+        _state.releases.append(
+            (self.ledger, self.slot, self.gen, self.mappings, self.devices, self.event_key)
+        )
+        _state.wake.set()
+
+
+class _SharedRecord(EventRecord):
+    """The record of an imported future: an event another process records.
+    Its handle belongs to the event cache, not to the pool."""
+
+    __slots__ = ("owner",)
+    owner: _Received
+
+    def __del__(self) -> None:
+        pass
+
+
+class _State:
+    """This process's side of sharing, both roles; guarded by ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.pid = os.getpid()
+        self.start = _start_time(self.pid)
+        self.boot = _boot_id()
+        # Producer.
+        self.ledger: Ledger | None = None
+        self.free_slots: list[int] = []
+        self.next_slot = 1  # slot 0 unused: a zeroed row is never a live one
+        self.exports: dict[int, _Export] = {}
+        self.gens = itertools.count(1)
+        self.free_events: dict[int, list[tuple[int, bytes]]] = {}
+        self.events_made = 0
+        self.last_alive = 0.0
+        # Consumer.
+        self.ledgers: dict[str, Ledger] = {}
+        self.mappings: dict[bytes, list[Any]] = {}  # handle: [ptr, uses, idle since]
+        self.events: dict[bytes, list[Any]] = {}  # handle: [event, uses, idle since]
+        self.watched: list[tuple[weakref.ref[EventRecord], int, int]] = []
+        # Appended by _Received.__del__ (any thread, maybe inside a garbage
+        # collection: no lock), popped by the thread.
+        self.releases: deque[tuple[Ledger, int, int, list[bytes], set[int], bytes | None]] = deque()
+        self.buses: dict[int, str] = {}
+        self.stopped = False
+        self.devices: dict[str, int] = {}
+        self.received = 0
+        self.released = 0
+
+
+_state = _State()
+
+
+def _after_fork_in_child() -> None:
+    global _state
+    old = _state
+    _state = _State()  # the child owns none of the parent's exports, maps or events
+    if old.ledger is not None:
+        old.ledger.close(unlink=False)
+
+
+_lifetimes.at_fork_in_child(_after_fork_in_child)
+
+
+# -- the producer ---------------------------------------------------------------------------
+
+
+def export(fut: CudaFuture[Any]) -> tuple[Callable[..., CudaFuture[Any]], tuple[Any, ...]]:
+    """``fut.__reduce__()``: the ticket another process imports ``fut`` by.
+
+    Raises:
+        InvalidStateError: ``fut`` is pending (its work is not enqueued).
+        TypeError: its value holds a GPU array that cannot cross.
+    """
+    state, value, exception, records = share_state(fut)
+    if state == "pending":
+        raise InvalidStateError(
+            "a pending CudaFuture cannot cross processes: its work is not enqueued yet, so there "
+            "is nothing to wait for in the other process. Send it once it is set: "
+            "`await cudafut.enqueued(fut)` (does not wait for the GPU), then send"
+        )
+    if state == "cancelled":
+        return _import, (_VERSION, "cancelled", None)
+    if state == "failed":
+        return _import, (_VERSION, "failed", _picklable(exception))
+    pending = [rec for rec in records if rec.query() is None]
+    for rec in records:
+        if rec.status:
+            return _import, (_VERSION, "failed", _picklable(rec.error()))
+    payload, arrays = _dump_value(value)
+    if not pending and not arrays:
+        return _import, (_VERSION, "value", payload)
+    event = _event_after(pending) if pending else None
+    return _import, held_ticket(fut, value, payload, event)
+
+
+def held_ticket(
+    fut: CudaFuture[Any], value: object, payload: bytes, event: tuple[int, int, bytes] | None
+) -> tuple[Any, ...]:
+    """Hold ``value`` and ``event`` in a slot for one receiver; the ticket
+    (``_import``'s arguments) it unpickles. Host logic only, without an
+    event: tests/test_shared.py drives the ledger through it on the CPU."""
+    slot, gen = _take_slot(fut, value, event)
+    ledger = _state.ledger
+    assert ledger is not None
+    shared = None if event is None else (_bus_of(event[0]), event[2])
+    return (
+        _VERSION,
+        "shared",
+        payload,
+        _state.boot,
+        _state.pid,
+        _state.start,
+        ledger.path,
+        slot,
+        gen,
+        shared,
+    )
+
+
+def import_ticket(ticket: tuple[Any, ...]) -> CudaFuture[Any]:
+    """What unpickling a future's ticket does (tests call it directly)."""
+    return _import(*ticket)
+
+
+def _picklable(exc: BaseException | None) -> BaseException:
+    assert exc is not None
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - any exception at all: send what can be sent
+        return SharingError(
+            f"the future failed in the producing process with {exc!r} (which does not pickle)"
+        )
+    return exc
+
+
+def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
+    """An interprocess event, recorded after ``pending`` on a pool stream."""
+    device = pending[0].device
+    with _state.lock:
+        free = _state.free_events.get(device)
+        taken = free.pop() if free else None
+    if taken is None:
+        taken = _cuda.ipc_event_create(device)
+        _state.events_made += 1
+    event, handle = taken
+    stream = int(_pools.streams.get(device, 0).ptr)
+    try:
+        for rec in pending:
+            rec.wait_on(stream, device)
+        _cuda.event_record(event, stream, device)
+    except BaseException:
+        with _state.lock:
+            _state.free_events.setdefault(device, []).append(taken)
+        raise
+    return device, event, handle
+
+
+def _take_slot(fut: CudaFuture[Any], value: object, event: tuple[int, int, bytes] | None) -> tuple[int, int]:
+    st = _state
+    with st.lock:
+        if st.ledger is None:
+            st.ledger = Ledger.create()
+            atexit.register(_stop, st)
+        ledger = st.ledger
+        if st.free_slots:
+            slot = st.free_slots.pop()
+        elif st.next_slot < _SLOTS:
+            slot = st.next_slot
+            st.next_slot += 1
+        else:
+            if event is not None:
+                st.free_events.setdefault(event[0], []).append((event[1], event[2]))
+            raise SharingError(
+                f"{_SLOTS - 1:,} futures sent to other processes are still held there (or not "
+                "received yet); receivers must drop the futures and values they are done with"
+            )
+        gen = next(st.gens)
+        row = ledger.rows[slot]
+        row[1] = row[2] = row[3] = 0
+        row[0] = gen
+        st.exports[slot] = _Export(gen, fut, value, event)
+    _ensure_thread()
+    return slot, gen
+
+
+def _free(slot: int) -> None:
+    """Forget export ``slot`` (under the lock)."""
+    st = _state
+    entry = st.exports.pop(slot)
+    assert st.ledger is not None
+    st.ledger.rows[slot, 0] = 0
+    st.free_slots.append(slot)
+    if entry.event is not None:
+        device, event, handle = entry.event
+        st.free_events.setdefault(device, []).append((event, handle))
+
+
+def _reap_exports(now: float) -> None:
+    st = _state
+    ledger = st.ledger
+    if ledger is None or not st.exports:
+        return
+    with st.lock:
+        for slot in ledger.released(st.next_slot).tolist():
+            if slot in st.exports and st.exports[slot].gen == int(ledger.rows[slot, 0]):
+                _free(slot)
+    if now - st.last_alive < _ALIVE_S:
+        return
+    st.last_alive = now
+    claim_s = _claim_s()
+    with st.lock:
+        claims = {slot: (int(ledger.rows[slot, 1]), int(ledger.rows[slot, 2])) for slot in st.exports}
+    gone: list[int] = []
+    checked: dict[tuple[int, int], bool] = {}
+    for slot, (pid, start) in claims.items():
+        if pid:
+            alive = checked.get((pid, start))
+            if alive is None:
+                alive = checked[(pid, start)] = _alive(pid, start)
+            if not alive:
+                gone.append(slot)
+        elif now - st.exports[slot].t > claim_s:
+            gone.append(slot)
+    if gone:
+        with st.lock:
+            for slot in gone:
+                if slot in st.exports:
+                    _free(slot)
+        logger.debug(
+            "cudafut: freed %d futures sent to processes that died or never received them", len(gone)
+        )
+
+
+# -- the value: GPU arrays by IPC handle ----------------------------------------------------
+
+
+class _ValuePickler(pickle.Pickler):
+    """Pickles a value, sending its GPU arrays by IPC handle."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays = 0
+        cp = _cuda.imported_cupy()
+        self.cupy_array = None if cp is None else cp.ndarray
+        self.torch = _torch.loaded()
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is self.cupy_array or (self.cupy_array is not None and isinstance(obj, self.cupy_array)):
+            self.arrays += 1
+            return _export_cupy(obj)
+        torch = self.torch
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if not obj.is_cuda:
+                return NotImplemented  # a host tensor: by value, as pickle sends it
+            self.arrays += 1
+            return _export_torch(torch, obj)
+        if cls.__module__ != "numpy" and hasattr(cls, "__cuda_array_interface__"):
+            raise TypeError(
+                f"a {cls.__module__}.{cls.__name__} cannot cross processes inside a CudaFuture's "
+                "value: only CuPy arrays and PyTorch CUDA tensors travel by CUDA IPC. Convert it "
+                "(cupy.asarray(x) shares its memory) before setting the future"
+            )
+        return NotImplemented
+
+
+def _dump_value(value: object) -> tuple[bytes, int]:
+    buf = io.BytesIO()
+    pickler = _ValuePickler(buf)
+    pickler.dump(value)
+    return buf.getvalue(), pickler.arrays
+
+
+def _bus_of(device: int) -> str:
+    bus = _state.buses.get(device)
+    if bus is None:
+        bus = _state.buses[device] = _cuda.device_bus_id(device)
+    return bus
+
+
+def _span(device: int, ptr: int, what: str) -> tuple[str, bytes, int, int]:
+    try:
+        handle, offset, size = _cuda.ipc_memory_handle(ptr, device)
+    except Exception as exc:  # CuPy's CUDARuntimeError, or CudaError from the driver call
+        raise TypeError(
+            f"{what} cannot cross processes: CUDA cannot share its memory ({exc}); memory from a "
+            "stream-ordered pool (cudaMallocAsync, CuPy's MemoryAsyncPool) or a virtual-memory "
+            "allocator (PyTorch's expandable_segments) has no IPC handle. Allocate it with CuPy's "
+            "default pool or PyTorch's default allocator"
+        ) from exc
+    return _bus_of(device), handle, offset, size
+
+
+def _export_cupy(arr: Any) -> tuple[Any, tuple[Any, ...]]:
+    if arr.size == 0:
+        return _empty_cupy, (arr.shape, arr.dtype)
+    device = int(arr.device.id)
+    bus, handle, offset, size = _span(device, int(arr.data.ptr), "a CuPy array")
+    return _open_cupy, (bus, handle, offset, size, arr.shape, arr.strides, arr.dtype)
+
+
+def _export_torch(torch: Any, t: Any) -> tuple[Any, tuple[Any, ...]]:
+    dtype = str(t.dtype).removeprefix("torch.")
+    if t.numel() == 0:
+        return _empty_torch, (tuple(t.shape), dtype)
+    device = int(t.device.index)
+    bus, handle, offset, size = _span(device, int(t.data_ptr()), "a PyTorch tensor")
+    return _open_torch, (
+        bus,
+        handle,
+        offset,
+        size,
+        tuple(t.shape),
+        tuple(t.stride()),
+        dtype,
+        t.element_size(),
+    )
+
+
+# The import under way in this thread: the arrays of the value attach to it.
+_importing = threading.local()
+
+
+def _empty_cupy(shape: tuple[int, ...], dtype: Any) -> Any:
+    return _cuda.cupy().empty(shape, dtype)
+
+
+def _empty_torch(shape: tuple[int, ...], dtype: str) -> Any:
+    torch = _torch.module()
+    return torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+
+
+def _mapped(bus: str, handle: bytes) -> tuple[int, int]:
+    """``(device, base)`` of a received allocation, mapping it if need be."""
+    received: _Received = _importing.received
+    device = _device_of(bus)
+    st = _state
+    with st.lock:
+        entry = st.mappings.get(handle)
+        if entry is not None:
+            entry[1] += 1
+    if entry is None:
+        ptr = _cuda.ipc_open_memory(handle, device)
+        with st.lock:
+            entry = st.mappings.get(handle)
+            if entry is None:
+                entry = st.mappings[handle] = [ptr, 1, 0.0]
+            else:  # another thread mapped it meanwhile: CUDA counts both
+                entry[1] += 1
+                _cuda.ipc_close_memory(ptr)
+    received.mappings.append(handle)
+    received.devices.add(device)
+    return device, int(entry[0])
+
+
+def _open_cupy(
+    bus: str,
+    handle: bytes,
+    offset: int,
+    size: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: Any,
+) -> Any:
+    cp = _cuda.cupy()
+    device, base = _mapped(bus, handle)
+    memory = cp.cuda.UnownedMemory(base, size, _importing.received, device_id=device)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, offset), strides)
+
+
+class _Interface:
+    """``__cuda_array_interface__`` over received memory, for PyTorch, which
+    keeps this object (and so the import) alive as long as the tensor."""
+
+    __slots__ = ("__cuda_array_interface__", "received")
+
+    def __init__(self, info: dict[str, Any], received: _Received) -> None:
+        self.__cuda_array_interface__ = info
+        self.received = received
+
+
+def _open_torch(
+    bus: str,
+    handle: bytes,
+    offset: int,
+    size: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: str,
+    itemsize: int,
+) -> Any:
+    torch = _torch.module()
+    device, base = _mapped(bus, handle)
+    # Same-size integers, then a view as the dtype: the interface has no
+    # bfloat16 (nor float8).
+    info = {
+        "shape": shape,
+        "strides": tuple(s * itemsize for s in strides),
+        "typestr": {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8", 16: "<c16"}[itemsize],
+        "data": (base + offset, False),
+        "version": 3,
+        "stream": None,
+    }
+    raw = torch.as_tensor(_Interface(info, _importing.received), device=f"cuda:{device}")
+    target = getattr(torch, dtype)
+    return raw if raw.dtype == target else raw.view(target)
+
+
+# -- the consumer ----------------------------------------------------------------------------
+
+
+def _device_of(bus: str) -> int:
+    device = _state.devices.get(bus)
+    if device is None:
+        try:
+            device = _cuda.device_of_bus_id(bus)
+        except CudaError as exc:
+            raise SharingError(
+                f"the future's work runs on the GPU at PCI bus {bus}, which this process does not "
+                "see (check CUDA_VISIBLE_DEVICES): it cannot wait for it"
+            ) from exc
+        _state.devices[bus] = device
+    return device
+
+
+def _import(version: int, kind: str, payload: Any, *ticket: Any) -> CudaFuture[Any]:
+    """Unpickling: the future of an exported future's work."""
+    if version != _VERSION:
+        raise SharingError(
+            f"this future was pickled by another cudafut (format {version}, this one reads "
+            f"{_VERSION}); run the same cudafut in both processes"
+        )
+    if kind == "cancelled":
+        fut: CudaFuture[Any] = CudaFuture()
+        fut.cancel()
+        return fut
+    if kind == "failed":
+        fut = CudaFuture()
+        fut.set_exception(payload)
+        return fut
+    if kind == "value":
+        return set_future(pickle.loads(payload), ())
+    return _import_shared(payload, *ticket)
+
+
+def _import_shared(
+    payload: bytes,
+    boot: str,
+    pid: int,
+    start: int,
+    path: str,
+    slot: int,
+    gen: int,
+    event: tuple[str, bytes] | None,
+) -> CudaFuture[Any]:
+    st = _state
+    if boot != st.boot:
+        raise SharingError(
+            "this future was pickled on another machine: CUDA IPC shares GPU memory and events "
+            "between processes of one machine only; send the value itself (e.g. fut.result().get())"
+        )
+    if pid == st.pid:  # unpickled where it was pickled: the future itself
+        with st.lock:
+            entry = st.exports.get(slot)
+            if entry is None or entry.gen != gen:
+                raise SharingError(_expired(slot, gen))
+            _free(slot)
+        return entry.future
+    if not _alive(pid, start):
+        raise SharingError(
+            f"the process that pickled this future (pid {pid}) has exited: its GPU work and memory are gone"
+        )
+    ledger = _open_ledger(path)
+    row = ledger.rows[slot]
+    if int(row[0]) != gen:
+        raise SharingError(_expired(slot, gen))
+    if int(row[1]):
+        raise SharingError(
+            f"this pickled future was received already (by pid {int(row[1])}): each pickle crosses "
+            "once; pickle the future once per receiver"
+        )
+    row[2] = st.start
+    row[1] = st.pid
+    received = _Received(ledger, slot, gen)
+    _ensure_thread()
+    _importing.received = received
+    try:
+        value = pickle.loads(payload)
+        records: tuple[EventRecord, ...] = ()
+        if event is not None:
+            records = (_open_record(event, received, pid, start),)
+    except BaseException:
+        del received  # its end releases the slot
+        raise
+    finally:
+        _importing.received = None
+    st.received += 1
+    return set_future(value, records, None)
+
+
+def _expired(slot: int, gen: int) -> str:
+    return (
+        f"this pickled future (slot {slot}, export {gen}) is no longer held by its producer: it "
+        "was received already, or nobody received it within CUDAFUT_SHARE_CLAIM_S seconds "
+        "(default 60) of pickling"
+    )
+
+
+def _open_ledger(path: str) -> Ledger:
+    ledger = _state.ledgers.get(path)
+    if ledger is None:
+        try:
+            ledger = Ledger(path, create=False)
+        except OSError as exc:
+            raise SharingError(
+                f"the producer's ledger {path} is gone: the producing process has exited"
+            ) from exc
+        _state.ledgers[path] = ledger
+    return ledger
+
+
+def _open_record(event: tuple[str, bytes], received: _Received, pid: int, start: int) -> EventRecord:
+    bus, handle = event
+    device = _device_of(bus)
+    st = _state
+    with st.lock:
+        entry = st.events.get(handle)
+        if entry is not None:
+            entry[1] += 1
+    if entry is None:
+        opened = _cuda.ipc_open_event(handle, device)
+        with st.lock:
+            entry = st.events.get(handle)
+            if entry is None:
+                entry = st.events[handle] = [opened, 1, 0.0]
+            else:
+                entry[1] += 1
+                _cuda.event_destroy(opened)
+    received.event_key = handle
+    received.devices.add(device)
+    # A stream key of its own: ordered with no other record.
+    rec = _SharedRecord(int(entry[0]), device, 0, (-1, id(received)), 1, time.perf_counter())
+    rec.owner = received
+    with st.lock:
+        st.watched.append((weakref.ref(rec), pid, start))
+    return rec
+
+
+def _watch_producers() -> None:
+    """Fail the pending imported records whose producer died."""
+    st = _state
+    with st.lock:
+        watched = st.watched
+        st.watched = []
+    keep: list[tuple[weakref.ref[EventRecord], int, int]] = []
+    checked: dict[tuple[int, int], bool] = {}
+    for ref, pid, start in watched:
+        rec = ref()
+        if rec is None or rec.query() is not None:
+            continue
+        alive = checked.get((pid, start))
+        if alive is None:
+            alive = checked[(pid, start)] = _alive(pid, start)
+        if alive:
+            keep.append((ref, pid, start))
+        else:
+            rec.fail_with(
+                SharingError(
+                    f"the process that produced this future (pid {pid}) died before its GPU work "
+                    "completed; the work will never complete"
+                )
+            )
+    with st.lock:
+        st.watched.extend(keep)
+
+
+def _release_received() -> None:
+    """Write the releases of the imports that ended, once this process's
+    work on their devices (which may read their memory) has ended."""
+    st = _state
+    releases = []
+    while st.releases:
+        releases.append(st.releases.popleft())
+    if not releases:
+        return
+    for device in sorted({d for r in releases for d in r[4]}):
+        try:
+            _cuda.device_synchronize(device)
+        except Exception:  # noqa: BLE001 - a broken context: release anyway, nothing reads now
+            logger.debug("cudafut: device_synchronize(%d) failed before a release", device, exc_info=True)
+    now = time.monotonic()
+    with st.lock:
+        for ledger, slot, gen, mappings, _devices, event_key in releases:
+            rows = ledger.rows
+            if rows is not None and int(rows[slot, 0]) == gen:
+                rows[slot, 3] = gen
+            for handle in mappings:
+                entry = st.mappings[handle]
+                entry[1] -= 1
+                entry[2] = now
+            if event_key is not None:
+                entry = st.events[event_key]
+                entry[1] -= 1
+                entry[2] = now
+            st.released += 1
+        idle_maps = sorted((e[2], h) for h, e in st.mappings.items() if e[1] == 0)
+        idle_events = sorted((e[2], h) for h, e in st.events.items() if e[1] == 0)
+        close_maps = [st.mappings.pop(h)[0] for _t, h in idle_maps[: max(0, len(idle_maps) - _IDLE_MAPPINGS)]]
+        close_events = [
+            st.events.pop(h)[0] for _t, h in idle_events[: max(0, len(idle_events) - _IDLE_EVENTS)]
+        ]
+    for ptr in close_maps:
+        with contextlib.suppress(Exception):
+            _cuda.ipc_close_memory(ptr)
+    for event in close_events:
+        with contextlib.suppress(Exception):
+            _cuda.event_destroy(event)
+
+
+# -- the thread -------------------------------------------------------------------------------
+
+
+def _ensure_thread() -> None:
+    st = _state
+    if st.thread is not None:
+        return
+    with st.lock:
+        if st.thread is None:
+            st.thread = threading.Thread(target=_run, args=(st,), name="cudafut-share", daemon=True)
+            st.thread.start()
+
+
+def _run(st: _State) -> None:
+    while st is _state and not st.stopped:
+        busy = bool(st.exports or st.watched or st.releases)
+        st.wake.wait(_TICK_S if busy else 1.0)
+        st.wake.clear()
+        try:
+            _release_received()
+            _watch_producers()
+            _reap_exports(time.monotonic())
+        except Exception:  # noqa: BLE001 - the thread must go on; say why it did not this time
+            logger.exception("cudafut: the cudafut-share thread failed a round")
+
+
+def _stop(st: _State) -> None:
+    """At exit: stop the thread, then remove the ledger (receivers that
+    still hold futures find it gone, and their waits fail: see
+    _watch_producers)."""
+    st.stopped = True
+    st.wake.set()
+    thread = st.thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(1.0)
+    if st.ledger is not None:
+        st.ledger.close(unlink=True)
+
+
+# -- the public part ------------------------------------------------------------------------
+
+
+async def enqueued(fut: CudaFuture[Any]) -> None:
+    """Wait until ``fut`` is set (its work enqueued), failed or cancelled,
+    without waiting for the GPU: from then on it can be pickled to another
+    process, which waits for the GPU work itself.
+
+    For :func:`cudafut.launch` and :class:`cudafut.Batcher` futures, which
+    are pending until the launcher thread has enqueued the work. Costs the
+    loop one wake-up; works on asyncio, uvloop and trio.
+
+    Raises:
+        RuntimeError: no asyncio, uvloop or trio loop runs in this thread.
+    """
+    if not isinstance(fut, CudaFuture):
+        raise TypeError(f"enqueued() takes a CudaFuture, not {type(fut).__name__}")
+    await until_set(fut)
+
+
+class SharedStatistics:
+    """Futures this process sent to other processes and received from them
+    (:func:`shared_statistics`): all counts."""
+
+    __slots__ = ("events", "held", "mapped", "opened_events", "received", "released", "watched")
+
+    def __init__(self, st: _State) -> None:
+        #: Sent futures still held for a receiver (value and event kept).
+        self.held = len(st.exports)
+        #: Interprocess events made by this process (kept for reuse).
+        self.events = st.events_made
+        #: Futures received, and received futures let go of.
+        self.received = st.received
+        self.released = st.released
+        #: Other processes' allocations mapped here, and events opened.
+        self.mapped = len(st.mappings)
+        self.opened_events = len(st.events)
+        #: Received futures whose producer is watched (work pending).
+        self.watched = len(st.watched)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in sorted(self.__slots__))
+        return f"SharedStatistics({fields})"
+
+
+def shared_statistics() -> SharedStatistics:
+    """What this process holds for futures crossing processes (a snapshot,
+    under a lock; blocks nothing else). Counts settle within about 0.1 s of
+    the futures being dropped, the consumer's device being synchronised
+    first."""
+    with _state.lock:
+        return SharedStatistics(_state)

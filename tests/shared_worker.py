@@ -1,0 +1,157 @@
+"""The other process of tests/test_gpu_shared.py and tests/test_shared.py:
+functions run in a process started by multiprocessing's ``spawn`` method,
+talking to the test over a pipe (``conn``)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from typing import Any
+
+
+def _warm() -> None:
+    """Compile the spin kernel before the timed producer uses it."""
+    import cupy as cp
+
+    from tests import kernels
+
+    a = cp.zeros(4, dtype=cp.float32)
+    kernels.spin_fill(a, 1, 0)
+    cp.cuda.Device().synchronize()
+
+
+def _start() -> None:
+    """Apply the mutation under test here too (scripts/mutation-check): the
+    producer's side of a shared future runs in this process."""
+    name = os.environ.get("CUDAFUT_MUTATE")
+    if name:
+        from tests import _mutations
+
+        _mutations.apply(name)
+
+
+def produce_slow(conn: Any, n: int, value: float, ms: float, die: bool) -> None:
+    """Send a future of an array that a kernel fills with ``value`` after
+    spinning ``ms``; then wait for a word, or with ``die`` exit at once
+    (before the kernel ends)."""
+    _start()
+    import cupy as cp
+
+    import cudafut
+    from tests import kernels
+
+    _warm()
+    out = cp.zeros(n, dtype=cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        kernels.spin_fill(out, value, ms)
+        fut = cudafut.record(out)
+    conn.send(fut)
+    if die:
+        conn.recv()  # the receiver has it
+        os._exit(3)
+    _answer_statistics(conn)
+
+
+def _answer_statistics(conn: Any) -> None:
+    """Answer each word with (held, events made, used bytes, fds), until "end"."""
+    import cupy as cp
+
+    import cudafut
+
+    while conn.recv() != "end":
+        gc.collect()
+        stats = cudafut.shared_statistics()
+        used = cp.get_default_memory_pool().used_bytes()
+        conn.send((stats.held, stats.events, used, len(os.listdir("/proc/self/fd"))))
+
+
+def produce_many(conn: Any, count: int, n: int) -> None:
+    """Send ``count`` futures of small arrays (each ``i``), one by one, each
+    after the receiver's word; then report what this process holds."""
+    _start()
+    import cupy as cp
+
+    import cudafut
+
+    for i in range(count):
+        conn.send(cudafut.record(cp.full(n, i, dtype=cp.int32)))
+        conn.recv()
+    _answer_statistics(conn)
+
+
+def produce_values(conn: Any) -> None:
+    """Send futures of CuPy, PyTorch (float16, bfloat16, a strided view) and
+    mixed values; then the words asked for, until None."""
+    _start()
+    import cupy as cp
+    import torch
+
+    import cudafut
+
+    a = cp.arange(1000, dtype=cp.float64)
+    t = torch.arange(24, device="cuda", dtype=torch.float16).reshape(4, 6)
+    b = torch.arange(10, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    value = {"cupy": a[::3], "torch": t[:, 1::2], "bf16": b, "host": [1, "two"], "empty": cp.empty((0, 3))}
+    conn.send(cudafut.record(value))
+    _answer_statistics(conn)
+
+
+def produce_launched(conn: Any) -> None:
+    """Send a launch() future once it is enqueued (cudafut.enqueued)."""
+    _start()
+    import cupy as cp
+
+    import cudafut
+    from tests import kernels
+
+    _warm()
+
+    def work() -> Any:
+        out = cp.zeros(256, dtype=cp.float32)
+        kernels.spin_fill(out, 5.0, 200)
+        return out
+
+    async def main() -> None:
+        fut = cudafut.launch(work)
+        try:
+            conn.send(fut)
+        except cudafut.InvalidStateError as exc:
+            conn.send(("refused", str(exc)))
+        await cudafut.enqueued(fut)
+        conn.send(fut)
+
+    asyncio.run(main())
+    _answer_statistics(conn)
+
+
+def receive_and_die(conn: Any) -> None:
+    """Receive a future, wait for its work, say so, then exit holding it."""
+    _start()
+    fut = conn.recv()
+    value = fut.wait(30)
+    conn.send(float(value[0]))
+    conn.recv()
+    os._exit(4)
+
+
+def receive_ticket(conn: Any, release: bool) -> None:
+    """Receive an export's ticket (tests/test_shared.py makes them of host
+    values, without CUDA), import it and send back its value, or the error's
+    text; then wait for the word to exit. Without ``release``, this process
+    never writes its releases (its cudafut-share thread is stopped first),
+    as if it died before it could."""
+    from cudafut import _shared
+
+    if not release:
+        _shared._state.stopped = True
+    try:
+        fut = _shared.import_ticket(conn.recv())
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+    else:
+        conn.send(fut.result(10))
+        del fut
+    gc.collect()
+    conn.recv()

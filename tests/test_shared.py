@@ -1,0 +1,223 @@
+"""Futures across processes, the host's part (cudafut._shared): what may be
+pickled and the errors that say why not, and the ledger's protocol between
+real processes (claim, release, a receiver that dies, a ticket nobody
+takes). The CUDA part (events, memory) is tests/test_gpu_shared.py's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cudafut
+from cudafut import _shared
+from cudafut._future import set_future
+from tests import shared_worker
+
+CTX = mp.get_context("spawn")
+
+
+def _until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> None:
+    """Wait for ``condition`` (the share thread's rounds are 0.05-0.5 s);
+    ``limit_s`` only ends a test that would otherwise hang."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not after {limit_s} s")
+        time.sleep(0.02)
+
+
+def _held() -> int:
+    return cudafut.shared_statistics().held
+
+
+class _Child:
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        self.conn, theirs = CTX.Pipe()
+        self.process = CTX.Process(target=target, args=(theirs, *args), daemon=True)
+        self.process.start()
+        theirs.close()
+
+    def ask(self, message: object) -> Any:
+        self.conn.send(message)
+        if not self.conn.poll(60):
+            pytest.fail("the child process did not answer in 60 s")
+        return self.conn.recv()
+
+    def end(self) -> None:
+        if self.process.is_alive():
+            self.conn.send("end")
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+@pytest.fixture
+def children() -> Iterator[list[_Child]]:
+    started: list[_Child] = []
+    yield started
+    for child in started:
+        child.end()
+
+
+def _ticket(value: object) -> tuple[Any, ...]:
+    """An export of a host value held for one receiver, as a GPU value is."""
+    fut = set_future(value, ())
+    return _shared.held_ticket(fut, value, pickle.dumps(value), None)
+
+
+# -- the rules --------------------------------------------------------------------------------
+
+
+def test_a_pending_future_does_not_cross() -> None:
+    with pytest.raises(cudafut.InvalidStateError, match=r"enqueued\(fut\)"):
+        pickle.dumps(cudafut.CudaFuture())
+
+
+def test_a_cancelled_future_crosses_cancelled() -> None:
+    fut: cudafut.CudaFuture[int] = cudafut.CudaFuture()
+    fut.cancel()
+    assert pickle.loads(pickle.dumps(fut)).cancelled()
+
+
+def test_a_failed_future_crosses_with_its_exception() -> None:
+    fut: cudafut.CudaFuture[int] = cudafut.CudaFuture()
+    fut.set_exception(ValueError("bad input"))
+    with pytest.raises(ValueError, match="bad input"):
+        pickle.loads(pickle.dumps(fut)).result(0)
+
+
+def test_an_exception_that_does_not_pickle_crosses_as_its_repr() -> None:
+    class LocalError(Exception):  # a local class does not pickle
+        pass
+
+    fut: cudafut.CudaFuture[int] = cudafut.CudaFuture()
+    fut.set_exception(LocalError("lost"))
+    with pytest.raises(cudafut.SharingError, match=r"LocalError\('lost'\).*does not pickle"):
+        pickle.loads(pickle.dumps(fut)).result(0)
+
+
+def test_done_work_with_a_host_value_crosses_by_value(fake_cuda: Any) -> None:
+    fut = cudafut.record(np.arange(3.0))  # the fake's "GPU" arrays are NumPy's
+    fake_cuda.complete_all()
+    got = pickle.loads(pickle.dumps(fut))
+    assert got is not fut
+    np.testing.assert_array_equal(got.result(0), np.arange(3.0))
+
+
+def test_pending_work_on_the_fake_says_it_cannot_cross(fake_cuda: Any) -> None:
+    fut = cudafut.record(np.arange(3.0))
+    with pytest.raises(cudafut.CudaUnavailableError, match="fake GPU cannot share"):
+        pickle.dumps(fut)
+
+
+def test_a_gpu_array_ipc_cannot_share_is_refused_by_name() -> None:
+    class DeviceArray:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {}
+
+    fut = set_future({"x": [DeviceArray()]}, ())
+    with pytest.raises(TypeError, match=r"DeviceArray cannot cross.*cupy\.asarray"):
+        pickle.dumps(fut)
+
+
+def test_a_ticket_from_another_machine_is_refused() -> None:
+    ticket = list(_ticket(1))
+    ticket[3] = "another-boot-id"
+    with pytest.raises(cudafut.SharingError, match="another machine"):
+        _shared.import_ticket(tuple(ticket))
+
+
+def test_a_ticket_of_another_format_is_refused() -> None:
+    with pytest.raises(cudafut.SharingError, match="same cudafut"):
+        _shared.import_ticket((99, "value", b""))
+
+
+def test_unpickled_where_pickled_gives_the_future_itself() -> None:
+    fut = set_future("v", ())
+    before = _held()
+    ticket = _shared.held_ticket(fut, "v", pickle.dumps("v"), None)
+    assert _held() == before + 1
+    assert _shared.import_ticket(ticket) is fut
+    assert _held() == before
+    with pytest.raises(cudafut.SharingError, match="no longer held"):
+        _shared.import_ticket(ticket)
+
+
+@pytest.mark.anyio
+async def test_enqueued_returns_once_set_not_once_done(fake_cuda: Any) -> None:
+    fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
+    returned = anyio.Event()
+
+    async def wait() -> None:
+        await cudafut.enqueued(fut)
+        returned.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await anyio.sleep(0.01)
+        assert not returned.is_set()
+        fut.set_result(np.zeros(3))  # records an event the fake leaves pending
+    assert not fut.done()
+    fake_cuda.complete_all()
+
+
+@pytest.mark.anyio
+async def test_enqueued_takes_only_a_future() -> None:
+    with pytest.raises(TypeError, match="takes a CudaFuture"):
+        await cudafut.enqueued(object())  # type: ignore[arg-type]
+
+
+# -- the ledger, between processes -------------------------------------------------------------
+
+
+def test_a_receiver_that_lets_go_frees_the_export(children: list[_Child]) -> None:
+    before = _held()
+    child = _Child(shared_worker.receive_ticket, True)
+    children.append(child)
+    assert child.ask(_ticket({"answer": 42})) == {"answer": 42}
+    _until(lambda: _held() <= before, "the export freed once the receiver let go")
+
+
+def test_a_receiver_that_dies_frees_the_export(children: list[_Child]) -> None:
+    before = _held()
+    child = _Child(shared_worker.receive_ticket, False)  # never writes its release
+    children.append(child)
+    assert child.ask(_ticket(7)) == 7
+    time.sleep(1.0)  # several of the producer's rounds: the receiver lives
+    assert _held() == before + 1
+    child.process.kill()
+    child.process.join(30)
+    _until(lambda: _held() <= before, "the export freed once its receiver died")
+
+
+def test_a_ticket_received_twice_is_refused(children: list[_Child]) -> None:
+    ticket = _ticket(3)
+    first = _Child(shared_worker.receive_ticket, False)
+    second = _Child(shared_worker.receive_ticket, False)
+    children += [first, second]
+    assert first.ask(ticket) == 3
+    assert "received already" in second.ask(ticket)
+
+
+def test_a_ticket_nobody_takes_expires(children: list[_Child], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", "0.2")
+    before = _held()
+    ticket = _ticket(5)
+    _until(lambda: _held() <= before, "an export nobody received freed after CUDAFUT_SHARE_CLAIM_S")
+    child = _Child(shared_worker.receive_ticket, True)
+    children.append(child)
+    assert "no longer held" in child.ask(ticket)
+
+
+def test_a_claim_time_that_is_not_a_number_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", "soon")
+    with pytest.raises(ValueError, match="CUDAFUT_SHARE_CLAIM_S"):
+        _shared._claim_s()
