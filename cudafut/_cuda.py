@@ -1168,7 +1168,7 @@ def ipc_close_memory(ptr: int) -> None:
 def device_bus_id(device: int) -> str:
     """``device``'s PCI bus id, which names it in every process (device
     ordinals depend on each process's ``CUDA_VISIBLE_DEVICES``)."""
-    return str(runtime().deviceGetPCIBusId(device)).lower()
+    return str(runtime().deviceGetPCIBusId(device))
 
 
 def device_of_bus_id(bus_id: str) -> int:

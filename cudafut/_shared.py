@@ -212,7 +212,7 @@ class _SharedRecord(EventRecord):
     """The record of an imported future: an event another process records.
     Its handle belongs to the event cache, not to the pool."""
 
-    __slots__ = ("owner",)
+    __slots__ = ("__weakref__", "owner")
     owner: _Received
 
     def __del__(self) -> None:

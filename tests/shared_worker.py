@@ -155,3 +155,28 @@ def receive_ticket(conn: Any, release: bool) -> None:
         del fut
     gc.collect()
     conn.recv()
+
+
+def receive_with_a_fake_event(conn: Any) -> None:
+    """Import a ticket whose event is fake (never completes: CUDA is not
+    asked); send whether the future is done, then the error its result()
+    raises once the test kills the producer named in the ticket."""
+    from cudafut import _cuda, _shared
+
+    _cuda.device_of_bus_id = lambda bus: 0  # type: ignore[assignment]
+    _cuda.ipc_open_event = lambda handle, device: 4242  # type: ignore[assignment]
+    _cuda.event_query = lambda event: _cuda.NOT_READY  # type: ignore[assignment]
+    fut = _shared.import_ticket(conn.recv())
+    conn.send(fut.done())
+    try:
+        fut.result(60)
+    except Exception as exc:  # noqa: BLE001 - the test checks what it was
+        conn.send(f"{type(exc).__name__}: {exc}")
+    else:
+        conn.send("no error")
+    conn.recv()
+
+
+def sleep(conn: Any) -> None:
+    """A process that lives until killed (a stand-in producer)."""
+    conn.recv()

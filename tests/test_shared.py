@@ -221,3 +221,27 @@ def test_a_claim_time_that_is_not_a_number_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", "soon")
     with pytest.raises(ValueError, match="CUDAFUT_SHARE_CLAIM_S"):
         _shared._claim_s()
+
+
+def test_a_producer_that_dies_fails_the_receivers_wait(
+    children: list[_Child], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver's side without CUDA: its event never completes (faked),
+    and the producer named in the ticket (a stand-in process) is killed."""
+    from cudafut import _cuda
+
+    monkeypatch.setattr(_cuda, "device_bus_id", lambda device: "0000:00:00.0")
+    stand_in = _Child(shared_worker.sleep)
+    receiver = _Child(shared_worker.receive_with_a_fake_event)
+    children += [stand_in, receiver]
+    fut = set_future(None, ())
+    # Device -7: the fake event joins a free list no real export takes from.
+    ticket = list(_shared.held_ticket(fut, None, pickle.dumps(None), (-7, 1, b"h" * 64)))
+    ticket[4] = stand_in.process.pid
+    ticket[5] = _shared._start_time(stand_in.process.pid)
+    assert receiver.ask(tuple(ticket)) is False  # pending: the event has not completed
+    stand_in.process.kill()
+    stand_in.process.join(30)
+    if not receiver.conn.poll(60):
+        pytest.fail("the receiver's wait did not end in 60 s")
+    assert receiver.conn.recv().startswith("SharingError: the process that produced this future")
