@@ -292,7 +292,7 @@ def export(fut: CudaFuture[Any]) -> tuple[Callable[..., CudaFuture[Any]], tuple[
     for rec in records:
         if rec.status:
             return _import, (_VERSION, "failed", _picklable(rec.error()))
-    payload, arrays = _dump_value(value)
+    payload, arrays = _dump_value(value, bool(pending))
     if not pending and not arrays:
         return _import, (_VERSION, "value", payload)
     event = _event_after(pending) if pending else None
@@ -443,9 +443,10 @@ def _reap_exports(now: float) -> None:
 class _ValuePickler(pickle.Pickler):
     """Pickles a value, sending its GPU arrays by IPC handle."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, pending: bool) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays = 0
+        self.pending = pending
         cp = _cuda.imported_cupy()
         self.cupy_array = None if cp is None else cp.ndarray
         self.torch = _torch.loaded()
@@ -457,10 +458,14 @@ class _ValuePickler(pickle.Pickler):
             return _export_cupy(obj)
         torch = self.torch
         if torch is not None and isinstance(obj, torch.Tensor):
-            if not obj.is_cuda:
-                return NotImplemented  # a host tensor: by value, as pickle sends it
-            self.arrays += 1
-            return _export_torch(torch, obj)
+            if obj.is_cuda:
+                self.arrays += 1
+                return _export_torch(torch, obj)
+            if self.pending:
+                self._refuse_host(obj)
+            return NotImplemented  # a host tensor: by value, as pickle sends it
+        if self.pending and hasattr(cls, "__array_interface__"):
+            self._refuse_host(obj)
         if cls.__module__ != "numpy" and hasattr(cls, "__cuda_array_interface__"):
             raise TypeError(
                 f"a {cls.__module__}.{cls.__name__} cannot cross processes inside a CudaFuture's "
@@ -469,10 +474,20 @@ class _ValuePickler(pickle.Pickler):
             )
         return NotImplemented
 
+    @staticmethod
+    def _refuse_host(obj: object) -> None:
+        cls = type(obj)
+        raise InvalidStateError(
+            f"the value holds a host array ({cls.__module__}.{cls.__name__}) and its GPU work is "
+            "still pending: that work may be writing it (a copy to the host), and pickling would "
+            "send it half-written. Send the future once its work is done (after `await fut`), "
+            "or keep the value on the GPU (it then crosses by CUDA IPC)"
+        )
 
-def _dump_value(value: object) -> tuple[bytes, int]:
+
+def _dump_value(value: object, pending: bool) -> tuple[bytes, int]:
     buf = io.BytesIO()
-    pickler = _ValuePickler(buf)
+    pickler = _ValuePickler(buf, pending)
     pickler.dump(value)
     return buf.getvalue(), pickler.arrays
 

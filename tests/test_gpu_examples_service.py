@@ -22,3 +22,18 @@ def test_service_compare_quick() -> None:
         rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {mode} |")]
         assert rows, _explain(proc)
         assert rows[0].rstrip().endswith("| 0 / 0 |"), _explain(proc)  # no wrong answer, no error
+
+
+@pytest.mark.timeout(400)
+def test_service_from_several_processes_quick() -> None:
+    """multiproc.py: two front processes and a GPU process, the answers
+    crossing as shared futures; every answer checked."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("torchvision")
+    modes = ("nogpu_fronts", "fronts")
+    proc = run_example("service/compare.py", "--quick", "--modes", *modes, "--fronts", "2", timeout=380)
+    assert proc.returncode == 0, _explain(proc)
+    for mode in modes:
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {mode} |")]
+        assert rows, _explain(proc)
+        assert rows[0].rstrip().endswith("| 0 / 0 |"), _explain(proc)

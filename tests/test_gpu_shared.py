@@ -151,7 +151,7 @@ def test_a_producer_that_dies_mid_work_fails_the_wait(children: list[_Child]) ->
     child.conn.send("die")
     child.process.join(30)
     with pytest.raises(cudafut.SharingError, match="died before its GPU work completed"):
-        fut.wait(60)
+        fut.result(60)
 
 
 def test_a_receiver_that_dies_holding_the_value_frees_it(children: list[_Child], cp: Any) -> None:

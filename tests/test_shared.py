@@ -112,8 +112,15 @@ def test_done_work_with_a_host_value_crosses_by_value(fake_cuda: Any) -> None:
 
 
 def test_pending_work_on_the_fake_says_it_cannot_cross(fake_cuda: Any) -> None:
-    fut = cudafut.record(np.arange(3.0))
+    fut = cudafut.record("done later", stream=fake_cuda.stream())
     with pytest.raises(cudafut.CudaUnavailableError, match="fake GPU cannot share"):
+        pickle.dumps(fut)
+
+
+def test_a_host_array_of_pending_work_does_not_cross(fake_cuda: Any) -> None:
+    """The GPU may still be writing it (a copy to the host)."""
+    fut = cudafut.record({"copy": np.zeros(4)}, stream=fake_cuda.stream())
+    with pytest.raises(cudafut.InvalidStateError, match=r"host array \(numpy.ndarray\).*half-written"):
         pickle.dumps(fut)
 
 
@@ -237,8 +244,9 @@ def test_a_producer_that_dies_fails_the_receivers_wait(
     fut = set_future(None, ())
     # Device -7: the fake event joins a free list no real export takes from.
     ticket = list(_shared.held_ticket(fut, None, pickle.dumps(None), (-7, 1, b"h" * 64)))
-    ticket[4] = stand_in.process.pid
-    ticket[5] = _shared._start_time(stand_in.process.pid)
+    pid = stand_in.process.pid
+    assert pid is not None
+    ticket[4], ticket[5] = pid, _shared._start_time(pid)
     assert receiver.ask(tuple(ticket)) is False  # pending: the event has not completed
     stand_in.process.kill()
     stand_in.process.join(30)

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models, load: next to this file
 
-from models import MODELS, missing, reference
+from models import IMAGES, MODELS, Served, missing, reference
 
 try:  # before load.py, which would say the same of itself
     import aiohttp  # noqa: F401 - load.py's clients
@@ -54,11 +54,16 @@ HERE = Path(__file__).resolve().parent
 #: The rows, in the order they run: the harness's ceiling, what people write
 #: first, the peers, then cudafut's ways.
 MODES = ("nogpu", "sync", "executor", "litserve", "await", "launch", "launch_graph", "batch", "batch_graph")
+#: Several processes (multiproc.py; LitServe with as many API servers and a
+#: worker per GPU): not among the defaults, chosen with --modes, sized by
+#: --fronts and --devices.
+MULTI_MODES = ("nogpu_fronts", "fronts", "litserve_fronts")
 #: Open loop: which modes run at half the no-GPU ceiling's rate (the
 #: batching server with graphs: the others cannot carry that rate) and
 #: which at half run_in_executor's maximum (the unbatched ones).
 OPEN_BATCHED = ("nogpu", "batch_graph")
 OPEN_UNBATCHED = ("nogpu", "executor", "launch", "launch_graph")
+OPEN_FRONTS = ("nogpu_fronts", "fronts")
 
 
 def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -78,11 +83,21 @@ def serving(
     log: Path,
     threads: int | None = None,
     extra: tuple[str, ...] = (),
+    fronts: int = 4,
+    devices: int = 1,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server of ``mode`` on ``port`` until the block ends; waits until
-    ``/health`` answers (model loaded, graphs captured)."""
-    if mode == "litserve":
+    ``/health`` answers (model loaded, graphs captured). ``fronts`` and
+    ``devices`` size the modes of :data:`MULTI_MODES`."""
+    if mode in ("litserve", "litserve_fronts"):
         cmd = [sys.executable, str(HERE / "litserve_server.py"), "--model", model, "--port", str(port)]
+        if mode == "litserve_fronts":
+            cmd += ["--api-servers", str(fronts), "--devices", str(devices)]
+    elif mode in ("fronts", "nogpu_fronts"):
+        cmd = [sys.executable, str(HERE / "multiproc.py"), "--model", model, "--port", str(port)]
+        cmd += ["--fronts", str(fronts), "--devices", ",".join(str(d) for d in range(devices))]
+        if mode == "nogpu_fronts":
+            cmd += ["--nogpu", ref_path]
     else:
         cmd = [sys.executable, str(HERE / "server.py"), "--model", model, "--mode", mode, "--port", str(port)]
         cmd += ["--reference", ref_path, *extra]
@@ -182,6 +197,28 @@ def measure(
     return out
 
 
+def gpu_limit(model: str, batch: int = 64, seconds: float = 3.0) -> float:
+    """The GPU's own limit, in images per second: batch-``batch`` replays of
+    the captured graphs (with the answer's top-k), back to back in this
+    process, no HTTP, no batching wait."""
+    served = Served(model, graphs=True)
+    torch = served.torch
+    indices = [i % IMAGES for i in range(batch)]
+    for _ in range(5):
+        served.answer_on_gpu(indices)
+    torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            served.answer_on_gpu(indices)
+        torch.cuda.synchronize()
+        n += 10
+    rate = n * batch / (time.perf_counter() - t0)
+    del served
+    torch.cuda.empty_cache()
+    return rate
+
+
 def has_litserve() -> bool:
     try:
         import litserve  # noqa: F401
@@ -200,13 +237,15 @@ def compare(
     threads: tuple[int, ...] = (),
     clients: int = 64,
     procs: int = 4,
+    fronts: int = 4,
+    devices: int = 1,
     step: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
     """Every model and mode, closed loop (and open loop); see the module.
     ``threads``: launcher thread counts to also try with ``launch`` and
     ``batch_graph`` (closed loop, the first model)."""
-    if "litserve" in modes and not has_litserve():
-        modes = tuple(m for m in modes if m != "litserve")
+    if any(m.startswith("litserve") for m in modes) and not has_litserve():
+        modes = tuple(m for m in modes if not m.startswith("litserve"))
         step("LitServe is not installed: its rows are skipped")
     results: dict[str, Any] = {}
     port = 18400
@@ -219,18 +258,25 @@ def compare(
             row: dict[str, Any] = {"closed": {}, "open": {}, "threads": {}}
             row["reference_s"] = round(time.perf_counter() - t0, 1)
             results[model] = row
+            if "fronts" in modes:
+                limit = row["gpu_limit_images_per_s"] = round(gpu_limit(model), 1)
+                step(f"{model}: the GPU alone, batch-64 graph replays: {limit:,.0f} images/s")
 
             run = functools.partial(measure, ref_path=ref_path, seconds=seconds, warmup=warmup, procs=procs)
 
             for mode in modes:
                 port += 1
                 log = Path(tmp) / f"{model}-{mode}.log"
-                with serving(model, mode, port, ref_path, log) as proc:
+                with serving(model, mode, port, ref_path, log, fronts=fronts, devices=devices) as proc:
                     r = run(proc, port, clients=clients)
                     row["closed"][mode] = r
                     step(f"{model} {mode} closed: {_line(r)}")
                     if open_loop:
-                        for group, base in ((OPEN_BATCHED, "nogpu"), (OPEN_UNBATCHED, "executor")):
+                        for group, base in (
+                            (OPEN_BATCHED, "nogpu"),
+                            (OPEN_UNBATCHED, "executor"),
+                            (OPEN_FRONTS, "nogpu_fronts"),
+                        ):
                             if mode not in group or base not in row["closed"]:
                                 continue
                             rate = round(row["closed"][base]["rps"] / 2, 1)
@@ -313,7 +359,10 @@ def _pct(v: float | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["resnet50"])
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES + MULTI_MODES, default=list(MODES))
+    parser.add_argument("--fronts", type=int, default=4, help="multi-process modes: HTTP processes")
+    parser.add_argument("--devices", type=int, default=1, help="multi-process modes: GPUs (0..N-1)")
+    parser.add_argument("--load-procs", type=int, help="load generator processes (default 4; --quick 2)")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--open", action="store_true", help="also measure open loop")
     parser.add_argument("--quick", action="store_true", help="1 s per run, 2 load processes (a smoke run)")
@@ -323,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
 
     require_gpu()
     seconds, procs = (1.0, 2) if args.quick else (args.seconds, 4)
+    procs = args.load_procs or procs
     results = compare(
         tuple(args.models),
         tuple(args.modes),
@@ -330,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         warmup=0.5 if args.quick else 1.0,
         open_loop=args.open,
         procs=procs,
+        fronts=args.fronts,
+        devices=args.devices,
     )
     print("\n".join(table(results)))
     if args.json:

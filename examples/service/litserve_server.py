@@ -32,6 +32,10 @@ class VisionAPI(ls.LitAPI):  # type: ignore[misc]
         self.model = model
 
     def setup(self, device: str) -> None:
+        if device.startswith("cuda:"):  # one worker per GPU (--devices)
+            import torch
+
+            torch.cuda.set_device(device)
         self.served = Served(self.model)
         self.served.answer([0])
 
@@ -63,11 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8081)
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--batch-timeout", type=float, default=0.002)
+    parser.add_argument("--devices", type=int, default=1, help="GPUs, one worker process each")
+    parser.add_argument("--api-servers", type=int, default=1, help="HTTP processes (num_api_servers)")
     args = parser.parse_args(argv)
     api = VisionAPI(args.model, max_batch_size=args.max_batch, batch_timeout=args.batch_timeout)
-    server = ls.LitServer(api, accelerator="cuda", devices=1, workers_per_device=1)
+    server = ls.LitServer(api, accelerator="cuda", devices=args.devices, workers_per_device=1)
     print(f"READY {args.port}", flush=True)
-    server.run(host="127.0.0.1", port=args.port, generate_client_file=False, log_level="warning")
+    server.run(
+        host="127.0.0.1",
+        port=args.port,
+        generate_client_file=False,
+        log_level="warning",
+        num_api_servers=args.api_servers,
+    )
 
 
 if __name__ == "__main__":

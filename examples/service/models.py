@@ -115,6 +115,17 @@ class Served:
         assert self.graphed is not None, "Served(graphs=True) captures the graphs"
         return self._top(self.graphed(self._images(indices)))
 
+    def answer_on_gpu(self, indices: list[int]) -> Any:
+        """As :meth:`answer_graphed` (or :meth:`answer` without graphs), the
+        answer left on the GPU: ``(n, 2 * TOP)`` float32, for a process that
+        hands it to another (multiproc.py: a shared future's value)."""
+        torch = self.torch
+        images = self._images(indices)
+        logits = self.graphed(images) if self.graphed is not None else self.logits(images)
+        with torch.inference_mode():
+            values, classes = torch.topk(logits.float(), TOP, dim=1)
+            return torch.cat([values, classes.float()], dim=1)
+
 
 def reference(name: str) -> np.ndarray[Any, Any]:
     """Every bank image's logits (IMAGES, 1000), float32: the model run

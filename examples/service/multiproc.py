@@ -1,0 +1,248 @@
+"""Serve a torchvision model from several processes and GPUs (docs/processes.md).
+
+``--fronts`` front processes each run their own event loop and aiohttp
+server on one port (``SO_REUSEPORT``: the kernel spreads connections), and
+one GPU process per device (``--devices``) runs a :class:`cudafut.Batcher`
+over captured CUDA graphs. Each front and GPU process pair shares a pipe:
+requests go to the GPU process with the fewest outstanding (as this front
+counts them), and the answers come back as :class:`cudafut.CudaFuture`\\ s
+that crossed the pipe: the GPU process sends each future once its batch is
+enqueued (:func:`cudafut.enqueued`), not once it is done, and the front
+awaits the GPU work itself, through an interprocess event; the answer's
+memory stays on the GPU until the front has read it.
+
+The same HTTP interface as server.py (``POST /predict`` with ``{"i": k}``,
+``GET /health``, ``GET /stats``)::
+
+    python examples/service/multiproc.py --model resnet50 --fronts 4 --devices 0,1 --port 8080
+
+It prints ``READY <port>`` once every GPU process has captured its graphs
+and every front listens. ``--nogpu REFERENCE.npy`` runs the fronts alone,
+answering from the reference table (the HTTP ceiling of that many fronts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
+
+from models import BUCKETS, IMAGES, MODELS, missing, top_of
+
+import cudafut
+
+
+def gpu_main(
+    device: int, model: str, conns: list[Any], max_batch: int, max_delay_s: float, ready: Any
+) -> None:
+    """A GPU process: requests ``(id, k)`` in lists from each front's pipe,
+    answers ``(id, future)`` in lists back down the same pipe."""
+    import torch
+    from models import Served
+
+    torch.cuda.set_device(device)
+    served = Served(model, graphs=True)
+    served.answer_on_gpu([0])
+    asyncio.run(_gpu_loop(served, conns, max_batch, max_delay_s, ready))
+
+
+async def _gpu_loop(served: Any, conns: list[Any], max_batch: int, max_delay_s: float, ready: Any) -> None:
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()
+    # One sender thread per front: pickling a future (exporting it) and the
+    # pipe's write happen there, off the loop.
+    outboxes: list[list[tuple[int, Any]]] = [[] for _ in conns]
+    wakes = [threading.Event() for _ in conns]
+
+    def sender(i: int) -> None:
+        conn, box, wake = conns[i], outboxes[i], wakes[i]
+        while True:
+            wake.wait()
+            wake.clear()
+            batch = box[:]
+            del box[: len(batch)]
+            if batch:
+                conn.send(batch)
+
+    async def answer(i: int, rid: int, fut: Any) -> None:
+        await cudafut.enqueued(fut)
+        outboxes[i].append((rid, fut))
+        wakes[i].set()
+
+    def receiver(i: int) -> None:
+        conn = conns[i]
+        while True:
+            try:
+                msgs = conn.recv()
+            except EOFError:
+                msgs = None
+            if msgs is None:
+                loop.call_soon_threadsafe(stopped.set)
+                return
+            loop.call_soon_threadsafe(submit, i, msgs)
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    def submit(i: int, msgs: list[tuple[int, int]]) -> None:
+        for rid, k in msgs:
+            task = loop.create_task(answer(i, rid, batcher.submit(k)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    batcher: cudafut.Batcher[int, Any] = cudafut.Batcher(
+        served.answer_on_gpu, max_batch=max_batch, max_delay_s=max_delay_s, buckets=BUCKETS
+    )
+    async with batcher:
+        for i in range(len(conns)):
+            threading.Thread(target=sender, args=(i,), daemon=True, name=f"sender-{i}").start()
+            threading.Thread(target=receiver, args=(i,), daemon=True, name=f"receiver-{i}").start()
+        ready.set()
+        await stopped.wait()
+
+
+def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -> None:
+    """A front process: HTTP on ``port`` (shared), requests to the GPU processes."""
+    try:
+        from aiohttp import web
+    except ImportError as exc:  # one line that says what to install, not a traceback
+        sys.exit(missing("multiproc.py", "aiohttp", exc))
+    import numpy as np
+
+    app = web.Application()
+    loop_ref: list[asyncio.AbstractEventLoop] = []
+    outstanding = [0] * len(conns)
+    waiting: dict[int, asyncio.Future[Any]] = {}
+    ids = itertools.count()
+    counts = {"requests": 0}
+    answers = None if reference is None else [top_of(row) for row in np.load(reference)]
+
+    def deliver(g: int, batch: list[tuple[int, Any]]) -> None:
+        outstanding[g] -= len(batch)
+        for rid, fut in batch:
+            waiting.pop(rid).set_result(fut)
+
+    def receiver(g: int) -> None:
+        # Unpickling (importing the futures) happens here, off the loop.
+        while True:
+            try:
+                batch = conns[g].recv()
+            except EOFError:
+                return
+            loop_ref[0].call_soon_threadsafe(deliver, g, batch)
+
+    async def predict(request: web.Request) -> web.Response:
+        body = await request.json()
+        k = body.get("i") if isinstance(body, dict) else None
+        if type(k) is not int or not 0 <= k < IMAGES:
+            raise web.HTTPBadRequest(text=f'send {{"i": k}} with 0 <= k < {IMAGES}')
+        counts["requests"] += 1
+        if answers is not None:
+            return web.json_response({"top": answers[k]})
+        g = min(range(len(conns)), key=outstanding.__getitem__)
+        outstanding[g] += 1
+        rid = next(ids)
+        waiter: asyncio.Future[Any] = loop_ref[0].create_future()
+        waiting[rid] = waiter
+        conns[g].send([(rid, k)])
+        shared = await waiter  # the GPU process has enqueued the batch
+        row = await shared  # the GPU work is done
+        return web.json_response({"top": row.tolist()})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response({**counts, "pid": os.getpid()})
+
+    async def started(app: web.Application) -> None:
+        loop_ref.append(asyncio.get_running_loop())
+        for g in range(len(conns)):
+            threading.Thread(target=receiver, args=(g,), daemon=True).start()
+
+    app.on_startup.append(started)
+    app.add_routes([web.post("/predict", predict), web.get("/health", health), web.get("/stats", stats)])
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", port, reuse_port=True)
+        await site.start()
+        ready.set()
+        await asyncio.Event().wait()
+
+    try:
+        import uvloop
+
+        uvloop.run(serve())
+    except ImportError:
+        asyncio.run(serve())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument("--fronts", type=int, default=4, help="front (HTTP) processes")
+    parser.add_argument("--devices", default="0", help="GPUs, one GPU process each: e.g. 0,1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-delay-ms", type=float, default=2.0)
+    parser.add_argument("--nogpu", metavar="REFERENCE", help="answer from this reference table, no GPU")
+    parser.add_argument("--reference", help="ignored (compare.py passes it to every server)")
+    args = parser.parse_args(argv)
+    if args.fronts < 1:
+        parser.error("--fronts must be at least 1")
+    devices = [] if args.nogpu else [int(d) for d in args.devices.split(",")]
+    ctx = mp.get_context("spawn")  # CUDA does not survive fork()
+    pipes = [[ctx.Pipe() for _ in devices] for _ in range(args.fronts)]
+    children: list[Any] = []
+    readies = []
+    for g, device in enumerate(devices):
+        ready = ctx.Event()
+        conns = [pipes[f][g][1] for f in range(args.fronts)]
+        children.append(
+            ctx.Process(
+                target=gpu_main,
+                args=(device, args.model, conns, args.max_batch, args.max_delay_ms / 1e3, ready),
+                name=f"gpu-{device}",
+            )
+        )
+        readies.append(ready)
+    for f in range(args.fronts):
+        ready = ctx.Event()
+        conns = [pipes[f][g][0] for g in range(len(devices))]
+        children.append(
+            ctx.Process(target=front_main, args=(args.port, conns, args.nogpu, ready), name=f"front-{f}")
+        )
+        readies.append(ready)
+    for child in children:
+        child.start()
+    for ready, child in zip(readies, children, strict=True):
+        while not ready.wait(1.0):
+            if not child.is_alive():
+                for other in children:
+                    other.terminate()
+                sys.exit(f"multiproc.py: {child.name} exited with {child.exitcode} before it was ready")
+    print(f"READY {args.port}", flush=True)
+
+    def stop(*_: object) -> None:
+        for child in children:
+            child.terminate()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for child in children:
+        child.join()
+
+
+if __name__ == "__main__":
+    main()
