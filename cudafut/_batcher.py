@@ -25,7 +25,7 @@ from typing import Any, Final, Generic, TypeVar, overload
 from . import _cuda, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
-from ._future import CudaFuture
+from ._future import CudaFuture, complete_with, fail_future, record, set_future, share_state, until_set
 from ._launch import enqueue
 from ._log import logger
 from ._values import find_devices
@@ -379,25 +379,11 @@ class Batcher(Generic[In, Out]):
                 exception before the item's batch ran.
             Exception: what the item's batch raised.
         """
-        rt = self._rt
-        if rt is None or self._closing:
-            if self._broken is not None:
-                raise InvalidStateError(
-                    "this Batcher's batch-forming task ended; create a new Batcher"
-                ) from self._broken
-            raise InvalidStateError(
-                "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`"
-            )
+        rt = self._running()
         # GPU arrays in the item: its batch's stream must first wait for what
         # this task enqueued (it may run on a stream of its own).
         after = _submitter_events(item)
         if isinstance(rt, _Asyncio):
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            if loop is not rt.loop:
-                raise InvalidStateError("Batcher.submit() must run on the event loop the Batcher runs on")
             slot: Any = rt.loop.create_future()
             self._queue.append((item, slot, rt.loop.time(), after))
             self._wake_for_item()
@@ -408,6 +394,45 @@ class Batcher(Generic[In, Out]):
         self._wake_for_item()
         value: Out = await slot.wait()
         return value
+
+    def submit_future(self, item: In) -> CudaFuture[Out]:
+        """``item``'s result as a :class:`CudaFuture`, set as soon as its
+        batch is *enqueued*, before the GPU work is done: for a consumer that
+        waits for the GPU itself, such as another process (pickle the
+        future after ``await cudafut.enqueued(fut)``: docs/processes.md), or
+        a chain of ``then()``. Costs what :meth:`submit` costs, less the
+        wait; blocks nothing. Call it on the batcher's loop; cancelling the
+        future before its batch runs drops the item, and an exception of the
+        batch fails it.
+
+        Raises:
+            InvalidStateError: as :meth:`submit`.
+        """
+        rt = self._running()
+        fut: CudaFuture[Out] = CudaFuture()
+        self._queue.append((item, fut, rt.now(), _submitter_events(item)))
+        self._wake_for_item()
+        return fut
+
+    def _running(self) -> Any:
+        """The runtime, checked as :meth:`submit` checks it."""
+        rt = self._rt
+        if rt is None or self._closing:
+            if self._broken is not None:
+                raise InvalidStateError(
+                    "this Batcher's batch-forming task ended; create a new Batcher"
+                ) from self._broken
+            raise InvalidStateError(
+                "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`"
+            )
+        if isinstance(rt, _Asyncio):
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not rt.loop:
+                raise InvalidStateError("Batcher.submit() must run on the event loop the Batcher runs on")
+        return rt
 
     def _wake_for_item(self) -> None:
         want = self._want
@@ -562,17 +587,26 @@ class Batcher(Generic[In, Out]):
             self._sizes[n] += 1
             after = _newest_per_stream(entry[3] for entry in batch)
             try:
+                handing = any(isinstance(entry[1], CudaFuture) for entry in batch)
                 if self._async:
                     for rec in after:  # this task's stream waits for the submitters'
                         rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
                     out = await self.run_batch(items)
                     if isinstance(out, CudaFuture):
+                        if handing:
+                            await until_set(out)
+                            _hand_over(batch, out, n, size)
                         out = await out
+                    elif handing:
+                        _hand_over(batch, _recorded(out), n, size)
                 else:
                     _cuda.check_usable()
                     dev = _cuda.current_device() if self.device is None else _cuda.check_device(self.device)
                     fut = enqueue(self.run_batch, (items,), {}, dev, _torch.current_records(dev) + after)
                     try:
+                        if handing:  # submit_future()'s futures: set once enqueued
+                            await until_set(fut)
+                            _hand_over(batch, fut, n, size)
                         out = await fut
                     except BaseException:
                         fut.cancel()  # not started: never runs; started: its result is dropped
@@ -588,12 +622,12 @@ class Batcher(Generic[In, Out]):
             except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
                 self._failed += 1
                 for entry in batch:
-                    if not entry[1].done():
-                        entry[1].set_exception(exc)
+                    _fail_slot(entry[1], exc)
                 return
             for entry, result in zip(batch, results):  # noqa: B905 - results may hold padding
-                if not entry[1].done():
-                    entry[1].set_result(result)
+                slot = entry[1]
+                if not isinstance(slot, CudaFuture) and not slot.done():
+                    slot.set_result(result)
         except BaseException as exc:
             # Cancelled (the batcher left with an exception), or a
             # KeyboardInterrupt/SystemExit from run_batch: nobody may wait for ever.
@@ -601,13 +635,45 @@ class Batcher(Generic[In, Out]):
             if _is_cancellation(exc):
                 error = InvalidStateError("the Batcher closed while this item's batch ran")
             for entry in batch:
-                if not entry[1].done():
-                    entry[1].set_exception(error)
+                _fail_slot(entry[1], error)
             raise
         finally:
             self._in_flight -= 1
             if self._want == _WANT_SLOT:
                 self._rt.wake()
+
+
+def _fail_slot(slot: Any, exc: BaseException) -> None:
+    """Fail a request still waiting (a submit_future() future already set
+    keeps its value: its GPU work's own outcome decides)."""
+    if isinstance(slot, CudaFuture):
+        fail_future(slot, exc)
+    elif not slot.done():
+        slot.set_exception(exc)
+
+
+def _hand_over(
+    batch: list[tuple[Any, Any, float, tuple[EventRecord, ...]]], fut: CudaFuture[Any], n: int, size: int
+) -> None:
+    """Set the batch's submit_future() futures from ``fut``, the batch's
+    future, once it is set: each its row of the value, with the batch's
+    events. A failed ``fut`` leaves them to the ``await`` that follows."""
+    state, value, _exc, records = share_state(fut)
+    if state != "set":
+        return
+    results = _split(value, n, size)
+    for entry, result in zip(batch, results):  # noqa: B905 - results may hold padding
+        if isinstance(entry[1], CudaFuture):
+            complete_with(entry[1], result, records)
+
+
+def _recorded(out: Any) -> CudaFuture[Any]:
+    """An async ``run_batch``'s plain result as a set future: its GPU work
+    recorded on the current streams (none for a host value)."""
+    try:
+        return record(out)
+    except ValueError:  # on the host: nothing to wait for
+        return set_future(out, ())
 
 
 def _split(out: Any, n: int, size: int) -> Sequence[Any]:

@@ -518,3 +518,67 @@ def test_submit_outside_any_loop_is_an_invalid_state_error() -> None:
         return batcher
 
     asyncio.run(main())
+
+
+async def test_submit_future_is_set_when_the_batch_is_enqueued_not_done(fake_cuda: testing.FakeCuda) -> None:
+    """The future a process hands on: set (its events recorded) before the
+    GPU work is done, then done with the item's row once it is."""
+
+    def run_batch(items: list[int]) -> np.ndarray[Any, Any]:
+        return np.array(items) * 10  # the fake's "GPU" arrays are NumPy's
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.01) as batcher:
+        futures = [batcher.submit_future(i) for i in range(3)]
+        for fut in futures:
+            await cudafut.enqueued(fut)
+        assert not any(fut.done() for fut in futures)  # the fake holds the GPU work
+        fake_cuda.complete_all()
+        assert [int(await fut) for fut in futures] == [0, 10, 20]
+    assert batcher.statistics().batches == 1
+
+
+async def test_submit_future_fails_with_its_batch(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+
+    def run_batch(items: list[int]) -> list[int]:
+        raise ValueError("bad batch")
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.01) as batcher:
+        fut = batcher.submit_future(1)
+        with pytest.raises(ValueError, match="bad batch"):
+            await fut
+
+
+async def test_submit_future_cancelled_before_its_batch_drops_the_item(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    seen: list[list[int]] = []
+
+    def run_batch(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        return items
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.05) as batcher:
+        dropped = batcher.submit_future(1)
+        kept = batcher.submit_future(2)
+        assert dropped.cancel()
+        assert await kept == 2
+    assert seen == [[2]]
+
+
+async def test_submit_future_with_an_async_run_batch(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+
+    async def run_batch(items: list[int]) -> list[int]:
+        return [x + 1 for x in items]
+
+    async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0.01) as batcher:
+        assert await batcher.submit_future(5) == 6
+
+
+async def test_submit_future_outside_the_batcher_is_refused() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    batcher = cudafut.Batcher(run_batch, max_batch=4)
+    with pytest.raises(cudafut.InvalidStateError, match="not running"):
+        batcher.submit_future(1)

@@ -3,7 +3,8 @@
 ``--fronts`` front processes each run their own event loop and aiohttp
 server on one port (``SO_REUSEPORT``: the kernel spreads connections), and
 one GPU process per device (``--devices``) runs a :class:`cudafut.Batcher`
-over captured CUDA graphs. Each front and GPU process pair shares a pipe:
+over captured CUDA graphs (``submit_future``: each request's future is set
+once its batch is enqueued). Each front and GPU process pair shares a pipe:
 requests go to the GPU process with the fewest outstanding (as this front
 counts them), and the answers come back as :class:`cudafut.CudaFuture`\\ s
 that crossed the pipe: the GPU process sends each future once its batch is
@@ -94,7 +95,7 @@ async def _gpu_loop(served: Any, conns: list[Any], max_batch: int, max_delay_s: 
 
     def submit(i: int, msgs: list[tuple[int, int]]) -> None:
         for rid, k in msgs:
-            task = loop.create_task(answer(i, rid, batcher.submit(k)))
+            task = loop.create_task(answer(i, rid, batcher.submit_future(k)))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
