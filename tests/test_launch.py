@@ -221,7 +221,7 @@ def test_warm_launchers_reaches_every_thread_however_the_copies_fall(
 
     rounds = 200
     for i in range(rounds):
-        futs = [cudafut.warm_launchers(count) for _ in range(1 + i % 3)]
+        futs: list[cudafut.CudaFuture[Any]] = [cudafut.warm_launchers(count) for _ in range(1 + i % 3)]
         if i % 5 == 0:
             futs.append(cudafut.launch(lambda: 0))
         for fut in futs:
