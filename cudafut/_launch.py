@@ -63,7 +63,7 @@ from ._future import (
 from ._log import logger
 from ._trace import hooks as _trace
 
-__all__ = ["enqueue", "launch", "launcher_threads", "warm_launchers"]
+__all__ = ["enqueue", "launch", "launcher_threads", "stop", "warm_launchers"]
 
 U = TypeVar("U")
 
@@ -473,6 +473,28 @@ def enqueue(
     future: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "launch")
     launchers.queue.put(_Job(fn, args, kwargs, future, after))
     return future
+
+
+def stop(device: int, timeout: float = 60.0) -> bool:
+    """End the launcher threads of ``device`` once they have run what is
+    queued for them; the next launch on the device starts new ones, with
+    new streams (for the ``serve`` benchmark, which measures cold
+    launchers). Blocks the calling thread until they end or ``timeout``
+    passes; returns whether they all ended. Call it only while no other
+    thread launches on the device: a launch queued behind the threads' end
+    would never run."""
+    with _lock:
+        found = _launchers[device] if device < len(_launchers) else None
+        if found is None:
+            return True
+        _launchers[device] = None
+    for _ in found.threads:
+        found.queue.put(None)
+    ended = True
+    for thread in found.threads:
+        thread.join(timeout)
+        ended = ended and not thread.is_alive()
+    return ended
 
 
 def _after_fork_in_child() -> None:
