@@ -32,8 +32,8 @@ How the launchers work, and why (docs/serving.md, "How launch() works"):
   the shared queue. A thread blocked on the queue is woken by one of the
   copies of the warm-up put there (one per thread); a thread that takes a
   copy it has no use for puts it back only while a thread that still owes
-  the warm-up may be asleep on the queue (and waits up to 1 ms for that
-  thread to take it). A thread busy with a long job delays only its own
+  the warm-up may be asleep on the queue (and waits, ``_HAND_OVER_S`` at
+  most, for that thread to take it). A thread busy with a long job delays only its own
   warm-up, never the others', and nothing polls meanwhile.
 """
 
@@ -377,9 +377,9 @@ def warm_launchers(
     PyTorch model on a launcher thread pays for what PyTorch makes per
     thread and per stream (a cuBLAS handle and workspace for the thread's
     stream, cuDNN's handle, the choice of kernels), and holds the GIL for
-    part of it: 200 tasks launching a fp16 ResNet-50 at once stalled their
-    event loop for 105 ms in the first round and at most 5.1 ms in each
-    later round (one H200, docs/serving.md, "Cold launcher threads"). Call
+    part of it: 200 tasks launching a fp16 ResNet-50 at once stall their
+    event loop some twenty times longer in their first round than in any
+    later round (docs/serving.md, "Cold launcher threads"). Call
     ``warm_launchers(model, example)`` at start-up and that first call runs
     there instead. A torch.compile'd model with ``mode="reduce-overhead"``
     needs it too: CUDA cannot create a thread's cuBLAS handle inside the
