@@ -33,8 +33,8 @@ How the launchers work, and why (docs/serving.md, "How launch() works"):
   copies of the warm-up put there (one per thread); a thread that takes a
   copy it has no use for puts it back only while a thread that still owes
   the warm-up may be asleep on the queue (and waits, ``_HAND_OVER_S`` at
-  most, for that thread to take it). A thread busy with a long job delays only its own
-  warm-up, never the others', and nothing polls meanwhile.
+  most, for that thread to take it). A thread busy with a long job delays
+  only its own warm-up, never the others', and nothing polls meanwhile.
 """
 
 from __future__ import annotations
@@ -393,9 +393,9 @@ def warm_launchers(
     delays no other thread's run. The returned future is set (to None) once
     every thread's ``fn`` has returned, with events after what each
     enqueued, so ``await``, ``wait()`` and ``result()`` also wait for that
-    GPU work; it fails with the first exception ``fn`` raised on a thread
-    (the other threads still run ``fn``). Cancelling it does not stop the
-    runs.
+    GPU work. Where ``fn`` raised on some threads, the future fails, once
+    every thread has run ``fn``, with the first of those exceptions.
+    Cancelling it does not stop the runs.
 
     Blocks neither the calling thread nor the loop: the cost there is that
     of one :func:`launch` per thread (an event recorded, a future and a
@@ -436,23 +436,29 @@ def warm_launchers(
 
 
 def _join(out: CudaFuture[None], futures: list[CudaFuture[Any]]) -> None:
-    """Set ``out`` to None, with the events of all ``futures``, once all are
-    set; fail it with the first that fails (every failure counts as
-    retrieved: ``out`` stands for them)."""
+    """Once all ``futures`` are completed: set ``out`` to None with the
+    events of all, or, where some failed, fail it with the first to fail
+    (every failure counts as retrieved: ``out`` stands for them)."""
     wait_for(out, futures)
     lock = threading.Lock()
     left = [len(futures)]
+    failed: list[CudaFuture[Any]] = []
 
     def one_completed(fut: CudaFuture[Any]) -> Any:
-        if not succeeded(fut):
-            return adopt(out, (fut,))  # the first decides; a later one leaves out as it is
         with lock:
+            if not succeeded(fut):
+                failed.append(fut)
             left[0] -= 1
-            last = left[0] == 0
-        if last:
+            if left[0]:
+                return None
+        if not failed:
             records = tuple(rec for f in futures for rec in records_of(f))
             complete_with(out, None, records, tuple(futures))
-        return None
+            return None
+        pending = adopt(out, (failed[0],))
+        for other in failed[1:]:
+            adopt(out, (other,))  # out is failed already: this only marks its error retrieved
+        return pending
 
     for fut in futures:
         when_set(fut, lambda fut=fut: one_completed(fut))  # type: ignore[misc]
