@@ -46,6 +46,7 @@ from ._future import submit as submit
 from ._graphs import Graphed as Graphed
 from ._graphs import graphed as graphed
 from ._launch import launch as launch
+from ._launch import warm_launchers as warm_launchers
 from ._memory import MemoryStatistics as MemoryStatistics
 from ._memory import memory_statistics as memory_statistics
 from ._memory import record_stream as record_stream
@@ -120,6 +121,7 @@ __all__ = [
     "use_stream",
     "use_task_streams",
     "wait_all",
+    "warm_launchers",
     "wrap_future",
 ]
 

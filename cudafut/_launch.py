@@ -26,10 +26,20 @@ How the launchers work, and why (docs/serving.md, "How launch() works"):
   current stream (and on PyTorch's, when that differs), which the launcher's
   stream waits for before ``fn`` runs, so ``fn`` sees what the caller
   enqueued before calling :func:`launch`.
+- :func:`warm_launchers` runs a function once on *each* thread: a job
+  taken from the shared queue may land on any thread, so each thread also
+  has its own list of warm-up jobs, which it runs before it next takes from
+  the shared queue. A thread blocked on the queue is woken by one of the
+  copies of the warm-up put there (one per thread); a thread that takes a
+  copy it has no use for puts it back only while a thread that still owes
+  the warm-up may be asleep on the queue (and waits, ``_HAND_OVER_S`` at
+  most, for that thread to take it). A thread busy with a long job delays
+  only its own warm-up, never the others', and nothing polls meanwhile.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import queue
@@ -39,11 +49,21 @@ from typing import Any, Final, TypeVar, overload
 
 from . import _cuda, _events, _lifetimes, _torch
 from ._events import EventRecord
-from ._future import CudaFuture, fail_future, settle_launched
+from ._future import (
+    CudaFuture,
+    adopt,
+    complete_with,
+    fail_future,
+    records_of,
+    settle_launched,
+    succeeded,
+    wait_for,
+    when_set,
+)
 from ._log import logger
 from ._trace import hooks as _trace
 
-__all__ = ["enqueue", "launch", "launcher_threads"]
+__all__ = ["enqueue", "launch", "launcher_threads", "stop", "warm_launchers"]
 
 U = TypeVar("U")
 
@@ -89,12 +109,35 @@ class _Job:
         self.after = after
 
 
+class _Warm:
+    """One :func:`warm_launchers` call: a job for each launcher thread.
+
+    Each thread's job sits in that thread's ``todo`` list; the object itself
+    goes into the shared queue once per thread, to wake the threads that
+    sleep on it (see ``_Launchers``)."""
+
+    __slots__ = ("cond", "jobs", "left")
+
+    def __init__(self, jobs: list[_Job | None]) -> None:
+        self.jobs = jobs
+        # The threads that have not taken their job from their todo list yet.
+        self.left: set[int] = set(range(len(jobs)))
+        self.cond = threading.Condition(threading.Lock())
+
+
 class _Launchers:
-    """The launcher threads of one device and their shared queue."""
+    """The launcher threads of one device and their shared queue.
+
+    Besides the shared queue, each thread has a ``todo`` list of warm-up
+    jobs meant for it alone (:func:`warm_launchers`), which it empties before
+    each take from the shared queue, and an ``idle`` flag, set while it may
+    be asleep on the shared queue."""
 
     def __init__(self, device: int, threads: int) -> None:
         self.device = device
-        self.queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[_Job | _Warm | None] = queue.SimpleQueue()
+        self.todo: list[collections.deque[_Warm]] = [collections.deque() for _ in range(threads)]
+        self.idle = [False] * threads
         # Made here, on the thread of the first launch(): a stream CUDA
         # refuses fails that launch() instead of killing a launcher thread
         # (and hanging every later launch on the device).
@@ -103,11 +146,11 @@ class _Launchers:
         self.threads = [
             threading.Thread(
                 target=_serve,
-                args=(device, self.queue, stream),
+                args=(self, i),
                 name=f"cudafut-launcher-{device}-{i}",
                 daemon=True,
             )
-            for i, stream in enumerate(self.streams)
+            for i in range(threads)
         ]
         for thread in self.threads:
             thread.start()
@@ -128,36 +171,92 @@ def _launchers_of(device: int) -> _Launchers:
         return found
 
 
-def _serve(device: int, jobs: queue.SimpleQueue[_Job | None], stream: Any) -> None:
+def _serve(launchers: _Launchers, index: int) -> None:
     """A launcher thread: take jobs in turn, run each on this thread's stream."""
+    device = launchers.device
+    jobs = launchers.queue
+    todo = launchers.todo[index]
+    idle = launchers.idle
+    stream = launchers.streams[index]
     ptr = int(stream.ptr)
     streams = {device: stream}
     while True:
-        job = jobs.get()
-        if job is None:
-            return
-        future = job.future
-        if future.cancelled():  # cancelled before it started: never run
-            del job, future  # its arguments are not kept while this thread waits
+        while todo:
+            _warm_here(todo.popleft(), index, ptr, device, streams)
+        idle[index] = True
+        if todo:  # a warm-up came since the test above: run it before sleeping
+            idle[index] = False
             continue
+        job = jobs.get()
+        idle[index] = False
+        if job is None:
+            while todo:  # a warm-up queued for this thread: it does not end owing it
+                _warm_here(todo.popleft(), index, ptr, device, streams)
+            return
+        if isinstance(job, _Warm):
+            _pass_on(launchers, job, index)
+            continue
+        _run(job, ptr, device, streams)
+        del job  # not kept alive while waiting for the next job
+
+
+def _run(job: _Job, ptr: int, device: int, streams: dict[int, Any]) -> None:
+    """Run one job on this launcher thread's stream (``ptr``)."""
+    future = job.future
+    if future.cancelled():  # cancelled before it started: never run
+        return
+    try:
+        for rec in job.after:
+            rec.wait_on(ptr, device)
+        settle_launched(future, _no_awaitable(job.fn), job.args, job.kwargs, streams)
+        if future.cancelled():
+            # Cancelled while fn ran: its work still reads the arguments.
+            _lifetimes.hold((_events.record(ptr, device),), (job.args, job.kwargs))
+    except BaseException as exc:  # noqa: BLE001 - a launcher thread never dies of fn
+        # settle_launched stores fn's Exception in the future; this is
+        # KeyboardInterrupt/SystemExit from fn, or a failure of CUDA
+        # itself: the awaiting side raises it, this thread goes on.
+        if not isinstance(exc, Exception):
+            logger.warning("cudafut: %r from a launched function fails its future", exc)
         try:
-            for rec in job.after:
-                rec.wait_on(ptr, device)
-            settle_launched(future, _no_awaitable(job.fn), job.args, job.kwargs, streams)
-            if future.cancelled():
-                # Cancelled while fn ran: its work still reads the arguments.
-                _lifetimes.hold((_events.record(ptr, device),), (job.args, job.kwargs))
-        except BaseException as exc:  # noqa: BLE001 - a launcher thread never dies of fn
-            # settle_launched stores fn's Exception in the future; this is
-            # KeyboardInterrupt/SystemExit from fn, or a failure of CUDA
-            # itself: the awaiting side raises it, this thread goes on.
-            if not isinstance(exc, Exception):
-                logger.warning("cudafut: %r from a launched function fails its future", exc)
-            try:
-                fail_future(future, exc)
-            except BaseException:  # noqa: BLE001
-                logger.exception("cudafut: a launcher could not fail %r", future)
-        del job, future  # not kept alive while waiting for the next job
+            fail_future(future, exc)
+        except BaseException:  # noqa: BLE001
+            logger.exception("cudafut: a launcher could not fail %r", future)
+
+
+def _warm_here(warm: _Warm, index: int, ptr: int, device: int, streams: dict[int, Any]) -> None:
+    """Run this thread's job of a warm-up (taken from its todo list)."""
+    with warm.cond:
+        warm.left.discard(index)
+        warm.cond.notify_all()
+    job = warm.jobs[index]
+    warm.jobs[index] = None  # its future keeps what it needs
+    if job is not None:
+        _run(job, ptr, device, streams)
+
+
+#: How long a launcher thread that put a warm-up's copy back on the queue (for
+#: a thread asleep there) waits for that thread to take it, at most, before
+#: it takes jobs again: without the wait it could take the copy back itself,
+#: over and over. The sleeping thread wakes in µs; the limit matters only
+#: where it took another job first (it then runs the warm-up after that job).
+_HAND_OVER_S: Final = 0.001
+
+
+def _pass_on(launchers: _Launchers, warm: _Warm, index: int) -> None:
+    """A copy of a warm-up taken from the shared queue: it woke this thread,
+    whose own job (if any) is in its todo list. Where a thread that still
+    owes the warm-up may be asleep on the queue, the copy goes back there
+    for it."""
+    idle = launchers.idle
+    with warm.cond:
+        if index in warm.left:
+            return  # this thread's own copy: its todo list has the job
+        waiting = len(warm.left)
+        if not any(idle[j] for j in warm.left):
+            return  # the threads that owe it are busy: they look at their todo list next
+        launchers.queue.put(warm)
+        warm.cond.wait_for(lambda: len(warm.left) < waiting, _HAND_OVER_S)
 
 
 #: launch()'s refusal of a coroutine function, or of an awaitable ``fn`` returned.
@@ -269,6 +368,102 @@ def launch(
     return enqueue(fn, args, kwargs, dev, _torch.current_records(dev))
 
 
+def warm_launchers(
+    fn: Callable[..., Any], /, *args: Any, device: int | None = None, **kwargs: Any
+) -> CudaFuture[None]:
+    """Run ``fn(*args, **kwargs)`` once on *each* launcher thread of ``device``; return a future at once.
+
+    For a service's start-up, before it takes requests. The first call of a
+    PyTorch model on a launcher thread pays for what PyTorch makes per
+    thread and per stream (a cuBLAS handle and workspace for the thread's
+    stream, cuDNN's handle, the choice of kernels), and holds the GIL for
+    part of it: 200 tasks launching a fp16 ResNet-50 at once stall their
+    event loop some twenty times longer in their first round than in any
+    later round (docs/serving.md, "Cold launcher threads"). Call
+    ``warm_launchers(model, example)`` at start-up and that first call runs
+    there instead. A torch.compile'd model with ``mode="reduce-overhead"``
+    needs it too: CUDA cannot create a thread's cuBLAS handle inside the
+    graph capture that a first compiled call on that thread may start.
+
+    ``fn`` runs exactly once on every launcher thread of ``device`` (default:
+    the current device; its threads start here if no launch started them),
+    as :func:`launch` runs it: that thread's stream is current for CuPy and
+    PyTorch, and first waits for what the caller enqueued on its current
+    streams. A thread busy with a launch runs ``fn`` after that launch; it
+    delays no other thread's run. The returned future is set (to None) once
+    every thread's ``fn`` has returned, with events after what each
+    enqueued, so ``await``, ``wait()`` and ``result()`` also wait for that
+    GPU work. Where ``fn`` raised on some threads, the future fails, once
+    every thread has run ``fn``, with the first of those exceptions.
+    Cancelling it does not stop the runs.
+
+    Blocks neither the calling thread nor the loop: the cost there is that
+    of one :func:`launch` per thread (an event recorded, a future and a
+    queue put each; starting the threads and their streams, if this is the
+    first use of the device's launchers). ``result()`` on the future blocks
+    the thread until all have run. Each launcher thread runs no launch
+    while it runs ``fn``; the GIL that ``fn`` holds on a cold thread stalls
+    the loop all the same, which is why this belongs before serving.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or is a coroutine function, or
+            ``device`` is not an int (before anything is enqueued).
+        ValueError: ``device`` is out of range.
+        CudaUnavailableError: CUDA cannot be used here.
+    """
+    if not callable(fn):
+        raise TypeError(f"warm_launchers() needs a callable, not {fn!r}")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(_ASYNC_FN.format(fn=fn).replace("launch()", "warm_launchers()", 1))
+    _cuda.check_usable()
+    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    launchers = _launchers[dev] if dev < len(_launchers) else None
+    if launchers is None:
+        launchers = _launchers_of(dev)
+    after = _torch.current_records(dev)
+    tracing = _trace.active is not None
+    futures: list[CudaFuture[Any]] = [
+        _trace.make(CudaFuture, "warm_launchers") if tracing else CudaFuture() for _ in launchers.threads
+    ]
+    out: CudaFuture[None] = _trace.make(CudaFuture, "warm_launchers") if tracing else CudaFuture()
+    _join(out, futures)
+    warm = _Warm([_Job(fn, args, kwargs, fut, after) for fut in futures])
+    for todo in launchers.todo:
+        todo.append(warm)
+    for _ in launchers.threads:  # wakes the threads asleep on the queue
+        launchers.queue.put(warm)
+    return out
+
+
+def _join(out: CudaFuture[None], futures: list[CudaFuture[Any]]) -> None:
+    """Once all ``futures`` are completed: set ``out`` to None with the
+    events of all, or, where some failed, fail it with the first to fail
+    (every failure counts as retrieved: ``out`` stands for them)."""
+    wait_for(out, futures)
+    lock = threading.Lock()
+    left = [len(futures)]
+    failed: list[CudaFuture[Any]] = []
+
+    def one_completed(fut: CudaFuture[Any]) -> Any:
+        with lock:
+            if not succeeded(fut):
+                failed.append(fut)
+            left[0] -= 1
+            if left[0]:
+                return None
+        if not failed:
+            records = tuple(rec for f in futures for rec in records_of(f))
+            complete_with(out, None, records, tuple(futures))
+            return None
+        pending = adopt(out, (failed[0],))
+        for other in failed[1:]:
+            adopt(out, (other,))  # out is failed already: this only marks its error retrieved
+        return pending
+
+    for fut in futures:
+        when_set(fut, lambda fut=fut: one_completed(fut))  # type: ignore[misc]
+
+
 def enqueue(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -284,6 +479,28 @@ def enqueue(
     future: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "launch")
     launchers.queue.put(_Job(fn, args, kwargs, future, after))
     return future
+
+
+def stop(device: int, timeout: float = 60.0) -> bool:
+    """End the launcher threads of ``device`` once they have run what is
+    queued for them; the next launch on the device starts new ones, with
+    new streams (for the ``serve`` benchmark, which measures cold
+    launchers). Blocks the calling thread until they end or ``timeout``
+    passes; returns whether they all ended. Call it only while no other
+    thread launches on the device: a launch queued behind the threads' end
+    would never run."""
+    with _lock:
+        found = _launchers[device] if device < len(_launchers) else None
+        if found is None:
+            return True
+        _launchers[device] = None
+    for _ in found.threads:
+        found.queue.put(None)
+    ended = True
+    for thread in found.threads:
+        thread.join(timeout)
+        ended = ended and not thread.is_alive()
+    return ended
 
 
 def _after_fork_in_child() -> None:

@@ -106,9 +106,8 @@ async def main(args: argparse.Namespace) -> None:
     model = Model(args.fixed_us, args.per_item_us)
     model.warm_up(args.max_batch)  # compiles the kernels (once per process)
     # Each launcher thread creates its own cuBLAS handle on its first call: do
-    # that now, not during the first timed batches.
-    for warm in [cudafut.launch(model.warm_up, args.max_batch) for _ in range(4)]:
-        await warm
+    # that now, on every launcher thread, not during the first timed batches.
+    await cudafut.warm_launchers(model.warm_up, args.max_batch)
     await cudafut.to_host(cudafut.launch(model.forward, np.zeros((1, DIM), np.float32)))
 
     async def run_batch(xs: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:

@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _launch
+from cudafut import _launch
 from tests.kernels import spin_fill
 from tests.launches import check_a_queued_launch_cancelled_never_runs
 from tests.runners import BACKENDS, run_on
@@ -234,18 +234,40 @@ def test_a_cupy_graph_replayed_through_launch_gives_the_eager_answers(cp: Any) -
         cp.testing.assert_allclose(got, forward(x), rtol=1e-5, atol=1e-5)
 
 
-def _on_every_launcher_thread(fn: Any) -> None:
-    """Run ``fn`` once on each launcher thread of the current device: as
-    many launches as threads, each held at a barrier until all have started."""
-    device = _cuda.cupy().cuda.Device().id
-    barrier = threading.Barrier(len(_launch._launchers_of(device).threads))
+def test_warm_launchers_runs_once_on_each_launcher_stream_for_cupy_and_torch(cp: Any, torch: Any) -> None:
+    """Each launcher thread runs the warm-up once, with its own stream current
+    for CuPy and PyTorch, after the caller's stream; the future covers the
+    GPU work of every thread."""
+    device = cp.cuda.Device().id
+    x = _slow_on_current(cp)  # 7.0 after SLOW_MS, on the caller's stream
+    seen: list[tuple[int, int, int]] = []
+    outs: list[Any] = []
+    lock = threading.Lock()
 
-    def job() -> None:
-        barrier.wait(timeout=60)
-        fn()
+    def warm(a: Any) -> None:
+        t = torch.zeros(N, device="cuda")
+        torch.cuda._sleep(int(100e6))  # about 50 ms: the future must cover it
+        t.fill_(3.0)
+        with lock:
+            seen.append(
+                (
+                    threading.get_ident(),
+                    int(cp.cuda.get_current_stream().ptr),
+                    int(torch.cuda.current_stream().cuda_stream),
+                )
+            )
+            outs.append((a + 1, t))  # a: read after the caller's stream
 
-    for fut in [cudafut.launch(job, device=device) for _ in range(barrier.parties)]:
-        fut.result(timeout=120)
+    assert cudafut.warm_launchers(warm, x).result(timeout=60) is None
+    launchers = _launch._launchers_of(device)
+    want = sorted(int(s.ptr) for s in launchers.streams)
+    assert len(seen) == len(launchers.threads) == len(want)
+    assert len({thread for thread, _, _ in seen}) == len(want)
+    assert sorted(ptr for _, ptr, _ in seen) == want
+    assert all(cupy_ptr == torch_ptr for _, cupy_ptr, torch_ptr in seen)
+    for y, t in outs:  # done without a synchronize: the future waited for both
+        assert float(y.min()) == float(y.max()) == 8.0
+        assert float(t.min()) == 3.0
 
 
 def forward_eager(model: Any, x: Any) -> Any:
@@ -273,7 +295,7 @@ def test_torch_compile_reduce_overhead_through_launch(cp: Any, torch: Any) -> No
     # come on a launcher thread that has no cuBLAS handle yet, and CUDA
     # refuses to create one inside a capture (CUBLAS_STATUS_NOT_INITIALIZED).
     # docs/serving.md's recipe: run the eager model once on every thread.
-    _on_every_launcher_thread(lambda: forward_eager(model, x))
+    cudafut.warm_launchers(forward_eager, model, x).result(timeout=300)
     for _ in range(4):  # warm-up, record, replay: on launcher threads
         got = cudafut.launch(forward, x).result(timeout=300)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

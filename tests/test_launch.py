@@ -7,14 +7,17 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _lifetimes, testing
+from cudafut import _cuda, _future, _launch, _lifetimes, testing
 from tests.launches import check_a_queued_launch_cancelled_never_runs
+from tests.runners import BACKENDS, run_on
 
 
 def test_a_stream_cuda_refuses_fails_the_launch_and_kills_no_thread(
@@ -112,3 +115,195 @@ def test_an_awaitable_returned_fails_the_future_and_the_coroutine_is_closed(
     # Closed unrun: Python will not warn that it was never awaited.
     assert inspect.getcoroutinestate(made[0]) == inspect.CORO_CLOSED
     assert cudafut.launch(np.arange, 2).result(timeout=10).tolist() == [0, 1]  # the launcher lives on
+
+
+# -- warm_launchers ----------------------------------------------------------------------
+
+
+def _where() -> tuple[str, int]:
+    """The launcher thread this runs on, and the current stream there."""
+    return threading.current_thread().name, int(_cuda.current_stream(0).ptr)
+
+
+def test_warm_launchers_runs_fn_once_on_each_launcher_thread_with_its_stream_current(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda.auto_complete = True
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "3")  # read as the fake's launchers start, here
+    seen: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def warm(tag: str, *, scale: int) -> int:
+        assert (tag, scale) == ("x", 2)
+        with lock:
+            seen.append(_where())
+        return scale
+
+    fut = cudafut.warm_launchers(warm, "x", scale=2)
+    assert fut.result(timeout=10) is None
+    launchers = _launch._launchers[0]
+    assert launchers is not None
+    want = {(t.name, int(s.ptr)) for t, s in zip(launchers.threads, launchers.streams, strict=True)}
+    assert len(want) == 3
+    for _ in range(6):  # launches after it: no thread runs warm again
+        cudafut.launch(lambda: 0).result(timeout=10)
+    assert sorted(seen) == sorted(want)
+
+
+def test_warm_launchers_starts_the_launchers_and_waits_for_each_threads_gpu_work(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "2")
+    assert not _launch._launchers  # the fake starts with none
+    fut = cudafut.warm_launchers(lambda: None)
+    for _ in range(200):
+        if fut._state is not _future_pending():  # set once both threads ran fn
+            break
+        threading.Event().wait(0.01)
+    assert not fut.done()  # set, but the events of the threads' work are pending
+    assert len(_future.records_of(fut)) >= 2  # one per thread's stream at least
+    fake_cuda.complete_all()
+    assert fut.result(timeout=10) is None
+
+
+def _future_pending() -> object:
+    return _future._PENDING
+
+
+def test_a_busy_launcher_thread_delays_only_its_own_warm_up(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda.auto_complete = True
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "3")
+    cudafut.launch(lambda: 0).result(timeout=10)  # the launchers exist
+    inside = threading.Event()
+    release = threading.Event()
+
+    def hold() -> str:
+        inside.set()
+        release.wait(10)
+        return threading.current_thread().name
+
+    busy = cudafut.launch(hold)
+    assert inside.wait(10)
+    ran: list[str] = []
+    fut = cudafut.warm_launchers(lambda: ran.append(threading.current_thread().name))
+    for _ in range(500):  # the two idle threads run it now
+        if len(ran) == 2:
+            break
+        threading.Event().wait(0.01)
+    assert len(ran) == 2 and not fut.done()
+    # Launches still run meanwhile, on the idle threads.
+    for _ in range(10):
+        assert cudafut.launch(lambda: 7).result(timeout=10) == 7
+    release.set()
+    name = busy.result(timeout=10)
+    assert fut.result(timeout=10) is None
+    assert sorted(ran) == sorted(t.name for t in _launch._launchers[0].threads)  # type: ignore[union-attr]
+    assert name not in ran[:2]
+
+
+def test_warm_launchers_reaches_every_thread_however_the_copies_fall(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All threads asleep on the queue, one of them fast to take both
+    copies: each warm-up still reaches every thread (many times, to meet
+    the races)."""
+    fake_cuda.auto_complete = True
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "4")
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def count() -> None:
+        with lock:
+            name = threading.current_thread().name
+            counts[name] = counts.get(name, 0) + 1
+
+    rounds = 200
+    for i in range(rounds):
+        futs: list[cudafut.CudaFuture[Any]] = [cudafut.warm_launchers(count) for _ in range(1 + i % 3)]
+        if i % 5 == 0:
+            futs.append(cudafut.launch(lambda: 0))
+        for fut in futs:
+            fut.result(timeout=10)
+    runs = sum(1 + i % 3 for i in range(rounds))
+    assert len(counts) == 4
+    assert set(counts.values()) == {runs}
+
+
+def test_warm_launchers_fails_with_fns_first_exception_and_every_thread_lives_on(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda.auto_complete = True
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "2")
+
+    class WarmError(Exception):
+        pass
+
+    errors = [WarmError("a"), WarmError("b")]
+    lock = threading.Lock()
+
+    def boom() -> None:
+        with lock:
+            error = errors.pop()
+        raise error
+
+    with pytest.raises(WarmError, match=r"^[ab]$"):
+        cudafut.warm_launchers(boom).result(timeout=10)
+    assert errors == []  # failed once both threads ran it
+    ran: list[str] = []
+    cudafut.warm_launchers(lambda: ran.append(threading.current_thread().name)).result(timeout=10)
+    assert len(set(ran)) == 2
+
+
+def test_warm_launchers_refuses_bad_arguments_before_anything_is_enqueued(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    async def model(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError, match=r"warm_launchers\(\) needs a callable"):
+        cudafut.warm_launchers(42)  # type: ignore[arg-type]
+    for fn in (model, functools.partial(model, 1)):
+        with pytest.raises(TypeError, match=r"warm_launchers\(\) runs fn.*coroutine function \(async def\)"):
+            cudafut.warm_launchers(fn, 1)
+    with pytest.raises(ValueError, match="99"):
+        cudafut.warm_launchers(lambda: 0, device=99)
+    with pytest.raises(TypeError, match="device"):
+        cudafut.warm_launchers(lambda: 0, device="0")  # type: ignore[arg-type]
+    assert fake_cuda.pending == 0  # not even the caller's event was recorded
+    assert not _launch._launchers  # nor a launcher started
+
+
+async def _warm_from_a_loop(release: threading.Event) -> tuple[float, int]:
+    """warm_launchers() while its fn blocks: the call returns at once and the
+    loop's other tasks go on; the future is awaited without blocking."""
+    ticks = [0]
+    stop = [False]
+
+    async def ticker() -> None:
+        while not stop[0]:
+            ticks[0] += 1
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        t0 = time.perf_counter()
+        fut = cudafut.warm_launchers(release.wait, 10)
+        took = time.perf_counter() - t0
+        before = ticks[0]
+        await anyio.sleep(0.05)
+        assert ticks[0] > before  # the loop ran while fn blocked its threads
+        release.set()
+        await fut
+        stop[0] = True
+    return took, ticks[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_warm_launchers_from_a_loop_blocks_nothing(fake_cuda: testing.FakeCuda, backend: str) -> None:
+    fake_cuda.auto_complete = True
+    cudafut.launch(lambda: 0).result(timeout=10)  # the launchers exist: the call is only puts
+    took, ticks = run_on(backend, _warm_from_a_loop, threading.Event())
+    assert took < 0.05
+    assert ticks > 1

@@ -26,7 +26,9 @@ Run it (from the repository root, on a machine with a GPU and torchvision;
 
     python examples/service/server.py --model resnet50 --mode batch_graph --port 8080
 
-It prints ``READY <port>`` once the model is warm; load it with load.py, or
+It prints ``READY <port>`` once the model is warm (and, in the modes that
+launch, each launcher thread has run it once: :func:`cudafut.warm_launchers`);
+load it with load.py, or
 compare the modes (and LitServe) with compare.py.
 """
 
@@ -206,6 +208,12 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(missing("server.py --mode " + args.mode, module, exc, how))
         served = Served(args.model, graphs=args.mode.endswith("graph"))
         served.answer([0])
+        if args.mode in ("launch", "launch_graph", "batch", "batch_graph"):
+            # The first model call on each launcher thread sets up PyTorch's
+            # per-thread and per-stream state, holding the GIL for part of
+            # it (105 ms of stalled loop on an H200): pay it here, before READY.
+            graphs = args.mode.endswith("graph")
+            cudafut.warm_launchers(served.answer_graphed if graphs else served.answer, [0]).result()
     elif ref is None:
         parser.error("--mode nogpu needs --reference")
     compute, batcher = make_compute(
