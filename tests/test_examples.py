@@ -38,7 +38,7 @@ def load_example(path: Path) -> ModuleType:
         return module
     finally:
         sys.path[:] = saved_path
-        for name in ("toy_model", "model", "batcher", "load"):
+        for name in ("toy_model", "model", "models", "batcher", "load"):
             if name not in saved_modules:
                 sys.modules.pop(name, None)
 
@@ -175,6 +175,7 @@ print([await f async for f in cudafut.as_completed(futs)])
         ("service/load.py", "aiohttp"),
         ("service/compare.py", "aiohttp"),
         ("service/litserve_server.py", "litserve"),
+        ("service/ray_serve.py", "numpy"),  # parses its arguments before importing Ray
     ],
 )
 def test_every_example_explains_itself(script: str, needs: str) -> None:

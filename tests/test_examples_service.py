@@ -139,6 +139,7 @@ sys.meta_path.insert(0, _Blocker())
         ("server.py", ["--mode", "nogpu", "--reference", "ref.npy"], "aiohttp", "cudafut[service]"),
         ("compare.py", ["--quick"], "aiohttp", "cudafut[service]"),
         ("litserve_server.py", ["--port", "PORT"], "litserve", "pip install litserve"),
+        ("ray_serve.py", ["--model", "toy"], "ray", "cudafut[ray]"),
     ],
 )
 def test_a_missing_dependency_is_named_at_once(
