@@ -48,6 +48,7 @@ def test_an_answer_is_checked_against_the_reference_logits() -> None:
 
 def test_the_comparison_table_has_a_row_per_handler() -> None:
     pytest.importorskip("aiohttp")
+    pytest.importorskip("psutil")  # Ray Serve brings aiohttp without psutil
     compare = load_example(SERVICE / "compare.py")
     r = {
         "rps": 1234.5, "p50_ms": 5.0, "p99_ms": 12.5, "server_cpu": 0.98, "gpu_busy": 0.5, "mean_batch": 12.0,
@@ -139,6 +140,7 @@ sys.meta_path.insert(0, _Blocker())
         ("server.py", ["--mode", "nogpu", "--reference", "ref.npy"], "aiohttp", "cudafut[service]"),
         ("compare.py", ["--quick"], "aiohttp", "cudafut[service]"),
         ("litserve_server.py", ["--port", "PORT"], "litserve", "pip install litserve"),
+        ("ray_serve.py", ["--model", "toy"], "ray", "cudafut[ray]"),
     ],
 )
 def test_a_missing_dependency_is_named_at_once(
