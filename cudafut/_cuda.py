@@ -1108,7 +1108,7 @@ _IPC_LAZY_PEER_ACCESS: Final = 0x1  # cudaIpcMemLazyEnablePeerAccess
 
 def ipc_event_create(device: int) -> tuple[int, bytes]:
     """A new interprocess event on ``device`` (timing disabled, as CUDA
-    requires) and its handle for other processes (about 2 µs)."""
+    requires) and its handle for other processes (a few µs)."""
     rt = runtime()
     with on_device(device):
         event = int(rt.eventCreateWithFlags(rt.eventDisableTiming | _EVENT_INTERPROCESS))
@@ -1120,8 +1120,8 @@ def ipc_event_create(device: int) -> tuple[int, bytes]:
 
 
 def ipc_open_event(handle: bytes, device: int) -> int:
-    """Open another process's interprocess event (about 170 µs the first
-    time in a process, measured on an H200: callers keep what they open)."""
+    """Open another process's interprocess event (slow the first time in a
+    process: callers keep what they open)."""
     rt = runtime()
     with on_device(device):
         return int(rt.ipcOpenEventHandle(handle))
@@ -1154,7 +1154,7 @@ def ipc_memory_handle(ptr: int, device: int) -> tuple[bytes, int, int]:
 
 def ipc_open_memory(handle: bytes, device: int) -> int:
     """Map another process's allocation into this one; its base address
-    (about 150 µs, measured on an H200: callers keep what they map)."""
+    (a driver call of tens to hundreds of µs: callers keep what they map)."""
     rt = runtime()
     with on_device(device):
         return int(rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))

@@ -19,12 +19,12 @@ The producer (the exporting process):
   thread reads the ledger every ``_TICK_S`` and frees what receivers let go
   of, what a receiver that died held, and, after ``CUDAFUT_SHARE_CLAIM_S``
   (60 s), what nobody received.
-- Events are made once (interprocess events cost about 2 µs) and come back
+- Events are made once (each costs a few µs to make) and come back
   to a free list when their export is freed.
 
 The consumer (the importing process):
 
-- Maps the allocations (cached by handle: opening one costs about 150 µs,
+- Maps the allocations (cached by handle: mapping one is a slow driver call,
   and an allocation is usually sent many times) and opens the event (also
   cached). The future it gets is set, with one record of that event, and
   awaits it like any other: the waiter queries the event.
