@@ -548,7 +548,7 @@ def _empty_cupy(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def _empty_torch(shape: tuple[int, ...], dtype: str) -> Any:
-    torch = _torch.module()
+    torch = _torch.imported()
     return torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
 
 
@@ -611,7 +611,7 @@ def _open_torch(
     dtype: str,
     itemsize: int,
 ) -> Any:
-    torch = _torch.module()
+    torch = _torch.imported()
     device, base = _mapped(bus, handle)
     # Same-size integers, then a view as the dtype: the interface has no
     # bfloat16 (nor float8).

@@ -68,6 +68,20 @@ def module() -> Any:
     return torch
 
 
+def imported() -> Any:
+    """``torch``, imported if need be: for unpickling a value that holds
+    tensors (a received future's), as pickle itself imports a pickled
+    object's module. Everywhere else cudafut only uses a torch the program
+    imported.
+
+    Raises:
+        ImportError: PyTorch is not installed here.
+    """
+    import torch  # noqa: PLC0415
+
+    return torch
+
+
 def loaded() -> Any:
     """``torch`` if it is imported and can use CUDA here, else None.
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this
 from models import BUCKETS, IMAGES, MODELS, missing, top_of
 
 import cudafut
+
+
+@contextlib.contextmanager
+def _or_exit(what: str) -> Iterator[None]:
+    """End this process, saying why, if the block fails: requests that can
+    no longer be answered must not wait for ever (the parent sees the exit)."""
+    try:
+        yield
+    except EOFError:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        print(f"multiproc.py: {what}; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def gpu_main(
@@ -72,7 +89,8 @@ async def _gpu_loop(served: Any, conns: list[Any], max_batch: int, max_delay_s: 
             batch = box[:]
             del box[: len(batch)]
             if batch:
-                conn.send(batch)
+                with _or_exit("a GPU process could not send answers"):
+                    conn.send(batch)
 
     async def answer(i: int, rid: int, fut: Any) -> None:
         await cudafut.enqueued(fut)
@@ -135,7 +153,8 @@ def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -
         # Unpickling (importing the futures) happens here, off the loop.
         while True:
             try:
-                batch = conns[g].recv()
+                with _or_exit("a front process could not receive answers"):
+                    batch = conns[g].recv()
             except EOFError:
                 return
             loop_ref[0].call_soon_threadsafe(deliver, g, batch)
