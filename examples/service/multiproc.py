@@ -53,7 +53,7 @@ def _or_exit(what: str) -> Iterator[None]:
         yield
     except EOFError:
         raise
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever it was, this process cannot go on
         traceback.print_exc()
         print(f"multiproc.py: {what}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
