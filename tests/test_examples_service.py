@@ -185,3 +185,42 @@ def test_the_load_generator_stops_when_a_load_process_dies(monkeypatch: pytest.M
     with pytest.raises(SystemExit, match="no result from the load processes in 0 s"):
         load._collect(out, 1, [alive, alive], 0.1)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_path: Path) -> None:
+    """multiproc.py with its toy model: two front processes and a GPU
+    process on cudafut's fake GPU; the answers cross the pipes as futures
+    (done ones, under the fake) and the load generator checks every one."""
+    pytest.importorskip("aiohttp")
+    toy = load_example(SERVICE / "ray_serve.py").Toy()
+    ref_path = tmp_path / "toy.npy"
+    np.save(ref_path, toy.reference())
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        str(SERVICE / "multiproc.py"),
+        "--model",
+        "toy",
+        "--fronts",
+        "2",
+        "--port",
+        str(port),
+    ]
+    server = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.1)
+        out = _load(port, ref_path, "--clients", "8")
+        assert out["requests"] > 0 and out["wrong"] == 0 and out["errors"] == 0, out
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert server.returncode == 0  # SIGTERM stops every process of the service

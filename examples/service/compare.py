@@ -169,6 +169,10 @@ class _Sampler:
         self.gpu = float(np.mean(busy)) if busy else None
 
 
+def _tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:]
+
+
 def _stats(port: int) -> dict[str, Any]:
     status, body = _get(port, "/stats")
     return json.loads(body) if status == 200 else {}
@@ -268,7 +272,11 @@ def compare(
                 port += 1
                 log = Path(tmp) / f"{model}-{mode}.log"
                 with serving(model, mode, port, ref_path, log, fronts=fronts, devices=devices) as proc:
-                    r = run(proc, port, clients=clients)
+                    try:
+                        r = run(proc, port, clients=clients)
+                    except BaseException:  # the server's own account of what went wrong, then the error
+                        step(f"{model} {mode}: the load failed; the server's log ends:\n{_tail(log)}")
+                        raise
                     row["closed"][mode] = r
                     step(f"{model} {mode} closed: {_line(r)}")
                     if open_loop:

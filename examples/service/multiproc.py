@@ -19,7 +19,10 @@ The same HTTP interface as server.py (``POST /predict`` with ``{"i": k}``,
 
 It prints ``READY <port>`` once every GPU process has captured its graphs
 and every front listens. ``--nogpu REFERENCE.npy`` runs the fronts alone,
-answering from the reference table (the HTTP ceiling of that many fronts).
+answering from the reference table (the HTTP ceiling of that many fronts);
+``--model toy`` runs everything without a GPU (a NumPy model on cudafut's
+fake GPU, whose futures cross processes once their work is done). If any
+process ends, the service stops, saying which.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this
 from models import BUCKETS, IMAGES, MODELS, missing, top_of
 
 import cudafut
+
+#: ``--model toy``: ray_serve.py's NumPy model under cudafut's fake GPU.
+TOY = "toy"
+#: How long a front waits for a GPU process to take a request and enqueue it.
+ANSWER_TIMEOUT_S = 30.0
 
 
 @contextlib.contextmanager
@@ -64,16 +73,26 @@ def gpu_main(
 ) -> None:
     """A GPU process: requests ``(id, k)`` in lists from each front's pipe,
     answers ``(id, future)`` in lists back down the same pipe."""
+    if model == TOY:  # no GPU: the fake GPU, whose futures cross once done
+        from ray_serve import Toy
+
+        from cudafut.testing import fake_cuda
+
+        with fake_cuda(auto_complete=True):
+            asyncio.run(_gpu_loop(Toy().answer, conns, max_batch, max_delay_s, ready))
+        return
     import torch
     from models import Served
 
     torch.cuda.set_device(device)
     served = Served(model, graphs=True)
     served.answer_on_gpu([0])
-    asyncio.run(_gpu_loop(served, conns, max_batch, max_delay_s, ready))
+    asyncio.run(_gpu_loop(served.answer_on_gpu, conns, max_batch, max_delay_s, ready))
 
 
-async def _gpu_loop(served: Any, conns: list[Any], max_batch: int, max_delay_s: float, ready: Any) -> None:
+async def _gpu_loop(
+    run_batch: Callable[[list[int]], Any], conns: list[Any], max_batch: int, max_delay_s: float, ready: Any
+) -> None:
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
     # One sender thread per front: pickling a future (exporting it) and the
@@ -118,7 +137,7 @@ async def _gpu_loop(served: Any, conns: list[Any], max_batch: int, max_delay_s: 
             task.add_done_callback(tasks.discard)
 
     batcher: cudafut.Batcher[int, Any] = cudafut.Batcher(
-        served.answer_on_gpu, max_batch=max_batch, max_delay_s=max_delay_s, buckets=BUCKETS
+        run_batch, max_batch=max_batch, max_delay_s=max_delay_s, buckets=BUCKETS
     )
     async with batcher:
         for i in range(len(conns)):
@@ -173,8 +192,15 @@ def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -
         waiter: asyncio.Future[Any] = loop_ref[0].create_future()
         waiting[rid] = waiter
         conns[g].send([(rid, k)])
-        shared = await waiter  # the GPU process has enqueued the batch
-        row = await shared  # the GPU work is done
+        try:  # a GPU process that fails must not leave the client waiting for ever
+            shared = await asyncio.wait_for(waiter, ANSWER_TIMEOUT_S)  # the batch is enqueued
+        except TimeoutError:
+            waiting.pop(rid, None)
+            raise web.HTTPGatewayTimeout(
+                text=f"no answer from the GPU process in {ANSWER_TIMEOUT_S} s"
+            ) from None
+        # The GPU work: a producer that dies fails this wait (cudafut.SharingError).
+        row = await shared
         return web.json_response({"top": row.tolist()})
 
     async def health(request: web.Request) -> web.Response:
@@ -209,7 +235,12 @@ def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument(
+        "--model",
+        choices=(*MODELS, TOY),
+        default="resnet50",
+        help="toy: NumPy on the fake GPU, no GPU needed",
+    )
     parser.add_argument("--fronts", type=int, default=4, help="front (HTTP) processes")
     parser.add_argument("--devices", default="0", help="GPUs, one GPU process each: e.g. 0,1")
     parser.add_argument("--port", type=int, default=8080)
@@ -260,8 +291,13 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # The first child to end ends the service: requests must not wait for a
+    # process that is gone.
+    mp.connection.wait([child.sentinel for child in children])
+    gone = [child for child in children if not child.is_alive()]
     for child in children:
-        child.join()
+        child.terminate()
+    sys.exit(f"multiproc.py: {gone[0].name} exited with {gone[0].exitcode}; stopped the service")
 
 
 if __name__ == "__main__":
