@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import io
 import itertools
 import mmap
@@ -911,29 +912,25 @@ async def enqueued(fut: CudaFuture[Any]) -> None:
     await until_set(fut)
 
 
+@dataclasses.dataclass(frozen=True)
 class SharedStatistics:
     """Futures this process sent to other processes and received from them
     (:func:`shared_statistics`): all counts."""
 
-    __slots__ = ("events", "held", "mapped", "opened_events", "received", "released", "watched")
-
-    def __init__(self, st: _State) -> None:
-        #: Sent futures still held for a receiver (value and event kept).
-        self.held = len(st.exports)
-        #: Interprocess events made by this process (kept for reuse).
-        self.events = st.events_made
-        #: Futures received, and received futures let go of.
-        self.received = st.received
-        self.released = st.released
-        #: Other processes' allocations mapped here, and events opened.
-        self.mapped = len(st.mappings)
-        self.opened_events = len(st.events)
-        #: Received futures whose producer is watched (work pending).
-        self.watched = len(st.watched)
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)}" for name in sorted(self.__slots__))
-        return f"SharedStatistics({fields})"
+    #: Sent futures still held for a receiver (value and event kept).
+    held: int
+    #: Interprocess events this process made (kept, and reused once let go).
+    events: int
+    #: Futures received from other processes.
+    received: int
+    #: Received futures let go of (the producer told).
+    released: int
+    #: Other processes' allocations mapped here (unused ones kept for reuse).
+    mapped: int
+    #: Other processes' events opened here (likewise).
+    opened_events: int
+    #: Received futures whose producer is watched (their work pending).
+    watched: int
 
 
 def shared_statistics() -> SharedStatistics:
@@ -941,5 +938,14 @@ def shared_statistics() -> SharedStatistics:
     under a lock; blocks nothing else). Counts settle within about 0.1 s of
     the futures being dropped, the consumer's device being synchronised
     first."""
-    with _state.lock:
-        return SharedStatistics(_state)
+    st = _state
+    with st.lock:
+        return SharedStatistics(
+            held=len(st.exports),
+            events=st.events_made,
+            received=st.received,
+            released=st.released,
+            mapped=len(st.mappings),
+            opened_events=len(st.events),
+            watched=len(st.watched),
+        )

@@ -77,7 +77,7 @@ def imported() -> Any:
     Raises:
         ImportError: PyTorch is not installed here.
     """
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch
 

@@ -87,7 +87,13 @@ GLOBAL_SETTERS = {"set_wait_policy", "set_tracking", "set_pinned_limit"}
 
 #: Calls with nothing to check here: no arguments, or ones that only build
 #: a record of numbers (their fields are whatever the caller gives).
-PLAIN_RECORDS = {"MemoryStatistics", "TrackingStatistics", "BatcherStatistics", "PoolStatistics"}
+PLAIN_RECORDS = {
+    "MemoryStatistics",
+    "TrackingStatistics",
+    "BatcherStatistics",
+    "PoolStatistics",
+    "SharedStatistics",
+}
 
 
 # -- the values ------------------------------------------------------------------------
