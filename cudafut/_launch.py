@@ -39,9 +39,8 @@ from typing import Any, Final, TypeVar, overload
 
 from . import _cuda, _events, _lifetimes, _torch
 from ._events import EventRecord
-from ._future import CudaFuture, fail_future, settle_launched
+from ._future import CudaFuture, fail_future, new_future, settle_launched
 from ._log import logger
-from ._trace import hooks as _trace
 
 __all__ = ["enqueue", "launch", "launcher_threads"]
 
@@ -281,7 +280,7 @@ def enqueue(
     launchers = _launchers[device] if device < len(_launchers) else None
     if launchers is None:
         launchers = _launchers_of(device)
-    future: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "launch")
+    future: CudaFuture[Any] = new_future("launch")
     launchers.queue.put(_Job(fn, args, kwargs, future, after))
     return future
 
