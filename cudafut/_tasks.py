@@ -36,7 +36,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, Final, ParamSpec, TypeVar
 
-from . import _cuda, _events, _pools, _torch
+from . import _cuda, _events, _loops, _pools, _torch
 from ._errors import CudaUnavailableError
 from ._events import EventRecord
 
@@ -87,30 +87,11 @@ _state: Final[contextvars.ContextVar[_TaskStreams | None]] = contextvars.Context
 )
 
 
-def _current_task() -> object:
-    """The running asyncio or trio task, or this thread (outside any loop)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        task = asyncio.current_task()
-        if task is not None:
-            return task
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            return trio.lowlevel.current_task()
-        except RuntimeError:
-            pass
-    return threading.current_thread()
-
-
 def _state_of_task(owner: object | None = None) -> _TaskStreams:
     """The calling task's state, made on first use (a task inherits its
     parent's context variable: that is its parent's, not its own)."""
     if owner is None:
-        owner = _current_task()
+        owner = _loops.current_task()
     state = _state.get()
     if state is None or state.owner is not owner:
         state = _TaskStreams(owner, state)
@@ -192,7 +173,7 @@ def own_stream(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine
 
     @functools.wraps(fn)
     async def run_on_own_stream(*args: P.args, **kwargs: P.kwargs) -> T:
-        owner = _current_task()
+        owner = _loops.current_task()
         root = _root_frame(sys._getframe(), owner)
         result: T = await _steps(fn(*args, **kwargs), root=root, owner=owner)
         return result
@@ -244,7 +225,7 @@ async def _task_root(coro: Coroutine[Any, Any, T]) -> T:
         # Without CUDA the task runs as it would without the factory: every
         # task of the loop comes here, asyncio's own and GPU-free ones too.
         return await coro
-    return await _steps(coro, root=True, owner=_current_task())
+    return await _steps(coro, root=True, owner=_loops.current_task())
 
 
 @contextmanager
@@ -278,7 +259,7 @@ def use_stream(stream: Any) -> Iterator[Any]:
     """
     ptr, device = _cuda.stream_handle(stream)
     cupy_stream = _cuda.cupy_stream(stream, ptr, device)
-    owner = _current_task()
+    owner = _loops.current_task()
     if isinstance(owner, threading.Thread):
         with cupy_stream:
             yield stream
