@@ -1579,16 +1579,8 @@ def _to_concurrent(fut: CudaFuture[T]) -> concurrent.futures.Future[T]:
     return out
 
 
-def torch_module(what: str) -> Any:
-    """PyTorch's module, if the program imported it (cudafut never does)."""
-    torch = _torch.module()
-    if torch is None:
-        raise RuntimeError(f"{what} needs PyTorch, and cudafut never imports it: import torch first")
-    return torch
-
-
 def _to_torch(fut: CudaFuture[T]) -> Any:
-    torch = torch_module("to_torch()")
+    torch = _torch.required("to_torch()")
     if _cuda.forked:  # a flag test, without a call
         _cuda.check_usable()
 
@@ -1614,7 +1606,7 @@ def _to_torch(fut: CudaFuture[T]) -> Any:
                 devices = fut.devices
         elif fut._state is not _CANCELLED and fut._devices:
             devices = fut._devices
-    out = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
+    out = _torch.torch_future(torch, devices)
 
     def complete(done: CudaFuture[T]) -> None:
         if out.done():

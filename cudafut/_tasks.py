@@ -311,15 +311,7 @@ def _switch(streams: dict[int, Any]) -> _Saved:
     torch = _torch.loaded()
     if torch is None:
         return (cupy_before, _NO_TORCH, -1) if cupy_before else _NOTHING
-    torch_before = []
-    device_before = torch.cuda.current_device()
-    for device, stream in streams.items():
-        before = torch.cuda.current_stream(device)
-        if int(before.cuda_stream) != int(stream.ptr):
-            torch.cuda.set_stream(_torch.pool_stream(torch, int(stream.ptr), device))
-            torch_before.append(before)
-    if torch_before and torch.cuda.current_device() != device_before:
-        torch.cuda.set_device(device_before)  # set_stream made the stream's device current
+    torch_before, device_before = _torch.use_pool_streams(torch, streams)
     return cupy_before, torch_before, device_before
 
 
@@ -354,18 +346,14 @@ def _restore(saved: _Saved) -> None:
     for stream in reversed(cupy_before):
         stream.use()
     if torch_before:
-        torch = _torch.module()
-        for stream in reversed(torch_before):
-            torch.cuda.set_stream(stream)
-        if torch.cuda.current_device() != device_before:
-            torch.cuda.set_device(device_before)
+        _torch.restore_streams(torch_before, device_before)
 
 
 @types.coroutine
 def _steps(coro: Coroutine[Any, Any, T], *, root: bool, owner: object) -> Generator[Any, Any, T]:
     """Drive ``coro`` step by step on its task's streams (see the module
     docstring); ``root``: ``coro`` is its task's own coroutine; ``owner``:
-    the running task (:func:`_current_task`)."""
+    the running task (:func:`cudafut._loops.current_task`)."""
     state = _state.get()
     if not root and state is not None and state.owner is owner and state.depth > 0:
         # Inline in a task that runs on its own stream already: its steps
