@@ -17,15 +17,23 @@ import dataclasses
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
-from . import _cuda, _torch
+from . import _cuda, _loops, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
-from ._future import CudaFuture, complete_with, fail_future, record, set_future, share_state, until_set
+from ._future import (
+    CudaFuture,
+    complete_with,
+    fail_future,
+    new_future,
+    record,
+    set_future,
+    share_state,
+    until_set,
+)
 from ._launch import enqueue
 from ._log import logger
 from ._values import find_devices
@@ -409,7 +417,7 @@ class Batcher(Generic[In, Out]):
             InvalidStateError: as :meth:`submit`.
         """
         rt = self._running()
-        fut: CudaFuture[Out] = CudaFuture()
+        fut: CudaFuture[Out] = new_future("Batcher.submit_future")
         self._queue.append((item, fut, rt.now(), _submitter_events(item)))
         self._wake_for_item()
         return fut
@@ -457,20 +465,17 @@ class Batcher(Generic[In, Out]):
     async def __aenter__(self) -> Batcher[In, Out]:
         if self._rt is not None or self._closed:
             raise InvalidStateError("a Batcher runs once: create a new one")
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not None:
-            rt = _Asyncio(loop)
+        library = _loops.current_library()
+        if library is asyncio:
+            rt = _Asyncio(asyncio.get_running_loop())
             self._rt = rt
             rt.spawn(self._form)
             for task in rt.tasks:  # the former: if it ends early, nothing may hang
                 task.add_done_callback(self._former_ended)
             return self
-        trio = sys.modules.get("trio")
-        if trio is None:
+        if library is None:
             raise RuntimeError("cudafut.Batcher needs a running asyncio, uvloop or trio loop")
+        trio = library
         self._nursery_cm = trio.open_nursery()
         nursery = await self._nursery_cm.__aenter__()
         self._rt = _Trio(trio, nursery)
@@ -495,7 +500,7 @@ class Batcher(Generic[In, Out]):
                         task.cancel()
                 while rt.tasks:
                     for outcome in await asyncio.gather(*rt.tasks, return_exceptions=True):
-                        if isinstance(outcome, BaseException) and not _is_cancellation(outcome):
+                        if isinstance(outcome, BaseException) and not _loops.is_cancellation(outcome):
                             logger.error("cudafut: a Batcher task failed", exc_info=outcome)
                 return None
             if exc is not None:
@@ -632,7 +637,7 @@ class Batcher(Generic[In, Out]):
             # Cancelled (the batcher left with an exception), or a
             # KeyboardInterrupt/SystemExit from run_batch: nobody may wait for ever.
             error: BaseException = exc
-            if _is_cancellation(exc):
+            if _loops.is_cancellation(exc):
                 error = InvalidStateError("the Batcher closed while this item's batch ran")
             for entry in batch:
                 _fail_slot(entry[1], error)
@@ -719,10 +724,3 @@ def _newest_per_stream(groups: Iterable[tuple[EventRecord, ...]]) -> tuple[Event
             if old is None or rec.seq > old.seq:
                 newest[rec.stream_key] = rec
     return tuple(newest.values())
-
-
-def _is_cancellation(exc: BaseException) -> bool:
-    if isinstance(exc, asyncio.CancelledError):
-        return True
-    trio = sys.modules.get("trio")
-    return trio is not None and isinstance(exc, trio.Cancelled)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from . import _cuda, _torch
-from ._future import CudaFuture, complete_with, fail_future, given_devices, torch_module
+from ._future import CudaFuture, complete_with, fail_future, given_devices
 
 __all__ = ["from_torch", "wrap_future"]
 
@@ -91,9 +91,9 @@ def from_torch(torch_future: Any, *, devices: int | Iterable[int] | None = None)
         ValueError: ``devices`` names a device this process does not see.
         RuntimeError: PyTorch is not imported.
     """
-    torch = torch_module("from_torch()")
+    torch = _torch.required("from_torch()")
     _cuda.check_usable()
-    if not isinstance(torch_future, torch._C.Future):  # noqa: SLF001 - torch's type of its futures
+    if not _torch.is_future(torch, torch_future):
         raise TypeError(f"from_torch() takes a torch.futures.Future, not {type(torch_future).__name__}")
     fut: CudaFuture[Any] = CudaFuture(devices)
     given = given_devices(fut)

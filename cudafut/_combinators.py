@@ -14,6 +14,7 @@ from ._future import (
     adopt,
     check_timeout,
     discard_done_callback,
+    new_future,
     remaining,
     succeeded,
     wait_for,
@@ -21,7 +22,6 @@ from ._future import (
     when_set,
 )
 from ._loops import current_driver, require_driver
-from ._trace import hooks as _trace
 from ._waiter import Driver, thread_waiter
 
 __all__ = ["as_completed", "as_completed_sync", "gather", "wait_all"]
@@ -86,7 +86,7 @@ def gather(*futs: CudaFuture[Any]) -> CudaFuture[list[Any]]:
                 )
             raise TypeError(f"gather() takes CudaFutures, not {type(item).__name__}")
     items = list(futs)
-    out: CudaFuture[list[Any]] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "gather")
+    out: CudaFuture[list[Any]] = new_future("gather")
     if not items:
         adopt(out, (), gather=True)  # nothing waits on it yet: nothing to run
         return out

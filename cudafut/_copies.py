@@ -714,7 +714,7 @@ def _order_producer(array: Any, device: int, ptr: int) -> None:
     ``array`` where that is not CuPy's current stream: a torch tensor's
     current torch stream; JAX's and Numba's streams (docs/design.md, hazard 9)."""
     torch = _torch.loaded()
-    if torch is not None and isinstance(array, torch.Tensor):
+    if torch is not None and _torch.is_tensor(torch, array):
         _torch.follow_current(torch, device, ptr)
     else:
         order_foreign(array, lambda _d: (ptr, device))

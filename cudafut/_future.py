@@ -529,7 +529,7 @@ class CudaFuture(Generic[T]):
         prio = _pools.check_priority(priority)
         if _cuda.forked:  # a flag test, without a call
             _cuda.check_usable()
-        child: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "then")
+        child: CudaFuture[Any] = new_future("then")
         child._keep = self  # what it waits for (see __init__)
         if _trace.active is not None:
             _trace.chained(self, child, fn)
@@ -1313,11 +1313,7 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         ptr, device = _cuda.stream_handle(stream)
         order_foreign(value, lambda _d: (ptr, device))
         records = (_events.record(ptr, device),)
-    if _trace.active is not None:
-        fut: CudaFuture[T] = _trace.make(CudaFuture, "record")
-        fut._complete(_SET, value, None, records, keep)
-        return fut
-    return set_future(value, records, keep)
+    return set_future(value, records, keep, "record")
 
 
 @overload
@@ -1364,7 +1360,7 @@ def submit(
         rec.wait_on(ptr, dev)
     order_foreign((args, kwargs), lambda _d: (ptr, dev))  # and JAX's streams
     record_consumers((args, kwargs), {dev: stream}, untracked=False)
-    fut: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "submit")
+    fut: CudaFuture[Any] = new_future("submit")
     _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
     return fut
 
@@ -1398,11 +1394,27 @@ def settle_launched(
 # (ruff's SLF rules check it). This module's own hot paths read the attributes directly.
 
 
-def set_future(value: T, records: tuple[EventRecord, ...], keep: object = None) -> CudaFuture[T]:
+def new_future(maker: str) -> CudaFuture[Any]:
+    """A pending future made by cudafut's public function ``maker``.
+
+    The one place that chooses between the untraced construction (a plain
+    ``CudaFuture()``, after one test of a module global) and the traced one,
+    which labels the future with ``maker`` (a compiled maker has no frame
+    for the tracer to find its name in)."""
+    if _trace.active is None:
+        return CudaFuture()
+    return _trace.make(CudaFuture, maker)
+
+
+def set_future(
+    value: T, records: tuple[EventRecord, ...], keep: object = None, maker: str | None = None
+) -> CudaFuture[T]:
     """A future set with ``value`` and ``records`` already recorded (for
     cudafut's own producers, such as the collectives); ``keep`` lives until
-    the records complete."""
-    fut: CudaFuture[T] = CudaFuture()
+    the records complete. ``maker``: the public function that made it, as
+    :func:`new_future` takes it; None: the tracer finds its maker among the
+    callers' frames."""
+    fut: CudaFuture[T] = CudaFuture() if maker is None else new_future(maker)
     fut._complete(_SET, value, None, records, keep)
     return fut
 
@@ -1608,16 +1620,8 @@ def _to_concurrent(fut: CudaFuture[T]) -> concurrent.futures.Future[T]:
     return out
 
 
-def torch_module(what: str) -> Any:
-    """PyTorch's module, if the program imported it (cudafut never does)."""
-    torch = _torch.module()
-    if torch is None:
-        raise RuntimeError(f"{what} needs PyTorch, and cudafut never imports it: import torch first")
-    return torch
-
-
 def _to_torch(fut: CudaFuture[T]) -> Any:
-    torch = torch_module("to_torch()")
+    torch = _torch.required("to_torch()")
     if _cuda.forked:  # a flag test, without a call
         _cuda.check_usable()
 
@@ -1643,7 +1647,7 @@ def _to_torch(fut: CudaFuture[T]) -> Any:
                 devices = fut.devices
         elif fut._state is not _CANCELLED and fut._devices:
             devices = fut._devices
-    out = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
+    out = _torch.torch_future(torch, devices)
 
     def complete(done: CudaFuture[T]) -> None:
         if out.done():

@@ -11,12 +11,11 @@ GPU. docs/serving.md, "CUDA graphs", says what is safe and what is not.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _cuda
+from . import _cuda, _torch
 
 __all__ = ["Graphed", "graphed"]
 
@@ -178,37 +177,13 @@ def _batch_of(inputs: tuple[Any, ...]) -> int:
 
 
 def _capture_torch(fn: Callable[..., Any], example: Any, warmup: int) -> _Bucket:
-    torch = sys.modules["torch"]
     inputs = _as_tuple(example)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (cuDNN's choices, lazy inits) off the capture
-        for _ in range(warmup):
-            fn(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: other launcher threads keep enqueuing while this one
-    # captures; a stream of its own: torch's default capture stream is one
-    # per process, shared by threads.
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
-        outputs = fn(*inputs)
+    graph, outputs = _torch.capture_graph(fn, inputs, warmup)
     return _Bucket(graph, inputs, outputs)
 
 
 def _replay_torch(bucket: _Bucket, inputs: tuple[Any, ...], n: int, last: Any) -> tuple[tuple[Any, ...], Any]:
-    torch = sys.modules["torch"]
-    stream = torch.cuda.current_stream()
-    if last is not None:
-        stream.wait_event(last)
-    for static, x in zip(bucket.inputs, inputs, strict=True):
-        if x.dtype != static.dtype:
-            raise ValueError(f"a graphed input of dtype {x.dtype} does not match the captured {static.dtype}")
-        static[:n].copy_(x, non_blocking=True)
-    bucket.graph.replay()
-    outputs = tuple(out[:n].clone() for out in bucket.outputs)
-    event = torch.cuda.Event()
-    event.record(stream)
-    return outputs, event
+    return _torch.replay_graph(bucket.graph, bucket.inputs, bucket.outputs, inputs, n, last)
 
 
 # -- CuPy -----------------------------------------------------------------------
@@ -301,8 +276,7 @@ def graphed(
     if warmup < 0:
         raise ValueError(f"warmup must be 0 or more, not {warmup}")
     probe = _as_tuple(example(sizes[0]))
-    torch = sys.modules.get("torch")
-    if torch is not None and all(isinstance(x, torch.Tensor) and x.is_cuda for x in probe):
+    if _torch.all_cuda_tensors(probe):
         framework = "torch"
     else:
         cp = _cuda.imported_cupy()

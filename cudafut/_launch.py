@@ -54,6 +54,7 @@ from ._future import (
     adopt,
     complete_with,
     fail_future,
+    new_future,
     records_of,
     settle_launched,
     succeeded,
@@ -61,7 +62,6 @@ from ._future import (
     when_set,
 )
 from ._log import logger
-from ._trace import hooks as _trace
 
 __all__ = ["enqueue", "launch", "launcher_threads", "stop", "warm_launchers"]
 
@@ -421,11 +421,8 @@ def warm_launchers(
     if launchers is None:
         launchers = _launchers_of(dev)
     after = _torch.current_records(dev)
-    tracing = _trace.active is not None
-    futures: list[CudaFuture[Any]] = [
-        _trace.make(CudaFuture, "warm_launchers") if tracing else CudaFuture() for _ in launchers.threads
-    ]
-    out: CudaFuture[None] = _trace.make(CudaFuture, "warm_launchers") if tracing else CudaFuture()
+    futures: list[CudaFuture[Any]] = [new_future("warm_launchers") for _ in launchers.threads]
+    out: CudaFuture[None] = new_future("warm_launchers")
     _join(out, futures)
     warm = _Warm([_Job(fn, args, kwargs, fut, after) for fut in futures])
     for todo in launchers.todo:
@@ -476,7 +473,7 @@ def enqueue(
     launchers = _launchers[device] if device < len(_launchers) else None
     if launchers is None:
         launchers = _launchers_of(device)
-    future: CudaFuture[Any] = CudaFuture() if _trace.active is None else _trace.make(CudaFuture, "launch")
+    future: CudaFuture[Any] = new_future("launch")
     launchers.queue.put(_Job(fn, args, kwargs, future, after))
     return future
 

@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from types import ModuleType
 from typing import Any, Final
 
 from . import _cuda, _lifetimes
@@ -493,6 +494,77 @@ class TrioDriver(LoopDriver):
         finally:
             cancel()
 
+
+# -- which library runs: the one place that tells asyncio and trio apart ---------------------
+# Each asks asyncio first: trio's guest mode runs inside a running asyncio loop.
+
+
+def current_library() -> ModuleType | None:
+    """The async library whose loop runs in this thread: the ``asyncio``
+    module (asyncio and uvloop loops), the ``trio`` module, or None. Never
+    imports trio; a dictionary lookup and a call or two."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return asyncio
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return None
+        return trio
+    return None
+
+
+def current_task() -> object:
+    """The running asyncio or trio task, or this thread (outside any loop,
+    or in a loop callback that runs in no task)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        task = asyncio.current_task()
+        if task is not None:
+            return task
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+    return threading.current_thread()
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` cancels a task: asyncio's ``CancelledError`` or, with
+    trio imported, trio's ``Cancelled``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and isinstance(exc, trio.Cancelled)
+
+
+async def run_in_thread(fn: Callable[[], None]) -> None:
+    """Await ``fn()`` run in a worker thread of the running loop's library
+    (the asyncio loop's default executor, or ``trio.to_thread``).
+
+    Raises:
+        RuntimeError: no asyncio, uvloop or trio loop runs in this thread.
+    """
+    library = current_library()
+    if library is None:
+        raise RuntimeError("no asyncio (or uvloop) or trio loop runs in this thread")
+    if library is asyncio:
+        await asyncio.get_running_loop().run_in_executor(None, fn)
+    else:
+        await library.to_thread.run_sync(fn)
+
+
+# -- the running loop's driver ---------------------------------------------------------------
 
 _asyncio_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioDriver] = (
     weakref.WeakKeyDictionary()

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 from collections.abc import Iterable
 from typing import Any, Final
 
-from . import _cuda, _events, _lifetimes, _pinned
+from . import _cuda, _events, _lifetimes, _pinned, _torch
 from ._log import logger
 
 __all__ = ["MemoryStatistics", "install", "memory_statistics", "record_stream", "record_streams_of"]
@@ -182,10 +181,7 @@ def _record(array: Any, stream: int, device: int, owner: object) -> None:
     if block is not None:
         block.add_reader(stream, device, owner)
         return
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(array, torch.Tensor):
-        if array.is_cuda:
-            array.record_stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", device)))
+    if _torch.record_external(array, stream, device):
         return
     # Untracked memory: keep the array until what is queued on stream now is done.
     if _lifetimes.keep_until([_events.record(stream, device)], array):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, Final, ParamSpec, TypeVar
 
-from . import _cuda, _events, _pools, _torch
+from . import _cuda, _events, _loops, _pools, _torch
 from ._errors import CudaUnavailableError
 from ._events import EventRecord
 
@@ -87,30 +87,11 @@ _state: Final[contextvars.ContextVar[_TaskStreams | None]] = contextvars.Context
 )
 
 
-def _current_task() -> object:
-    """The running asyncio or trio task, or this thread (outside any loop)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        task = asyncio.current_task()
-        if task is not None:
-            return task
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            return trio.lowlevel.current_task()
-        except RuntimeError:
-            pass
-    return threading.current_thread()
-
-
 def _state_of_task(owner: object | None = None) -> _TaskStreams:
     """The calling task's state, made on first use (a task inherits its
     parent's context variable: that is its parent's, not its own)."""
     if owner is None:
-        owner = _current_task()
+        owner = _loops.current_task()
     state = _state.get()
     if state is None or state.owner is not owner:
         state = _TaskStreams(owner, state)
@@ -192,7 +173,7 @@ def own_stream(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine
 
     @functools.wraps(fn)
     async def run_on_own_stream(*args: P.args, **kwargs: P.kwargs) -> T:
-        owner = _current_task()
+        owner = _loops.current_task()
         root = _root_frame(sys._getframe(), owner)
         result: T = await _steps(fn(*args, **kwargs), root=root, owner=owner)
         return result
@@ -244,7 +225,7 @@ async def _task_root(coro: Coroutine[Any, Any, T]) -> T:
         # Without CUDA the task runs as it would without the factory: every
         # task of the loop comes here, asyncio's own and GPU-free ones too.
         return await coro
-    return await _steps(coro, root=True, owner=_current_task())
+    return await _steps(coro, root=True, owner=_loops.current_task())
 
 
 @contextmanager
@@ -278,7 +259,7 @@ def use_stream(stream: Any) -> Iterator[Any]:
     """
     ptr, device = _cuda.stream_handle(stream)
     cupy_stream = _cuda.cupy_stream(stream, ptr, device)
-    owner = _current_task()
+    owner = _loops.current_task()
     if isinstance(owner, threading.Thread):
         with cupy_stream:
             yield stream
@@ -330,15 +311,7 @@ def _switch(streams: dict[int, Any]) -> _Saved:
     torch = _torch.loaded()
     if torch is None:
         return (cupy_before, _NO_TORCH, -1) if cupy_before else _NOTHING
-    torch_before = []
-    device_before = torch.cuda.current_device()
-    for device, stream in streams.items():
-        before = torch.cuda.current_stream(device)
-        if int(before.cuda_stream) != int(stream.ptr):
-            torch.cuda.set_stream(_torch.pool_stream(torch, int(stream.ptr), device))
-            torch_before.append(before)
-    if torch_before and torch.cuda.current_device() != device_before:
-        torch.cuda.set_device(device_before)  # set_stream made the stream's device current
+    torch_before, device_before = _torch.use_pool_streams(torch, streams)
     return cupy_before, torch_before, device_before
 
 
@@ -373,18 +346,14 @@ def _restore(saved: _Saved) -> None:
     for stream in reversed(cupy_before):
         stream.use()
     if torch_before:
-        torch = _torch.module()
-        for stream in reversed(torch_before):
-            torch.cuda.set_stream(stream)
-        if torch.cuda.current_device() != device_before:
-            torch.cuda.set_device(device_before)
+        _torch.restore_streams(torch_before, device_before)
 
 
 @types.coroutine
 def _steps(coro: Coroutine[Any, Any, T], *, root: bool, owner: object) -> Generator[Any, Any, T]:
     """Drive ``coro`` step by step on its task's streams (see the module
     docstring); ``root``: ``coro`` is its task's own coroutine; ``owner``:
-    the running task (:func:`_current_task`)."""
+    the running task (:func:`cudafut._loops.current_task`)."""
     state = _state.get()
     if not root and state is not None and state.owner is owner and state.depth > 0:
         # Inline in a task that runs on its own stream already: its steps

@@ -1,8 +1,12 @@
 """PyTorch's side of the streams: its current streams, its allocator.
 
-cudafut never imports torch. Every function here works on the module the
-program imported itself, found by :func:`loaded` in ``sys.modules``; without
-torch imported, none of this runs (a dictionary lookup per call says so).
+The package's one way to PyTorch: its other modules reach torch only through
+the functions here (``_values``, below this module, reads ``torch.Tensor``
+itself to walk values). cudafut never imports torch, but for
+:func:`tcp_store_type` (``cudafut.distributed``'s default store). Every
+other function works on the module the program imported itself, found by
+:func:`loaded` or :func:`module` in ``sys.modules``; without torch
+imported, none of this runs (a dictionary lookup per call says so).
 
 With torch imported (and able to use CUDA), the core does, besides what it
 does with CuPy's current streams:
@@ -36,16 +40,28 @@ from ._events import EventRecord
 from ._values import gpu_arrays, placements
 
 __all__ = [
+    "all_cuda_tensors",
     "call_on_streams",
+    "capture_graph",
     "current_handle",
     "current_records",
     "follow_current",
+    "is_future",
+    "is_tensor",
     "loaded",
     "module",
     "pool_stream",
+    "record_external",
     "record_tensors",
     "record_value",
+    "replay_graph",
+    "required",
+    "restore_streams",
+    "store_type",
+    "tcp_store_type",
+    "torch_future",
     "torch_tensors",
+    "use_pool_streams",
     "wait_current",
 ]
 
@@ -79,6 +95,15 @@ def imported() -> Any:
     """
     import torch
 
+    return torch
+
+
+def required(what: str) -> Any:
+    """:func:`module`, or RuntimeError naming ``what`` (a call that needs
+    PyTorch) when the program did not import it."""
+    torch = module()
+    if torch is None:
+        raise RuntimeError(f"{what} needs PyTorch, and cudafut never imports it: import torch first")
     return torch
 
 
@@ -132,6 +157,33 @@ def pool_stream(torch: Any, handle: int, device: int) -> Any:
     return stream
 
 
+def use_pool_streams(torch: Any, streams: Mapping[int, Any]) -> tuple[list[Any], int]:
+    """For :func:`cudafut.own_stream`'s steps: each pool stream of
+    ``streams`` made PyTorch's current stream of its device, where it is
+    not already. Returns the torch streams it replaced and the device that
+    was current, for :func:`restore_streams`."""
+    cuda = torch.cuda
+    before_streams = []
+    device_before = cuda.current_device()
+    for device, stream in streams.items():
+        before = cuda.current_stream(device)
+        if int(before.cuda_stream) != int(stream.ptr):
+            cuda.set_stream(pool_stream(torch, int(stream.ptr), device))
+            before_streams.append(before)
+    if before_streams and cuda.current_device() != device_before:
+        cuda.set_device(device_before)  # set_stream made the stream's device current
+    return before_streams, device_before
+
+
+def restore_streams(before_streams: list[Any], device_before: int) -> None:
+    """Undo :func:`use_pool_streams` (``before_streams`` not empty)."""
+    cuda = module().cuda
+    for stream in reversed(before_streams):
+        cuda.set_stream(stream)
+    if cuda.current_device() != device_before:
+        cuda.set_device(device_before)
+
+
 def current_handle(torch: Any, device: int) -> int:
     """The ``cudaStream_t`` of PyTorch's current stream of ``device``."""
     return int(torch.cuda.current_stream(device).cuda_stream)
@@ -142,6 +194,24 @@ def torch_tensors(torch: Any, value: object) -> list[Any]:
     :func:`~cudafut._values.find_devices`)."""
     tensor = torch.Tensor
     return [a for a in gpu_arrays(value) if isinstance(a, tensor)]
+
+
+def is_tensor(torch: Any, value: object) -> bool:
+    """Whether ``value`` is a torch tensor (on any device)."""
+    return isinstance(value, torch.Tensor)
+
+
+def record_external(array: object, stream: int, device: int) -> bool:
+    """For :func:`cudafut.record_stream` of memory cudafut did not allocate:
+    if ``array`` is a torch tensor (torch imported, whether or not it can
+    use CUDA), ``Tensor.record_stream`` on an ``ExternalStream`` over
+    ``stream`` of ``device`` where it is a CUDA tensor, and True; else False."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(array, torch.Tensor):
+        return False
+    if array.is_cuda:
+        array.record_stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", device)))
+    return True
 
 
 def record_tensors(tensors: Iterable[Any], streams: Mapping[int, Any]) -> None:
@@ -269,3 +339,92 @@ def wait_current(torch: Any, records: Iterable[EventRecord], value: object) -> N
         consumers[device] = stream
     if consumers:
         record_tensors(torch_tensors(torch, value), consumers)
+
+
+# -- bridges: torch's futures ---------------------------------------------------------------
+
+
+def torch_future(torch: Any, devices: Iterable[int]) -> Any:
+    """A pending ``torch.futures.Future``, with ``devices`` where any
+    (torch then orders its value on its current streams of them)."""
+    devices = list(devices)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+def is_future(torch: Any, value: object) -> bool:
+    """Whether ``value`` is a ``torch.futures.Future`` (of any subclass)."""
+    return isinstance(value, torch._C.Future)  # noqa: SLF001 - torch's type of its futures
+
+
+def tcp_store_type() -> Any:
+    """``torch.distributed.TCPStore``, for the default store of
+    ``cudafut.distributed``: the one call that imports torch (its
+    ``torch.distributed``), where it is installed; None where it is not."""
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        return None
+    return TCPStore
+
+
+def store_type() -> type | None:
+    """``torch.distributed.Store`` if the program imported
+    ``torch.distributed`` (never imports it), else None."""
+    cls = getattr(sys.modules.get("torch.distributed"), "Store", None)
+    return cls if isinstance(cls, type) else None
+
+
+# -- CUDA graphs: the PyTorch side of cudafut.graphed ---------------------------------------
+
+
+def all_cuda_tensors(values: Iterable[object]) -> bool:
+    """Whether torch is imported and each of ``values`` is a torch CUDA
+    tensor (``graphed()`` then captures with torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and all(isinstance(x, torch.Tensor) and x.is_cuda for x in values)
+
+
+def capture_graph(fn: Callable[..., Any], inputs: tuple[Any, ...], warmup: int) -> tuple[Any, Any]:
+    """``fn(*inputs)`` captured into a ``torch.cuda.CUDAGraph`` after
+    ``warmup`` runs on a side stream; ``(graph, outputs)``. Blocks the
+    calling thread for the warm-up and the capture."""
+    torch = sys.modules["torch"]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (cuDNN's choices, lazy inits) off the capture
+        for _ in range(warmup):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other launcher threads keep enqueuing while this one
+    # captures; a stream of its own: torch's default capture stream is one
+    # per process, shared by threads.
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+        outputs = fn(*inputs)
+    return graph, outputs
+
+
+def replay_graph(
+    graph: Any, statics: tuple[Any, ...], outputs: tuple[Any, ...], inputs: tuple[Any, ...], n: int, last: Any
+) -> tuple[tuple[Any, ...], Any]:
+    """Replay a graph of :func:`capture_graph` on torch's current stream,
+    after the event ``last`` (if any): ``inputs`` copied into the first
+    ``n`` rows of its static inputs ``statics``, and copies of the first
+    ``n`` rows of its ``outputs`` returned, with an event after them.
+
+    Raises:
+        ValueError: an input's dtype is not its static input's.
+    """
+    torch = sys.modules["torch"]
+    stream = torch.cuda.current_stream()
+    if last is not None:
+        stream.wait_event(last)
+    for static, x in zip(statics, inputs, strict=True):
+        if x.dtype != static.dtype:
+            raise ValueError(f"a graphed input of dtype {x.dtype} does not match the captured {static.dtype}")
+        static[:n].copy_(x, non_blocking=True)
+    graph.replay()
+    copies = tuple(out[:n].clone() for out in outputs)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return copies, event

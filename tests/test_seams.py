@@ -167,6 +167,72 @@ def test_the_check_lets_the_seams_callers_be(source: str) -> None:
     assert not violations(source), source
 
 
+# -- PyTorch only through _torch.py, asyncio-or-trio only through _loops.py ----------------
+
+#: The one module that looks each library up.
+LIBRARY_SEAMS = {"torch": "_torch.py", "trio": "_loops.py"}
+#: Modules that may look one up too, and why.
+LIBRARY_EXEMPT = {
+    ("torch", "_values.py"): "below _torch, which walks values with it: reads torch.Tensor itself",
+}
+
+
+def library_lookups(source: str, library: str) -> list[str]:
+    """Where ``source`` imports ``library`` or looks it up by name
+    (``sys.modules``, ``import_module``): ``line: what``."""
+    name = re.compile(rf"{library}(\.[A-Za-z_]\w*)*")
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [f"{line}: import {a.name}" for a in node.names if a.name.split(".")[0] == library]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and (node.module or "").split(".")[0] == library:
+                found.append(f"{line}: from {node.module} import ...")
+        else:
+            keys = (
+                node.args
+                if isinstance(node, ast.Call)
+                else [node.slice]
+                if isinstance(node, ast.Subscript)
+                else []
+            )
+            found += [
+                f"{line}: {library} looked up by name ({key.value!r})"
+                for key in keys
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and name.fullmatch(key.value)
+            ]
+    return sorted(set(found), key=lambda text: int(text.split(":")[0]))
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARY_SEAMS))
+def test_only_its_module_reaches_torch_or_trio(library: str) -> None:
+    seam = LIBRARY_SEAMS[library]
+    for module in _modules():
+        if module == seam or (library, module) in LIBRARY_EXEMPT or module.startswith("_cli/"):
+            continue  # the command line only lists the optional packages it finds
+        found = library_lookups((PACKAGE / module).read_text(), library)
+        assert not found, (
+            f"cudafut/{module} reaches {library} itself; add a function to cudafut/{seam} and call "
+            "it:\n  " + "\n  ".join(found)
+        )
+    assert library_lookups((PACKAGE / seam).read_text(), library), f"{seam} no longer finds {library}"
+    assert {m for _, m in LIBRARY_EXEMPT} <= set(_modules()), "an exempt module moved or went"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import trio",
+        "from torch.distributed import TCPStore",
+        "sys.modules.get('torch')",
+        "sys.modules['trio']",
+    ],
+)
+def test_the_check_sees_each_way_to_reach_torch_or_trio(source: str) -> None:
+    assert library_lookups(source, "torch") or library_lookups(source, "trio"), source
+
+
 # -- the seam's functions: CUDA's calls, with CUDA's arguments ----------------------------
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 from .. import _checks
 from .._log import logger
 from . import hooks, writer
-from .recorder import Tracer, in_thread
+from .recorder import Tracer
 
 if TYPE_CHECKING:
     pass
@@ -168,12 +168,19 @@ class Trace:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        # Here, not at the top: _loops imports this package's hooks, and the
+        # package imports this module first (docs/design.md, "Layers").
+        from .. import _loops
+
         tracer = self._stop()
         writing = False
         try:
-            await tracer.wait_gpu_async(self.timeout)
+            library = _loops.current_library()
+            if library is None:
+                raise RuntimeError("async with cudafut.trace(...) needs a running asyncio or trio loop")
+            await tracer.wait_gpu_async(self.timeout, library.sleep)
             writing = True
-            await in_thread(lambda: self._finish(tracer, exc))
+            await _loops.run_in_thread(lambda: self._finish(tracer, exc))
         except BaseException:
             if not writing:  # cancelled while waiting: write what there is, now
                 self._finish(tracer, exc)

@@ -8,14 +8,12 @@ futures, and hands the recorder what happened.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -456,9 +454,9 @@ class Tracer:
             time.sleep(_EXIT_POLL_S)
             pending = [t for t in pending if not pool.timing.done(t[0])]
 
-    async def wait_gpu_async(self, timeout: float) -> None:
-        """As :meth:`wait_gpu`, sleeping on the running asyncio or trio loop."""
-        sleep = async_sleep()
+    async def wait_gpu_async(self, timeout: float, sleep: Callable[[float], Awaitable[object]]) -> None:
+        """As :meth:`wait_gpu`, sleeping with ``sleep`` (the running loop's
+        library's ``sleep``)."""
         deadline = clock() + timeout
         pending = self.pending_gpu()
         while pending and clock() < deadline:
@@ -549,24 +547,3 @@ def fn_key(fn: object) -> str:
 def short_name(key: str) -> str:
     """A function's name for the file: ``f.<locals>.g`` is ``g``."""
     return key.rsplit("<locals>.", 1)[-1]
-
-
-def async_sleep() -> Callable[[float], Any]:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        trio = sys.modules.get("trio")
-        if trio is None:
-            raise RuntimeError("async with cudafut.trace(...) needs a running asyncio or trio loop") from None
-        return trio.sleep  # type: ignore[no-any-return]
-    return asyncio.sleep
-
-
-async def in_thread(fn: Callable[[], None]) -> None:
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        trio = sys.modules["trio"]
-        await trio.to_thread.run_sync(fn)
-        return
-    await loop.run_in_executor(None, fn)

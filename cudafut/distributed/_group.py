@@ -21,14 +21,13 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
-from .. import _checks, _cuda, _events
+from .. import _checks, _cuda, _events, _torch
 from .._future import CudaFuture, set_future
 from .._log import logger
 from . import _env, _nccl
@@ -374,16 +373,15 @@ def _left_seconds(deadline: float) -> float:
 def _make_store(rank: int, size: int, timeout: float, deadline: float) -> Store:
     """The default store, made by ``deadline``; ``timeout`` is its calls'."""
     addr, port = _env.store_address()
-    try:
-        from torch.distributed import TCPStore
-    except ImportError:
+    tcp_store = _torch.tcp_store_type()
+    if tcp_store is None:
         return _nccl.CupyxStore(rank, size, addr, port, timeout)
     # Under torchrun the agent hosts a store on MASTER_PORT already: every
     # rank is a client then (a second server on that port would fail).
     host = rank == 0 and not _env.agent_store()
     # Made (connected, the workers waited for) within the time left, so that
     # its thread leaves torch's C++ code by itself (see _bounded).
-    store = TCPStore(addr, port, size, host, timedelta(seconds=_left_seconds(deadline)))
+    store = tcp_store(addr, port, size, host, timedelta(seconds=_left_seconds(deadline)))
     store.set_timeout(timedelta(seconds=timeout))
     return store  # type: ignore[no-any-return]
 
@@ -393,8 +391,8 @@ def _has_wait(store: object) -> bool:
     ``torch.distributed.Store`` (torch imported already) or cupyx's."""
     if isinstance(store, _nccl.CupyxStore):
         return True
-    cls = getattr(sys.modules.get("torch.distributed"), "Store", None)
-    return isinstance(cls, type) and isinstance(store, cls)
+    cls = _torch.store_type()
+    return cls is not None and isinstance(store, cls)
 
 
 _left_lock: Final = threading.Lock()
