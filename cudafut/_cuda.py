@@ -1165,6 +1165,25 @@ def ipc_close_memory(ptr: int) -> None:
     runtime().ipcCloseMemHandle(ptr)
 
 
+def array_over(
+    base: int,
+    size: int,
+    owner: object,
+    device: int,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: Any,
+) -> Any:
+    """A CuPy array over memory cudafut did not allocate (``size`` bytes at
+    ``base`` on ``device``, e.g. another process's, mapped): ``shape``,
+    ``strides`` and ``dtype`` from ``base + offset``; ``owner`` lives as long
+    as the array (or any view of it). No copy, no CUDA call."""
+    cp = cupy()
+    memory = cp.cuda.UnownedMemory(base, size, owner, device_id=device)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, offset), strides)
+
+
 def device_bus_id(device: int) -> str:
     """``device``'s PCI bus id, which names it in every process (device
     ordinals depend on each process's ``CUDA_VISIBLE_DEVICES``)."""

@@ -991,17 +991,19 @@ class CudaFuture(Generic[T]):
         """Pickling (a ``multiprocessing`` queue or pipe) sends this future
         to another process of this machine, which gets a :class:`CudaFuture`
         of the same work: see :func:`cudafut.enqueued` and docs/processes.md.
-        Costs a few µs and blocks nothing; the GPU value stays in this
+        Costs tens of µs of this thread (docs/processes.md, "What it
+        costs") and blocks nothing else; the GPU value stays in this
         process's memory (CUDA IPC) until the receiver lets go of it.
 
         Raises:
             InvalidStateError: the future is pending: its work is not
-                enqueued yet (``await cudafut.enqueued(fut)`` first).
+                enqueued yet (``await cudafut.enqueued(fut)`` first); or
+                its value holds a host array its pending work may write.
             TypeError: its value holds a GPU array CUDA IPC cannot share.
         """
-        from . import _shared
-
-        return _shared.export(self)
+        if _exporter is None:  # pragma: no cover - cudafut/__init__ imports _shared
+            raise TypeError("a CudaFuture pickles once cudafut is imported (import cudafut)")
+        return _exporter(self)
 
     def __repr__(self) -> str:
         state = self._state
@@ -1417,6 +1419,17 @@ def set_future(
     fut: CudaFuture[T] = CudaFuture() if maker is None else new_future(maker)
     fut._complete(_SET, value, None, records, keep)
     return fut
+
+
+# cudafut._shared's export(), which CudaFuture.__reduce__ calls: _shared sits
+# above this module (it builds futures), so it registers itself here.
+_exporter: Callable[[CudaFuture[Any]], tuple[Any, tuple[Any, ...]]] | None = None
+
+
+def set_exporter(export: Callable[[CudaFuture[Any]], tuple[Any, tuple[Any, ...]]]) -> None:
+    """Make ``export`` what pickling a future calls (``_shared``, at import)."""
+    global _exporter
+    _exporter = export
 
 
 def share_state(fut: CudaFuture[Any]) -> tuple[str, Any, BaseException | None, tuple[EventRecord, ...]]:

@@ -58,13 +58,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from . import _cuda, _lifetimes, _pools, _torch
 from ._errors import CudaError, InvalidStateError, SharingError
 from ._events import EventRecord
-from ._future import CudaFuture, set_future, share_state, until_set
+from ._future import CudaFuture, set_exporter, set_future, share_state, until_set
 from ._log import logger
 
 __all__ = ["SharedStatistics", "enqueued", "export", "held_ticket", "import_ticket", "shared_statistics"]
@@ -267,6 +267,7 @@ def _after_fork_in_child() -> None:
 
 
 _lifetimes.at_fork_in_child(_after_fork_in_child)
+set_exporter(lambda fut: export(fut))
 
 
 # -- the producer ---------------------------------------------------------------------------
@@ -585,10 +586,8 @@ def _open_cupy(
     strides: tuple[int, ...],
     dtype: Any,
 ) -> Any:
-    cp = _cuda.cupy()
     device, base = _mapped(bus, handle)
-    memory = cp.cuda.UnownedMemory(base, size, _importing.received, device_id=device)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, offset), strides)
+    return _cuda.array_over(base, size, _importing.received, device, offset, shape, strides, dtype)
 
 
 class _Interface:
@@ -895,21 +894,24 @@ def _stop(st: _State) -> None:
 # -- the public part ------------------------------------------------------------------------
 
 
-async def enqueued(fut: CudaFuture[Any]) -> None:
-    """Wait until ``fut`` is set (its work enqueued), failed or cancelled,
-    without waiting for the GPU: from then on it can be pickled to another
-    process, which waits for the GPU work itself.
+def enqueued(fut: CudaFuture[Any]) -> Awaitable[None]:
+    """``await cudafut.enqueued(fut)``: wait until ``fut`` is set (its work
+    enqueued), failed or cancelled, without waiting for the GPU: from then
+    on it can be pickled to another process, which waits for the GPU work
+    itself.
 
-    For :func:`cudafut.launch` and :class:`cudafut.Batcher` futures, which
-    are pending until the launcher thread has enqueued the work. Costs the
-    loop one wake-up; works on asyncio, uvloop and trio.
+    For :func:`cudafut.launch` and :meth:`cudafut.Batcher.submit_future`
+    futures, which are pending until a launcher thread has enqueued the
+    work. Costs the loop one wake-up; works on asyncio, uvloop and trio.
 
     Raises:
-        RuntimeError: no asyncio, uvloop or trio loop runs in this thread.
+        TypeError: ``fut`` is not a :class:`CudaFuture` (at the call).
+        RuntimeError: no asyncio, uvloop or trio loop runs in this thread
+            (at the call).
     """
     if not isinstance(fut, CudaFuture):
         raise TypeError(f"enqueued() takes a CudaFuture, not {type(fut).__name__}")
-    await until_set(fut)
+    return until_set(fut)
 
 
 @dataclasses.dataclass(frozen=True)

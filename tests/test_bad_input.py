@@ -74,6 +74,7 @@ ALSO_DOCUMENTED: dict[str, tuple[type[BaseException], ...]] = {
     "use_task_streams": (RuntimeError,),
     "use_stream": (RuntimeError,),
     "wrap_future": (RuntimeError,),
+    "enqueued": (RuntimeError,),
     "from_torch": (RuntimeError,),
     # Past the pinned pool's limit, or CUDA could not pin (docstring).
     "empty_pinned": (MemoryError, CudaError),
