@@ -33,6 +33,12 @@ def _until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> N
         time.sleep(0.02)
 
 
+def _freed(ticket: tuple[Any, ...]) -> bool:
+    """Whether the producer (this process) let go of ``ticket``'s export."""
+    entry = _shared._state.exports.get(ticket[7])
+    return entry is None or entry.gen != ticket[8]
+
+
 def _held() -> int:
     return cudafut.shared_statistics().held
 
@@ -186,23 +192,23 @@ async def test_enqueued_takes_only_a_future() -> None:
 
 
 def test_a_receiver_that_lets_go_frees_the_export(children: list[_Child]) -> None:
-    before = _held()
     child = _Child(shared_worker.receive_ticket, True)
     children.append(child)
-    assert child.ask(_ticket({"answer": 42})) == {"answer": 42}
-    _until(lambda: _held() <= before, "the export freed once the receiver let go")
+    ticket = _ticket({"answer": 42})
+    assert child.ask(ticket) == {"answer": 42}
+    _until(lambda: _freed(ticket), "the export freed once the receiver let go")
 
 
 def test_a_receiver_that_dies_frees_the_export(children: list[_Child]) -> None:
-    before = _held()
     child = _Child(shared_worker.receive_ticket, False)  # never writes its release
     children.append(child)
-    assert child.ask(_ticket(7)) == 7
+    ticket = _ticket(7)
+    assert child.ask(ticket) == 7
     time.sleep(1.0)  # several of the producer's rounds: the receiver lives
-    assert _held() == before + 1
+    assert not _freed(ticket)
     child.process.kill()
     child.process.join(30)
-    _until(lambda: _held() <= before, "the export freed once its receiver died")
+    _until(lambda: _freed(ticket), "the export freed once its receiver died")
 
 
 def test_a_ticket_received_twice_is_refused(children: list[_Child]) -> None:
@@ -216,9 +222,8 @@ def test_a_ticket_received_twice_is_refused(children: list[_Child]) -> None:
 
 def test_a_ticket_nobody_takes_expires(children: list[_Child], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", "0.2")
-    before = _held()
     ticket = _ticket(5)
-    _until(lambda: _held() <= before, "an export nobody received freed after CUDAFUT_SHARE_CLAIM_S")
+    _until(lambda: _freed(ticket), "an export nobody received freed after CUDAFUT_SHARE_CLAIM_S")
     child = _Child(shared_worker.receive_ticket, True)
     children.append(child)
     assert "no longer held" in child.ask(ticket)
