@@ -1145,7 +1145,12 @@ def ipc_memory_handle(ptr: int, device: int) -> tuple[bytes, int, int]:
         fn.restype = ctypes.c_int
         _address_range = fn
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    with on_device(device):  # the driver call needs a current context
+    with on_device(device):
+        # The driver call needs a current context, which a new thread has
+        # none of: on_device() sets nothing where ``device`` is already the
+        # thread's device (0 on a new thread), and cudaSetDevice binds the
+        # primary context (CUDA 12 on), so call it whatever the device is.
+        rt.setDevice(device)
         code = _address_range(ctypes.byref(base), ctypes.byref(size), ptr)
     if code:
         raise CudaError(code, "CUresult", f"cuMemGetAddressRange failed for {ptr:#x}")

@@ -180,3 +180,34 @@ def receive_with_a_fake_event(conn: Any) -> None:
 def sleep(conn: Any) -> None:
     """A process that lives until killed (a stand-in producer)."""
     conn.recv()
+
+
+def produce_on_a_new_thread(conn: Any) -> None:
+    """Send, from a thread that never used CUDA, a future of done work (a
+    sender thread of a service does this: the driver's address-range call
+    there has no current context unless cudafut makes one)."""
+    import threading
+
+    import cupy as cp
+
+    import cudafut
+
+    fut = cudafut.record(cp.full(N_NEW_THREAD, 4.0, dtype=cp.float32))
+    fut.result()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            conn.send(fut)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    thread.join()
+    if errors:
+        conn.send(f"{type(errors[0]).__name__}: {errors[0]}")
+    _answer_statistics(conn)
+
+
+N_NEW_THREAD = 4096

@@ -208,3 +208,13 @@ def test_ten_thousand_futures_cross_and_leave_nothing(children: list[_Child]) ->
     assert mine.mapped <= 64 + 8 and mine.opened_events <= 256 + 8, mine
     assert mine.watched == 0, mine
     assert fds_before is not None and len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_a_future_pickled_on_a_thread_new_to_cuda_crosses(children: list[_Child]) -> None:
+    child = _Child(shared_worker.produce_on_a_new_thread)
+    children.append(child)
+    fut = child.get()
+    assert isinstance(fut, cudafut.CudaFuture), fut  # else: the error pickling raised there
+    assert (fut.result(60).get() == 4.0).all()
+    del fut
+    _released_by_producer(child)

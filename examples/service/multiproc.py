@@ -87,6 +87,9 @@ def gpu_main(
     torch.cuda.set_device(device)
     served = Served(model, graphs=True)
     served.answer_on_gpu([0])
+    # Each launcher thread's first model call is slow and holds the GIL in
+    # part (docs/serving.md, "Cold launcher threads"): pay it before ready.
+    cudafut.warm_launchers(served.answer_on_gpu, [0], device=device).result()
     asyncio.run(_gpu_loop(served.answer_on_gpu, conns, max_batch, max_delay_s, ready))
 
 
@@ -132,7 +135,12 @@ async def _gpu_loop(
 
     def submit(i: int, msgs: list[tuple[int, int]]) -> None:
         for rid, k in msgs:
-            task = loop.create_task(answer(i, rid, batcher.submit_future(k)))
+            try:
+                fut = batcher.submit_future(k)
+            except Exception as exc:  # noqa: BLE001 - the front gets it, as a failed future
+                fut = cudafut.CudaFuture()
+                fut.set_exception(exc)
+            task = loop.create_task(answer(i, rid, fut))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
@@ -147,7 +155,7 @@ async def _gpu_loop(
         await stopped.wait()
 
 
-def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -> None:
+def front_main(port: int, conns: list[Any], reference: str | None, warm_cuda: bool, ready: Any) -> None:
     """A front process: HTTP on ``port`` (shared), requests to the GPU processes."""
     try:
         from aiohttp import web
@@ -166,7 +174,9 @@ def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -
     def deliver(g: int, batch: list[tuple[int, Any]]) -> None:
         outstanding[g] -= len(batch)
         for rid, fut in batch:
-            waiting.pop(rid).set_result(fut)
+            waiter = waiting.pop(rid, None)
+            if waiter is not None and not waiter.done():  # its handler may have timed out
+                waiter.set_result(fut)
 
     def receiver(g: int) -> None:
         # Unpickling (importing the futures) happens here, off the loop.
@@ -195,10 +205,11 @@ def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -
         try:  # a GPU process that fails must not leave the client waiting for ever
             shared = await asyncio.wait_for(waiter, ANSWER_TIMEOUT_S)  # the batch is enqueued
         except TimeoutError:
-            waiting.pop(rid, None)
             raise web.HTTPGatewayTimeout(
                 text=f"no answer from the GPU process in {ANSWER_TIMEOUT_S} s"
             ) from None
+        finally:
+            waiting.pop(rid, None)
         # The GPU work: a producer that dies fails this wait (cudafut.SharingError).
         row = await shared
         return web.json_response({"top": row.tolist()})
@@ -208,6 +219,14 @@ def front_main(port: int, conns: list[Any], reference: str | None, ready: Any) -
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({**counts, "pid": os.getpid()})
+
+    if answers is None and warm_cuda:
+        # The first received future would otherwise import PyTorch and make
+        # this process's CUDA context on a receiver thread, with the GIL held
+        # for seconds in part: do it before serving.
+        import torch
+
+        torch.zeros(1, device="cuda")
 
     async def started(app: web.Application) -> None:
         loop_ref.append(asyncio.get_running_loop())
@@ -270,12 +289,21 @@ def main(argv: list[str] | None = None) -> None:
     for f in range(args.fronts):
         ready = ctx.Event()
         conns = [pipes[f][g][0] for g in range(len(devices))]
+        warm = args.nogpu is None and args.model != TOY
         children.append(
-            ctx.Process(target=front_main, args=(args.port, conns, args.nogpu, ready), name=f"front-{f}")
+            ctx.Process(
+                target=front_main, args=(args.port, conns, args.nogpu, warm, ready), name=f"front-{f}"
+            )
         )
         readies.append(ready)
     for child in children:
         child.start()
+    # Only the children hold the pipes now: a process that ends closes its
+    # ends, and its peers see it (EOF) instead of waiting for ever.
+    for row in pipes:
+        for ends in row:
+            ends[0].close()
+            ends[1].close()
     for ready, child in zip(readies, children, strict=True):
         while not ready.wait(1.0):
             if not child.is_alive():
