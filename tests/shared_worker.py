@@ -199,7 +199,7 @@ def produce_on_a_new_thread(conn: Any) -> None:
     def send() -> None:
         try:
             conn.send(fut)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=send)
