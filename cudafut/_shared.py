@@ -131,6 +131,25 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
+_PREFIX: Final = "cudafut-share-"
+
+
+def _remove_orphans(folder: str) -> None:
+    """Remove the ledgers of processes that are gone: a process killed (or
+    ended by ``os._exit``) does not run the exit hook that removes its own."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        pid_text = name[len(_PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_exists(int(pid_text)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+
+
 class Ledger:
     """The slots of one producer: ``_SLOTS`` rows of ``_FIELDS`` int64 in a
     file both sides map (sparse: pages are touched as slots are used)."""
@@ -153,7 +172,8 @@ class Ledger:
     @classmethod
     def create(cls) -> Ledger:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(folder, f"cudafut-share-{os.getpid()}-{os.urandom(4).hex()}")
+        _remove_orphans(folder)
+        path = os.path.join(folder, f"{_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
         return cls(path, create=True)
 
     def released(self, used: int) -> Any:
@@ -350,7 +370,8 @@ def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
         taken = free.pop() if free else None
     if taken is None:
         taken = _cuda.ipc_event_create(device)
-        _state.events_made += 1
+        with _state.lock:
+            _state.events_made += 1
     event, handle = taken
     stream = int(_pools.streams.get(device, 0).ptr)
     try:
@@ -716,7 +737,8 @@ def _import_shared(
         raise
     finally:
         _importing.received = None
-    st.received += 1
+    with st.lock:
+        st.received += 1
     return set_future(value, records, None)
 
 

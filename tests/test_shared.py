@@ -258,3 +258,15 @@ def test_a_producer_that_dies_fails_the_receivers_wait(
     if not receiver.conn.poll(60):
         pytest.fail("the receiver's wait did not end in 60 s")
     assert receiver.conn.recv().startswith("SharingError: the process that produced this future")
+
+
+def test_the_ledger_of_a_process_that_is_gone_is_removed(tmp_path: Any) -> None:
+    """A killed producer leaves its ledger file; the next producer on the
+    machine removes it (and leaves the living ones)."""
+    gone = tmp_path / "cudafut-share-999999999-dead"
+    alive = tmp_path / f"cudafut-share-{_shared._state.pid}-mine"
+    other = tmp_path / "unrelated-999999999-file"
+    for path in (gone, alive, other):
+        path.write_bytes(b"")
+    _shared._remove_orphans(str(tmp_path))
+    assert not gone.exists() and alive.exists() and other.exists()
