@@ -245,6 +245,10 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # Held across opening (or closing) other processes' allocations and
+        # events, before ``lock``: CUDA may give the same address to a second
+        # open of a handle, so an open must never overlap a close of it.
+        self.open_lock = threading.Lock()
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
         self.pid = os.getpid()
@@ -580,19 +584,15 @@ def _mapped(bus: str, handle: bytes) -> tuple[int, int]:
     received: _Received = _importing.received
     device = _device_of(bus)
     st = _state
-    with st.lock:
-        entry = st.mappings.get(handle)
-        if entry is not None:
-            entry[1] += 1
-    if entry is None:
-        ptr = _cuda.ipc_open_memory(handle, device)
+    with st.open_lock:  # one mapping per allocation: opens and closes never overlap
         with st.lock:
             entry = st.mappings.get(handle)
-            if entry is None:
-                entry = st.mappings[handle] = [ptr, 1, 0.0]
-            else:  # another thread mapped it meanwhile: CUDA counts both
+            if entry is not None:
                 entry[1] += 1
-                _cuda.ipc_close_memory(ptr)
+        if entry is None:
+            ptr = _cuda.ipc_open_memory(handle, device)
+            with st.lock:
+                entry = st.mappings[handle] = [ptr, 1, 0.0]
     received.mappings.append(handle)
     received.devices.add(device)
     return device, int(entry[0])
@@ -780,19 +780,15 @@ def _open_record(event: tuple[str, bytes], received: _Received, pid: int, start:
     bus, handle = event
     device = _device_of(bus)
     st = _state
-    with st.lock:
-        entry = st.events.get(handle)
-        if entry is not None:
-            entry[1] += 1
-    if entry is None:
-        opened = _cuda.ipc_open_event(handle, device)
+    with st.open_lock:
         with st.lock:
             entry = st.events.get(handle)
-            if entry is None:
-                entry = st.events[handle] = [opened, 1, 0.0]
-            else:
+            if entry is not None:
                 entry[1] += 1
-                _cuda.event_destroy(opened)
+        if entry is None:
+            opened = _cuda.ipc_open_event(handle, device)
+            with st.lock:
+                entry = st.events[handle] = [opened, 1, 0.0]
     received.event_key = handle
     received.devices.add(device)
     # A stream key of its own: ordered with no other record.
@@ -846,32 +842,35 @@ def _release_received() -> None:
         except Exception:  # noqa: BLE001 - a broken context: release anyway, nothing reads now
             logger.debug("cudafut: device_synchronize(%d) failed before a release", device, exc_info=True)
     now = time.monotonic()
-    with st.lock:
-        for ledger, slot, gen, mappings, _devices, event_key in releases:
-            rows = ledger.rows
-            if rows is not None and int(rows[slot, 0]) == gen:
-                rows[slot, 3] = gen
-            for handle in mappings:
-                entry = st.mappings[handle]
-                entry[1] -= 1
-                entry[2] = now
-            if event_key is not None:
-                entry = st.events[event_key]
-                entry[1] -= 1
-                entry[2] = now
-            st.released += 1
-        idle_maps = sorted((e[2], h) for h, e in st.mappings.items() if e[1] == 0)
-        idle_events = sorted((e[2], h) for h, e in st.events.items() if e[1] == 0)
-        close_maps = [st.mappings.pop(h)[0] for _t, h in idle_maps[: max(0, len(idle_maps) - _IDLE_MAPPINGS)]]
-        close_events = [
-            st.events.pop(h)[0] for _t, h in idle_events[: max(0, len(idle_events) - _IDLE_EVENTS)]
-        ]
-    for ptr in close_maps:
-        with contextlib.suppress(Exception):
-            _cuda.ipc_close_memory(ptr)
-    for event in close_events:
-        with contextlib.suppress(Exception):
-            _cuda.event_destroy(event)
+    with st.open_lock:  # see _State.open_lock
+        with st.lock:
+            for ledger, slot, gen, mappings, _devices, event_key in releases:
+                rows = ledger.rows
+                if rows is not None and int(rows[slot, 0]) == gen:
+                    rows[slot, 3] = gen
+                for handle in mappings:
+                    entry = st.mappings[handle]
+                    entry[1] -= 1
+                    entry[2] = now
+                if event_key is not None:
+                    entry = st.events[event_key]
+                    entry[1] -= 1
+                    entry[2] = now
+                st.released += 1
+            idle_maps = sorted((e[2], h) for h, e in st.mappings.items() if e[1] == 0)
+            idle_events = sorted((e[2], h) for h, e in st.events.items() if e[1] == 0)
+            close_maps = [
+                st.mappings.pop(h)[0] for _t, h in idle_maps[: max(0, len(idle_maps) - _IDLE_MAPPINGS)]
+            ]
+            close_events = [
+                st.events.pop(h)[0] for _t, h in idle_events[: max(0, len(idle_events) - _IDLE_EVENTS)]
+            ]
+        for ptr in close_maps:
+            with contextlib.suppress(Exception):
+                _cuda.ipc_close_memory(ptr)
+        for event in close_events:
+            with contextlib.suppress(Exception):
+                _cuda.event_destroy(event)
 
 
 # -- the thread -------------------------------------------------------------------------------
