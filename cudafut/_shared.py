@@ -61,7 +61,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from . import _cuda, _lifetimes, _pools, _torch
+from . import _cuda, _lifetimes, _torch
 from ._errors import CudaError, InvalidStateError, SharingError
 from ._events import EventRecord
 from ._future import CudaFuture, set_exporter, set_future, share_state, until_set
@@ -261,6 +261,7 @@ class _State:
         self.exports: dict[int, _Export] = {}
         self.gens = itertools.count(1)
         self.free_events: dict[int, list[tuple[int, bytes]]] = {}
+        self.streams: dict[int, Any] = {}
         self.events_made = 0
         self.last_alive = 0.0
         # Consumer.
@@ -377,7 +378,7 @@ def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
         with _state.lock:
             _state.events_made += 1
     event, handle = taken
-    stream = int(_pools.streams.get(device, 0).ptr)
+    stream = _share_stream(device)
     try:
         for rec in pending:
             rec.wait_on(stream, device)
@@ -387,6 +388,20 @@ def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
             _state.free_events.setdefault(device, []).append(taken)
         raise
     return device, event, handle
+
+
+def _share_stream(device: int) -> int:
+    """The stream of ``device`` that interprocess events are recorded on
+    (after waits for the exported work): one of its own, which runs nothing
+    else, so no unrelated work delays a receiver. Made on the first export
+    of the device (creating a stream may wait for the GPU's running work:
+    docs/design.md, hazard 11)."""
+    stream = _state.streams.get(device)
+    if stream is None:
+        made = _cuda.new_stream(device, 0)  # not under the lock: it may wait
+        with _state.lock:
+            stream = _state.streams.setdefault(device, made)
+    return int(stream.ptr)
 
 
 def _take_slot(fut: CudaFuture[Any], value: object, event: tuple[int, int, bytes] | None) -> tuple[int, int]:
