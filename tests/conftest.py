@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -160,3 +160,13 @@ def cp(warm_kernels: None) -> Any:
     cupy = _cuda.cupy()
     cupy.cuda.Device().synchronize()
     return cupy
+
+
+@pytest.fixture
+def children() -> Iterator[list[Any]]:
+    """Processes the test starts (tests/children.py's ``Child``), ended
+    after it."""
+    started: list[Any] = []
+    yield started
+    for child in started:
+        child.end()

@@ -13,74 +13,29 @@ receiver lets go, or dies; a producer that dies fails the receiver's wait;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-import multiprocessing as mp
 import os
 import pickle
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import cudafut
 from tests import shared_worker
+from tests.children import Child, until
 
 pytestmark = pytest.mark.gpu
 
-CTX = mp.get_context("spawn")
 N = 1 << 16
 
 
-class _Child:
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, theirs = CTX.Pipe()
-        self.process = CTX.Process(target=target, args=(theirs, *args), daemon=True)
-        self.process.start()
-        theirs.close()
-
-    def get(self) -> Any:
-        if not self.conn.poll(120):
-            pytest.fail("the other process sent nothing in 120 s")
-        return self.conn.recv()
-
-    def ask(self, message: object = "stats") -> Any:
-        self.conn.send(message)
-        return self.get()
-
-    def end(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):  # it may be gone already
-                self.conn.send("end")
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-
-
-@pytest.fixture
-def children() -> Iterator[list[_Child]]:
-    started: list[_Child] = []
-    yield started
-    for child in started:
-        child.end()
-
-
-def _until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {limit_s} s")
-        time.sleep(0.05)
-
-
-def _released_by_producer(child: _Child) -> None:
+def _released_by_producer(child: Child) -> None:
     gc.collect()
-    _until(lambda: child.ask()[0] == 0, "the producer let go of what it sent")
+    until(lambda: child.ask()[0] == 0, "the producer let go of what it sent")
 
 
-def test_await_in_another_process_waits_for_the_producers_work(children: list[_Child]) -> None:
-    child = _Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
+def test_await_in_another_process_waits_for_the_producers_work(children: list[Child]) -> None:
+    child = Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
     children.append(child)
     fut = child.get()
     assert isinstance(fut, cudafut.CudaFuture)
@@ -95,8 +50,8 @@ def test_await_in_another_process_waits_for_the_producers_work(children: list[_C
     _released_by_producer(child)
 
 
-def test_then_in_another_process_orders_the_gpu_after_the_producer(children: list[_Child]) -> None:
-    child = _Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
+def test_then_in_another_process_orders_the_gpu_after_the_producer(children: list[Child]) -> None:
+    child = Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
     children.append(child)
     fut = child.get()
     # then() enqueues at once, on a stream that waits (on the GPU) for the
@@ -108,11 +63,11 @@ def test_then_in_another_process_orders_the_gpu_after_the_producer(children: lis
     _released_by_producer(child)
 
 
-def test_values_cross_as_cupy_arrays_and_torch_tensors(children: list[_Child]) -> None:
+def test_values_cross_as_cupy_arrays_and_torch_tensors(children: list[Child]) -> None:
     import cupy as cp
     import torch
 
-    child = _Child(shared_worker.produce_values)
+    child = Child(shared_worker.produce_values)
     children.append(child)
     value = child.get().result(60)
     assert isinstance(value["cupy"], cp.ndarray)
@@ -130,8 +85,8 @@ def test_values_cross_as_cupy_arrays_and_torch_tensors(children: list[_Child]) -
     _released_by_producer(child)
 
 
-def test_a_launched_future_crosses_once_enqueued(children: list[_Child]) -> None:
-    child = _Child(shared_worker.produce_launched)
+def test_a_launched_future_crosses_once_enqueued(children: list[Child]) -> None:
+    child = Child(shared_worker.produce_launched)
     children.append(child)
     first = child.get()
     if isinstance(first, tuple):  # pending when sent: refused, saying what to do
@@ -144,8 +99,8 @@ def test_a_launched_future_crosses_once_enqueued(children: list[_Child]) -> None
     _released_by_producer(child)
 
 
-def test_a_producer_that_dies_mid_work_fails_the_wait(children: list[_Child]) -> None:
-    child = _Child(shared_worker.produce_slow, N, 7.0, 20_000.0, True)
+def test_a_producer_that_dies_mid_work_fails_the_wait(children: list[Child]) -> None:
+    child = Child(shared_worker.produce_slow, N, 7.0, 20_000.0, True)
     children.append(child)
     fut = child.get()
     child.conn.send("die")
@@ -154,20 +109,20 @@ def test_a_producer_that_dies_mid_work_fails_the_wait(children: list[_Child]) ->
         fut.result(60)
 
 
-def test_a_receiver_that_dies_holding_the_value_frees_it(children: list[_Child], cp: Any) -> None:
+def test_a_receiver_that_dies_holding_the_value_frees_it(children: list[Child], cp: Any) -> None:
     from tests import kernels
 
     before = cudafut.shared_statistics().held
     x = cp.zeros(N, dtype=cp.float32)
     kernels.spin_fill(x, 3.0, 50.0)
-    child = _Child(shared_worker.receive_and_die)
+    child = Child(shared_worker.receive_and_die)
     children.append(child)
     child.conn.send(cudafut.record(x))
     assert child.get() == 3.0
     assert cudafut.shared_statistics().held == before + 1
     child.conn.send("die")
     child.process.join(30)
-    _until(lambda: cudafut.shared_statistics().held <= before, "the producer freed what a dead receiver held")
+    until(lambda: cudafut.shared_statistics().held <= before, "the producer freed what a dead receiver held")
 
 
 def test_unpickled_in_the_same_process_is_the_same_future(cp: Any) -> None:
@@ -184,9 +139,9 @@ def test_memory_cuda_ipc_cannot_share_is_refused(cp: Any) -> None:
         pickle.dumps(fut)
 
 
-def test_ten_thousand_futures_cross_and_leave_nothing(children: list[_Child]) -> None:
+def test_ten_thousand_futures_cross_and_leave_nothing(children: list[Child]) -> None:
     count = 10_000
-    child = _Child(shared_worker.produce_many, count, 256)
+    child = Child(shared_worker.produce_many, count, 256)
     children.append(child)
     fds_before = None
     for i in range(count):
@@ -200,7 +155,7 @@ def test_ten_thousand_futures_cross_and_leave_nothing(children: list[_Child]) ->
             fds_before = len(os.listdir("/proc/self/fd"))
         child.conn.send("next")
     gc.collect()
-    _until(lambda: child.ask()[0] == 0, "the producer let go of every future sent")
+    until(lambda: child.ask()[0] == 0, "the producer let go of every future sent")
     _held, events, used, _fds = child.ask()
     mine = cudafut.shared_statistics()
     assert events < count // 10, f"{events} interprocess events made for {count} futures: not reused"
@@ -210,8 +165,8 @@ def test_ten_thousand_futures_cross_and_leave_nothing(children: list[_Child]) ->
     assert fds_before is not None and len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 
-def test_a_future_pickled_on_a_thread_new_to_cuda_crosses(children: list[_Child]) -> None:
-    child = _Child(shared_worker.produce_on_a_new_thread)
+def test_a_future_pickled_on_a_thread_new_to_cuda_crosses(children: list[Child]) -> None:
+    child = Child(shared_worker.produce_on_a_new_thread)
     children.append(child)
     fut = child.get()
     assert isinstance(fut, cudafut.CudaFuture), fut  # else: the error pickling raised there

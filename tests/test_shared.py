@@ -5,10 +5,8 @@ takes). The CUDA part (events, memory) is tests/test_gpu_shared.py's."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -19,18 +17,7 @@ import cudafut
 from cudafut import _shared
 from cudafut._future import set_future
 from tests import shared_worker
-
-CTX = mp.get_context("spawn")
-
-
-def _until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> None:
-    """Wait for ``condition`` (the share thread's rounds are 0.05-0.5 s);
-    ``limit_s`` only ends a test that would otherwise hang."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {limit_s} s")
-        time.sleep(0.02)
+from tests.children import Child, until
 
 
 def _freed(ticket: tuple[Any, ...]) -> bool:
@@ -41,35 +28,6 @@ def _freed(ticket: tuple[Any, ...]) -> bool:
 
 def _held() -> int:
     return cudafut.shared_statistics().held
-
-
-class _Child:
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, theirs = CTX.Pipe()
-        self.process = CTX.Process(target=target, args=(theirs, *args), daemon=True)
-        self.process.start()
-        theirs.close()
-
-    def ask(self, message: object) -> Any:
-        self.conn.send(message)
-        if not self.conn.poll(60):
-            pytest.fail("the child process did not answer in 60 s")
-        return self.conn.recv()
-
-    def end(self) -> None:
-        if self.process.is_alive():
-            self.conn.send("end")
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-
-
-@pytest.fixture
-def children() -> Iterator[list[_Child]]:
-    started: list[_Child] = []
-    yield started
-    for child in started:
-        child.end()
 
 
 def _ticket(value: object) -> tuple[Any, ...]:
@@ -191,42 +149,42 @@ async def test_enqueued_takes_only_a_future() -> None:
 # -- the ledger, between processes -------------------------------------------------------------
 
 
-def test_a_receiver_that_lets_go_frees_the_export(children: list[_Child]) -> None:
-    child = _Child(shared_worker.receive_ticket, True)
+def test_a_receiver_that_lets_go_frees_the_export(children: list[Child]) -> None:
+    child = Child(shared_worker.receive_ticket, True)
     children.append(child)
     ticket = _ticket({"answer": 42})
-    assert child.ask(ticket) == {"answer": 42}
-    _until(lambda: _freed(ticket), "the export freed once the receiver let go")
+    assert child.ask(ticket, limit_s=60) == {"answer": 42}
+    until(lambda: _freed(ticket), "the export freed once the receiver let go")
 
 
-def test_a_receiver_that_dies_frees_the_export(children: list[_Child]) -> None:
-    child = _Child(shared_worker.receive_ticket, False)  # never writes its release
+def test_a_receiver_that_dies_frees_the_export(children: list[Child]) -> None:
+    child = Child(shared_worker.receive_ticket, False)  # never writes its release
     children.append(child)
     ticket = _ticket(7)
-    assert child.ask(ticket) == 7
+    assert child.ask(ticket, limit_s=60) == 7
     time.sleep(1.0)  # several of the producer's rounds: the receiver lives
     assert not _freed(ticket)
     child.process.kill()
     child.process.join(30)
-    _until(lambda: _freed(ticket), "the export freed once its receiver died")
+    until(lambda: _freed(ticket), "the export freed once its receiver died")
 
 
-def test_a_ticket_received_twice_is_refused(children: list[_Child]) -> None:
+def test_a_ticket_received_twice_is_refused(children: list[Child]) -> None:
     ticket = _ticket(3)
-    first = _Child(shared_worker.receive_ticket, False)
-    second = _Child(shared_worker.receive_ticket, False)
+    first = Child(shared_worker.receive_ticket, False)
+    second = Child(shared_worker.receive_ticket, False)
     children += [first, second]
-    assert first.ask(ticket) == 3
-    assert "received already" in second.ask(ticket)
+    assert first.ask(ticket, limit_s=60) == 3
+    assert "received already" in second.ask(ticket, limit_s=60)
 
 
-def test_a_ticket_nobody_takes_expires(children: list[_Child], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ticket_nobody_takes_expires(children: list[Child], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", "0.2")
     ticket = _ticket(5)
-    _until(lambda: _freed(ticket), "an export nobody received freed after CUDAFUT_SHARE_CLAIM_S")
-    child = _Child(shared_worker.receive_ticket, True)
+    until(lambda: _freed(ticket), "an export nobody received freed after CUDAFUT_SHARE_CLAIM_S")
+    child = Child(shared_worker.receive_ticket, True)
     children.append(child)
-    assert "no longer held" in child.ask(ticket)
+    assert "no longer held" in child.ask(ticket, limit_s=60)
 
 
 def test_a_claim_time_that_is_not_a_number_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,15 +194,15 @@ def test_a_claim_time_that_is_not_a_number_is_refused(monkeypatch: pytest.Monkey
 
 
 def test_a_producer_that_dies_fails_the_receivers_wait(
-    children: list[_Child], monkeypatch: pytest.MonkeyPatch
+    children: list[Child], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The receiver's side without CUDA: its event never completes (faked),
     and the producer named in the ticket (a stand-in process) is killed."""
     from cudafut import _cuda
 
     monkeypatch.setattr(_cuda, "device_bus_id", lambda device: "0000:00:00.0")
-    stand_in = _Child(shared_worker.sleep)
-    receiver = _Child(shared_worker.receive_with_a_fake_event)
+    stand_in = Child(shared_worker.sleep)
+    receiver = Child(shared_worker.receive_with_a_fake_event)
     children += [stand_in, receiver]
     fut = set_future(None, ())
     # Device -7: the fake event joins a free list no real export takes from.
@@ -252,7 +210,7 @@ def test_a_producer_that_dies_fails_the_receivers_wait(
     pid = stand_in.process.pid
     assert pid is not None
     ticket[4], ticket[5] = pid, _shared._start_time(pid)
-    assert receiver.ask(tuple(ticket)) is False  # pending: the event has not completed
+    assert receiver.ask(tuple(ticket), limit_s=60) is False  # pending: the event has not completed
     stand_in.process.kill()
     stand_in.process.join(30)
     if not receiver.conn.poll(60):
