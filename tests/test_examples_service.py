@@ -73,6 +73,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_until_up(server: subprocess.Popen[Any], port: int, limit_s: float, what: str) -> None:
+    """Until ``server``'s ``/health`` answers (``limit_s``: it did not start)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        assert server.poll() is None and time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.1)
+
+
 def _load(port: int, ref_path: Path, *args: str) -> dict:
     """load.py as a user runs it (its load processes are spawned: they import it by path)."""
     cmd = [sys.executable, str(SERVICE / "load.py"), "--port", str(port), "--reference", str(ref_path)]
@@ -90,16 +104,7 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
     server = subprocess.Popen([*cmd, "--reference", str(ref_path)], cwd=ROOT, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
+        _wait_until_up(server, port, 60, "the server")
         out = _load(port, ref_path, "--clients", "4")
         assert out["requests"] > 0 and out["wrong"] == 0 and out["errors"] == 0
         assert out["health"]["p50_ms"] is not None
@@ -208,16 +213,7 @@ def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_pa
     ]
     server = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "the service did not start"
-            time.sleep(0.1)
+        _wait_until_up(server, port, 120, "the service")
         out = _load(port, ref_path, "--clients", "8")
         assert out["requests"] > 0 and out["wrong"] == 0 and out["errors"] == 0, out
     finally:
