@@ -292,7 +292,6 @@ def _after_fork_in_child() -> None:
 
 
 _lifetimes.at_fork_in_child(_after_fork_in_child)
-set_exporter(lambda fut: export(fut))
 
 
 # -- the producer ---------------------------------------------------------------------------
@@ -325,6 +324,9 @@ def export(fut: CudaFuture[Any]) -> tuple[Callable[..., CudaFuture[Any]], tuple[
         return _import, (_VERSION, "value", payload)
     event = _event_after(pending) if pending else None
     return _import, held_ticket(fut, value, payload, event)
+
+
+set_exporter(export)
 
 
 def held_ticket(
@@ -598,19 +600,27 @@ def _mapped(bus: str, handle: bytes) -> tuple[int, int]:
     """``(device, base)`` of a received allocation, mapping it if need be."""
     received: _Received = _importing.received
     device = _device_of(bus)
-    st = _state
-    with st.open_lock:  # one mapping per allocation: opens and closes never overlap
-        with st.lock:
-            entry = st.mappings.get(handle)
-            if entry is not None:
-                entry[1] += 1
-        if entry is None:
-            ptr = _cuda.ipc_open_memory(handle, device)
-            with st.lock:
-                entry = st.mappings[handle] = [ptr, 1, 0.0]
+    base = _opened(_state.mappings, handle, lambda: _cuda.ipc_open_memory(handle, device))
     received.mappings.append(handle)
     received.devices.add(device)
-    return device, int(entry[0])
+    return device, base
+
+
+def _opened(table: dict[bytes, list[Any]], handle: bytes, open_it: Callable[[], int]) -> int:
+    """Another process's allocation or event by ``handle``, from ``table``
+    (``_State.mappings`` or ``events``), opened by ``open_it`` if need be,
+    with one more use counted (a release counts it back)."""
+    st = _state
+    with st.open_lock:  # see _State.open_lock
+        with st.lock:
+            entry = table.get(handle)
+            if entry is not None:
+                entry[1] += 1
+                return int(entry[0])
+        opened = open_it()
+        with st.lock:
+            table[handle] = [opened, 1, 0.0]
+        return opened
 
 
 def _open_cupy(
@@ -795,19 +805,11 @@ def _open_record(event: tuple[str, bytes], received: _Received, pid: int, start:
     bus, handle = event
     device = _device_of(bus)
     st = _state
-    with st.open_lock:
-        with st.lock:
-            entry = st.events.get(handle)
-            if entry is not None:
-                entry[1] += 1
-        if entry is None:
-            opened = _cuda.ipc_open_event(handle, device)
-            with st.lock:
-                entry = st.events[handle] = [opened, 1, 0.0]
+    event_handle = _opened(st.events, handle, lambda: _cuda.ipc_open_event(handle, device))
     received.event_key = handle
     received.devices.add(device)
     # A stream key of its own: ordered with no other record.
-    rec = _SharedRecord(int(entry[0]), device, 0, (-1, id(received)), 1, time.perf_counter())
+    rec = _SharedRecord(event_handle, device, 0, (-1, id(received)), 1, time.perf_counter())
     rec.owner = received
     with st.lock:
         st.watched.append((weakref.ref(rec), pid, start))
