@@ -593,6 +593,8 @@ class Batcher(Generic[In, Out]):
             after = _newest_per_stream(entry[3] for entry in batch)
             try:
                 handing = any(isinstance(entry[1], CudaFuture) for entry in batch)
+                # The rows submit_future()'s futures got: the same the others get.
+                handed: Sequence[Any] | None = None
                 if self._async:
                     for rec in after:  # this task's stream waits for the submitters'
                         rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
@@ -600,10 +602,10 @@ class Batcher(Generic[In, Out]):
                     if isinstance(out, CudaFuture):
                         if handing:
                             await until_set(out)
-                            _hand_over(batch, out, n, size)
+                            handed = _hand_over(batch, out, n, size)
                         out = await out
                     elif handing:
-                        _hand_over(batch, _recorded(out), n, size)
+                        handed = _hand_over(batch, _recorded(out), n, size)
                 else:
                     _cuda.check_usable()
                     dev = _cuda.current_device() if self.device is None else _cuda.check_device(self.device)
@@ -611,7 +613,7 @@ class Batcher(Generic[In, Out]):
                     try:
                         if handing:  # submit_future()'s futures: set once enqueued
                             await until_set(fut)
-                            _hand_over(batch, fut, n, size)
+                            handed = _hand_over(batch, fut, n, size)
                         out = await fut
                     except BaseException:
                         fut.cancel()  # not started: never runs; started: its result is dropped
@@ -623,7 +625,7 @@ class Batcher(Generic[In, Out]):
                             "run_batch returned an awaitable from a launcher thread: declare it "
                             "`async def` to run it on the loop"
                         )
-                results = _split(out, n, size)
+                results = _split(out, n, size) if handed is None else handed
             except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
                 self._failed += 1
                 for entry in batch:
@@ -659,17 +661,19 @@ def _fail_slot(slot: Any, exc: BaseException) -> None:
 
 def _hand_over(
     batch: list[tuple[Any, Any, float, tuple[EventRecord, ...]]], fut: CudaFuture[Any], n: int, size: int
-) -> None:
+) -> Sequence[Any] | None:
     """Set the batch's submit_future() futures from ``fut``, the batch's
     future, once it is set: each its row of the value, with the batch's
-    events. A failed ``fut`` leaves them to the ``await`` that follows."""
+    events; return the rows (None: ``fut`` failed, which leaves the futures
+    to the ``await`` that follows)."""
     state, value, _exc, records = share_state(fut)
     if state != "set":
-        return
+        return None
     results = _split(value, n, size)
     for entry, result in zip(batch, results):  # noqa: B905 - results may hold padding
         if isinstance(entry[1], CudaFuture):
             complete_with(entry[1], result, records)
+    return results
 
 
 def _recorded(out: Any) -> CudaFuture[Any]:
