@@ -46,6 +46,30 @@ _MEAN = (0.485, 0.456, 0.406)
 _STD = (0.229, 0.224, 0.225)
 
 
+#: What a server answers (400) to a request that names no bank image.
+BAD_REQUEST = f'send {{"i": k}} with 0 <= k < {IMAGES}'
+
+
+def image_index(body: object) -> int | None:
+    """The bank image a request's JSON body ``{"i": k}`` names, or None
+    where it names none (the servers answer :data:`BAD_REQUEST`)."""
+    k = body.get("i") if isinstance(body, dict) else None
+    return k if type(k) is int and 0 <= k < IMAGES else None
+
+
+def require_model_packages(what: str) -> None:
+    """Exit with one line (:func:`missing`) if PyTorch or torchvision is not
+    installed; ``what`` names the script (and mode) that needs them."""
+    import importlib
+
+    for module in ("torch", "torchvision"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            how = "pip install torch torchvision, the build for your CUDA (https://pytorch.org)"
+            raise SystemExit(missing(what, module, exc, how)) from None
+
+
 def missing(script: str, what: str, exc: ImportError, install: str = SERVICE_EXTRA) -> str:
     """The one line ``script`` exits with (``sys.exit(missing(...))``: status 1,
     no traceback) when importing ``what`` failed with ``exc``."""

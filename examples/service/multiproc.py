@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BUCKETS, IMAGES, MODELS, missing, top_of
+from models import BAD_REQUEST, BUCKETS, MODELS, image_index, missing, top_of
 
 import cudafut
 
@@ -189,10 +189,9 @@ def front_main(port: int, conns: list[Any], reference: str | None, warm_cuda: bo
             loop_ref[0].call_soon_threadsafe(deliver, g, batch)
 
     async def predict(request: web.Request) -> web.Response:
-        body = await request.json()
-        k = body.get("i") if isinstance(body, dict) else None
-        if type(k) is not int or not 0 <= k < IMAGES:
-            raise web.HTTPBadRequest(text=f'send {{"i": k}} with 0 <= k < {IMAGES}')
+        k = image_index(await request.json())
+        if k is None:
+            raise web.HTTPBadRequest(text=BAD_REQUEST)
         counts["requests"] += 1
         if answers is not None:
             return web.json_response({"top": answers[k]})

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import math
 import os
 import signal
@@ -46,7 +45,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BUCKETS, IMAGES, MODELS, SEED, TOP, Served, check, missing, tolerance
+from models import (
+    BUCKETS,
+    IMAGES,
+    MODELS,
+    SEED,
+    TOP,
+    Served,
+    check,
+    missing,
+    require_model_packages,
+    tolerance,
+)
 
 import cudafut
 
@@ -221,12 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         from cudafut._cli.selfcheck import require_gpu
 
         require_gpu()
-        for module in ("torch", "torchvision"):
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                how = "pip install torch torchvision, the build for your CUDA (https://pytorch.org)"
-                sys.exit(missing("ray_serve.py --model " + args.model, module, exc, how))
+        require_model_packages("ray_serve.py --model " + args.model)
     ref = _reference(args.model)
     tol = tolerance(ref)
     ray.init(include_dashboard=False, log_to_driver=False)

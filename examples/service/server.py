@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BUCKETS, IMAGES, MODELS, Served, missing, top_of
+from models import BAD_REQUEST, BUCKETS, MODELS, Served, image_index, missing, require_model_packages, top_of
 
 import cudafut
 
@@ -153,10 +152,9 @@ def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | None) -> web
     counts = {"requests": 0}
 
     async def predict(request: web.Request) -> web.Response:
-        body = await request.json()
-        i = body.get("i") if isinstance(body, dict) else None
-        if type(i) is not int or not 0 <= i < IMAGES:
-            raise web.HTTPBadRequest(text=f'send {{"i": k}} with 0 <= k < {IMAGES}')
+        i = image_index(await request.json())
+        if i is None:
+            raise web.HTTPBadRequest(text=BAD_REQUEST)
         counts["requests"] += 1
         return web.json_response({"top": await compute(i)})
 
@@ -200,12 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     served = None
     if args.mode != "nogpu":
         require_gpu()
-        for module in ("torch", "torchvision"):
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                how = "pip install torch torchvision, the build for your CUDA (https://pytorch.org)"
-                sys.exit(missing("server.py --mode " + args.mode, module, exc, how))
+        require_model_packages("server.py --mode " + args.mode)
         served = Served(args.model, graphs=args.mode.endswith("graph"))
         served.answer([0])
         if args.mode in ("launch", "launch_graph", "batch", "batch_graph"):
