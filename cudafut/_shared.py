@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 import mmap
@@ -462,13 +463,10 @@ def _reap_exports(now: float) -> None:
     with st.lock:
         claims = {slot: (int(ledger.rows[slot, 1]), int(ledger.rows[slot, 2])) for slot in st.exports}
     gone: list[int] = []
-    checked: dict[tuple[int, int], bool] = {}
+    alive = functools.cache(_alive)  # each receiver read once this round
     for slot, (pid, start) in claims.items():
         if pid:
-            alive = checked.get((pid, start))
-            if alive is None:
-                alive = checked[(pid, start)] = _alive(pid, start)
-            if not alive:
+            if not alive(pid, start):
                 gone.append(slot)
         elif now - st.exports[slot].t > claim_s:
             gone.append(slot)
@@ -823,15 +821,12 @@ def _watch_producers() -> None:
         watched = st.watched
         st.watched = []
     keep: list[tuple[weakref.ref[EventRecord], int, int]] = []
-    checked: dict[tuple[int, int], bool] = {}
+    alive = functools.cache(_alive)  # each producer read once this round
     for ref, pid, start in watched:
         rec = ref()
         if rec is None or rec.query() is not None:
             continue
-        alive = checked.get((pid, start))
-        if alive is None:
-            alive = checked[(pid, start)] = _alive(pid, start)
-        if alive:
+        if alive(pid, start):
             keep.append((ref, pid, start))
         else:
             rec.fail_with(
