@@ -47,7 +47,7 @@ def _kernel() -> Any:
     return cp.RawModule(code=GSLEEP).get_function("gsleep")
 
 
-def _producer(conn: Any, rounds: int, burst: int) -> None:
+def _producer(conn: Any, burst: int) -> None:
     """The other process: per request (D ms, or "burst"), launch and send."""
     import cupy as cp
 
@@ -130,7 +130,7 @@ def measure(progress: Progress, rounds: int = 200, burst: int = 10_000) -> dict[
 
     ctx = mp.get_context("spawn")
     conn, theirs = ctx.Pipe()
-    child = ctx.Process(target=_producer, args=(theirs, rounds, burst), daemon=True)
+    child = ctx.Process(target=_producer, args=(theirs, burst), daemon=True)
     child.start()
     gsleep = _kernel()
     stream = cp.cuda.Stream(non_blocking=True)
