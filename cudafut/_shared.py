@@ -20,7 +20,10 @@ The producer (the exporting process):
   of, what a receiver that died held, and, after ``CUDAFUT_SHARE_CLAIM_S``
   (60 s), what nobody received.
 - Events are made once (each costs a few µs to make) and come back
-  to a free list when their export is freed.
+  to a free list when their export is freed. Exports of the same work
+  (the rows of one batch: futures with the same records) share one event,
+  and exports of one allocation share its IPC handle, each counted: a
+  batch crosses for one event record and one handle, not one per row.
 
 The consumer (the importing process):
 
@@ -193,18 +196,58 @@ class Ledger:
                 os.unlink(self.path)
 
 
+class _SharedEvent:
+    """An interprocess event recorded after ``records`` (the work of the
+    futures it was made for), shared by the exports of that work; given
+    back to the free list once the last lets go (``uses``: under the lock)."""
+
+    __slots__ = ("device", "event", "handle", "key", "records", "uses")
+
+    def __init__(
+        self, device: int, event: int, handle: bytes, key: tuple[int, ...], records: tuple[EventRecord, ...]
+    ) -> None:
+        self.device = device
+        self.event = event
+        self.handle = handle
+        self.key = key
+        self.records = records
+        self.uses = 1
+
+
+class _Span:
+    """An allocation's IPC handle, shared by the exports of arrays inside it
+    while any holds one (so the allocation cannot have been freed and its
+    address reused): ``uses`` is under the lock."""
+
+    __slots__ = ("base", "bus", "device", "end", "handle", "uses")
+
+    def __init__(self, device: int, base: int, end: int, bus: str, handle: bytes) -> None:
+        self.device = device
+        self.base = base
+        self.end = end
+        self.bus = bus
+        self.handle = handle
+        self.uses = 1
+
+
 class _Export:
     """What the producer keeps for one export until it is freed."""
 
-    __slots__ = ("event", "future", "gen", "t", "value")
+    __slots__ = ("event", "future", "gen", "spans", "t", "value")
 
     def __init__(
-        self, gen: int, future: CudaFuture[Any], value: object, event: tuple[int, int, bytes] | None
+        self,
+        gen: int,
+        future: CudaFuture[Any],
+        value: object,
+        event: _SharedEvent | None,
+        spans: tuple[_Span, ...],
     ) -> None:
         self.gen = gen
         self.future = future
         self.value = value
-        self.event = event  # (device, event, handle)
+        self.event = event
+        self.spans = spans
         self.t = time.monotonic()
 
 
@@ -262,6 +305,12 @@ class _State:
         self.exports: dict[int, _Export] = {}
         self.gens = itertools.count(1)
         self.free_events: dict[int, list[tuple[int, bytes]]] = {}
+        # Events of work exported and still held, by the ids of its records.
+        self.shared_events: dict[tuple[int, ...], _SharedEvent] = {}
+        # Allocations with exports held, by (device, base); the last one
+        # used of each device (rows of one batch come one after another).
+        self.spans: dict[tuple[int, int], _Span] = {}
+        self.last_span: dict[int, _Span] = {}
         self.streams: dict[int, Any] = {}
         self.events_made = 0
         self.last_alive = 0.0
@@ -320,26 +369,38 @@ def export(fut: CudaFuture[Any]) -> tuple[Callable[..., CudaFuture[Any]], tuple[
     for rec in records:
         if rec.status:
             return _import, (_VERSION, "failed", _picklable(rec.error()))
-    payload, arrays = _dump_value(value, bool(pending))
-    if not pending and not arrays:
+    payload, spans = _dump_value(value, bool(pending))
+    if not pending and not spans:
         return _import, (_VERSION, "value", payload)
-    event = _event_after(pending) if pending else None
-    return _import, held_ticket(fut, value, payload, event)
+    event = None
+    try:
+        if pending:
+            event = _shared_event(pending)
+        return _import, held_ticket(fut, value, payload, event, spans)
+    except BaseException:
+        with _state.lock:
+            _let_go(event, spans)
+        raise
 
 
 set_exporter(export)
 
 
 def held_ticket(
-    fut: CudaFuture[Any], value: object, payload: bytes, event: tuple[int, int, bytes] | None
+    fut: CudaFuture[Any],
+    value: object,
+    payload: bytes,
+    event: _SharedEvent | None,
+    spans: tuple[_Span, ...] = (),
 ) -> tuple[Any, ...]:
-    """Hold ``value`` and ``event`` in a slot for one receiver; the ticket
-    (``_import``'s arguments) it unpickles. Host logic only, without an
-    event: tests/test_shared.py drives the ledger through it on the CPU."""
-    slot, gen = _take_slot(fut, value, event)
+    """Hold ``value``, ``event`` and ``spans`` (one use of each, which the
+    caller took) in a slot for one receiver; the ticket (``_import``'s
+    arguments) it unpickles. Host logic only, without an event:
+    tests/test_shared.py drives the ledger through it on the CPU."""
+    slot, gen = _take_slot(fut, value, event, spans)
     ledger = _state.ledger
     assert ledger is not None
-    shared = None if event is None else (_bus_of(event[0]), event[2])
+    shared = None if event is None else (_bus_of(event.device), event.handle)
     return (
         _VERSION,
         "shared",
@@ -368,6 +429,45 @@ def _picklable(exc: BaseException | None) -> BaseException:
             f"the future failed in the producing process with {exc!r} (which does not pickle)"
         )
     return exc
+
+
+def _shared_event(pending: list[EventRecord]) -> _SharedEvent:
+    """An interprocess event recorded after ``pending``, with one use taken
+    for the caller: the one already held for exports of the same records
+    (the other rows of a batch), else a new record (:func:`_event_after`)."""
+    st = _state
+    key = tuple(map(id, pending))
+    with st.lock:
+        shared = st.shared_events.get(key)
+        # The ids name these records only while the entry holds them: compare.
+        if shared is not None and all(a is b for a, b in zip(shared.records, pending, strict=True)):
+            shared.uses += 1
+            return shared
+    device, event, handle = _event_after(pending)
+    shared = _SharedEvent(device, event, handle, key, tuple(pending))
+    with st.lock:
+        st.shared_events[key] = shared  # another thread's, made meanwhile, stays counted by its uses
+    return shared
+
+
+def _let_go(event: _SharedEvent | None, spans: tuple[_Span, ...]) -> None:
+    """Give back one use of ``event`` and of each of ``spans`` (under the
+    lock): an event no export uses returns to the free list."""
+    st = _state
+    if event is not None:
+        event.uses -= 1
+        if not event.uses:
+            if st.shared_events.get(event.key) is event:
+                del st.shared_events[event.key]
+            st.free_events.setdefault(event.device, []).append((event.event, event.handle))
+    for span in spans:
+        span.uses -= 1
+        if not span.uses:
+            key = (span.device, span.base)
+            if st.spans.get(key) is span:
+                del st.spans[key]
+            if st.last_span.get(span.device) is span:
+                del st.last_span[span.device]
 
 
 def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
@@ -407,7 +507,9 @@ def _share_stream(device: int) -> int:
     return int(stream.ptr)
 
 
-def _take_slot(fut: CudaFuture[Any], value: object, event: tuple[int, int, bytes] | None) -> tuple[int, int]:
+def _take_slot(
+    fut: CudaFuture[Any], value: object, event: _SharedEvent | None, spans: tuple[_Span, ...]
+) -> tuple[int, int]:
     st = _state
     with st.lock:
         if st.ledger is None:
@@ -420,8 +522,6 @@ def _take_slot(fut: CudaFuture[Any], value: object, event: tuple[int, int, bytes
             slot = st.next_slot
             st.next_slot += 1
         else:
-            if event is not None:
-                st.free_events.setdefault(event[0], []).append((event[1], event[2]))
             raise SharingError(
                 f"{_SLOTS - 1:,} futures sent to other processes are still held there (or not "
                 "received yet); receivers must drop the futures and values they are done with"
@@ -430,21 +530,21 @@ def _take_slot(fut: CudaFuture[Any], value: object, event: tuple[int, int, bytes
         row = ledger.rows[slot]
         row[1] = row[2] = row[3] = 0
         row[0] = gen
-        st.exports[slot] = _Export(gen, fut, value, event)
+        st.exports[slot] = _Export(gen, fut, value, event, spans)
     _ensure_thread()
     return slot, gen
 
 
-def _free(slot: int) -> None:
-    """Forget export ``slot`` (under the lock)."""
+def _free(slot: int) -> _Export:
+    """Forget export ``slot`` (under the lock). Returns it: the caller drops
+    it (and the value, whose end may cost an allocator call) after the lock."""
     st = _state
     entry = st.exports.pop(slot)
     assert st.ledger is not None
     st.ledger.rows[slot, 0] = 0
     st.free_slots.append(slot)
-    if entry.event is not None:
-        device, event, handle = entry.event
-        st.free_events.setdefault(device, []).append((event, handle))
+    _let_go(entry.event, entry.spans)
+    return entry
 
 
 def _reap_exports(now: float) -> None:
@@ -452,10 +552,14 @@ def _reap_exports(now: float) -> None:
     ledger = st.ledger
     if ledger is None or not st.exports:
         return
+    freed = []
     with st.lock:
+        rows = ledger.rows
         for slot in ledger.released(st.next_slot).tolist():
-            if slot in st.exports and st.exports[slot].gen == int(ledger.rows[slot, 0]):
-                _free(slot)
+            entry = st.exports.get(slot)
+            if entry is not None and entry.gen == int(rows[slot, 0]):
+                freed.append(_free(slot))
+    del freed  # the values end here, outside the lock
     if now - st.last_alive < _ALIVE_S:
         return
     st.last_alive = now
@@ -472,9 +576,8 @@ def _reap_exports(now: float) -> None:
             gone.append(slot)
     if gone:
         with st.lock:
-            for slot in gone:
-                if slot in st.exports:
-                    _free(slot)
+            freed = [_free(slot) for slot in gone if slot in st.exports]
+        del freed
         logger.debug(
             "cudafut: freed %d futures sent to processes that died or never received them", len(gone)
         )
@@ -488,7 +591,8 @@ class _ValuePickler(pickle.Pickler):
 
     def __init__(self, file: io.BytesIO, pending: bool) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.arrays = 0
+        #: A use of the allocation of each GPU array pickled (see _Span).
+        self.spans: list[_Span] = []
         self.pending = pending
         cp = _cuda.imported_cupy()
         self.cupy_array = None if cp is None else cp.ndarray
@@ -497,13 +601,11 @@ class _ValuePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is self.cupy_array or (self.cupy_array is not None and isinstance(obj, self.cupy_array)):
-            self.arrays += 1
-            return _export_cupy(obj)
+            return _export_cupy(obj, self.spans)
         torch = self.torch
         if torch is not None and isinstance(obj, torch.Tensor):
             if obj.is_cuda:
-                self.arrays += 1
-                return _export_torch(torch, obj)
+                return _export_torch(torch, obj, self.spans)
             if self.pending:
                 self._refuse_host(obj)
             return NotImplemented  # a host tensor: by value, as pickle sends it
@@ -528,11 +630,17 @@ class _ValuePickler(pickle.Pickler):
         )
 
 
-def _dump_value(value: object, pending: bool) -> tuple[bytes, int]:
+def _dump_value(value: object, pending: bool) -> tuple[bytes, tuple[_Span, ...]]:
+    """The pickled value, and a use of each allocation its GPU arrays are in."""
     buf = io.BytesIO()
     pickler = _ValuePickler(buf, pending)
-    pickler.dump(value)
-    return buf.getvalue(), pickler.arrays
+    try:
+        pickler.dump(value)
+    except BaseException:
+        with _state.lock:
+            _let_go(None, tuple(pickler.spans))
+        raise
+    return buf.getvalue(), tuple(pickler.spans)
 
 
 def _bus_of(device: int) -> str:
@@ -542,7 +650,18 @@ def _bus_of(device: int) -> str:
     return bus
 
 
-def _span(device: int, ptr: int, what: str) -> tuple[str, bytes, int, int]:
+def _span(device: int, ptr: int, what: str, spans: list[_Span]) -> tuple[str, bytes, int, int]:
+    """``(bus, handle, offset, size)`` of the allocation holding ``ptr``;
+    a use of it appended to ``spans``. The allocation of the last array
+    exported from ``device`` is asked for first (a batch's rows share one),
+    then CUDA (a few µs)."""
+    st = _state
+    with st.lock:
+        span = st.last_span.get(device)
+        if span is not None and span.base <= ptr < span.end:
+            span.uses += 1
+            spans.append(span)
+            return span.bus, span.handle, ptr - span.base, span.end - span.base
     try:
         handle, offset, size = _cuda.ipc_memory_handle(ptr, device)
     except Exception as exc:  # CuPy's CUDARuntimeError, or CudaError from the driver call
@@ -552,23 +671,33 @@ def _span(device: int, ptr: int, what: str) -> tuple[str, bytes, int, int]:
             "allocator (PyTorch's expandable_segments) has no IPC handle. Allocate it with CuPy's "
             "default pool or PyTorch's default allocator"
         ) from exc
-    return _bus_of(device), handle, offset, size
+    base = ptr - offset
+    bus = _bus_of(device)
+    with st.lock:
+        span = st.spans.get((device, base))
+        if span is not None and span.handle == handle:
+            span.uses += 1
+        else:  # a new one (an entry with another handle is an older allocation's, still counted)
+            span = st.spans[device, base] = _Span(device, base, base + size, bus, handle)
+        st.last_span[device] = span
+    spans.append(span)
+    return bus, handle, offset, size
 
 
-def _export_cupy(arr: Any) -> tuple[Any, tuple[Any, ...]]:
+def _export_cupy(arr: Any, spans: list[_Span]) -> tuple[Any, tuple[Any, ...]]:
     if arr.size == 0:
         return _empty_cupy, (arr.shape, arr.dtype)
     device = int(arr.device.id)
-    bus, handle, offset, size = _span(device, int(arr.data.ptr), "a CuPy array")
+    bus, handle, offset, size = _span(device, int(arr.data.ptr), "a CuPy array", spans)
     return _open_cupy, (bus, handle, offset, size, arr.shape, arr.strides, arr.dtype)
 
 
-def _export_torch(torch: Any, t: Any) -> tuple[Any, tuple[Any, ...]]:
+def _export_torch(torch: Any, t: Any, spans: list[_Span]) -> tuple[Any, tuple[Any, ...]]:
     dtype = str(t.dtype).removeprefix("torch.")
     if t.numel() == 0:
         return _empty_torch, (tuple(t.shape), dtype)
     device = int(t.device.index)
-    bus, handle, offset, size = _span(device, int(t.data_ptr()), "a PyTorch tensor")
+    bus, handle, offset, size = _span(device, int(t.data_ptr()), "a PyTorch tensor", spans)
     return _open_torch, (
         bus,
         handle,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,9 @@ class Child:
 def until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> None:
     """Wait for ``condition`` (another process's doing: the share threads'
     rounds are 0.05-0.5 s); ``limit_s`` only ends a test that would
-    otherwise hang."""
+    otherwise hang, times ``CUDAFUT_TEST_SLOWDOWN`` (under compute-sanitizer,
+    every CUDA call is many times slower)."""
+    limit_s *= float(os.environ.get("CUDAFUT_TEST_SLOWDOWN", "1"))
     deadline = time.monotonic() + limit_s
     while not condition():
         if time.monotonic() > deadline:

@@ -126,6 +126,39 @@ def produce_launched(conn: Any) -> None:
     _answer_statistics(conn)
 
 
+def produce_batch(conn: Any, rows: int) -> None:
+    """Send the ``rows`` futures of one Batcher batch (Batcher.submit_future),
+    once enqueued, in one message: row ``i`` is filled with ``5 + i`` after a
+    600 ms spin."""
+    _start()
+    import cupy as cp
+
+    import cudafut
+    from tests import kernels
+
+    _warm()
+
+    def run_batch(items: list[int]) -> Any:
+        out = cp.zeros((len(items), 16), dtype=cp.float32)
+        kernels.spin_fill(out, 5.0, 600)
+        return out + cp.asarray(items, dtype=cp.float32)[:, None]
+
+    # The addition's kernel compiles on first use (longer than the spin):
+    # before, or the batch would be done by the time it is sent.
+    cp.zeros((2, 16), dtype=cp.float32) + cp.zeros(2, dtype=cp.float32)[:, None]
+    cp.cuda.Device().synchronize()
+
+    async def main() -> None:
+        async with cudafut.Batcher(run_batch, max_batch=rows, max_delay_s=1.0) as batcher:
+            futs = [batcher.submit_future(i) for i in range(rows)]
+            for fut in futs:
+                await cudafut.enqueued(fut)
+            conn.send(futs)
+
+    asyncio.run(main())
+    _answer_statistics(conn)
+
+
 def receive_and_die(conn: Any) -> None:
     """Receive a future, wait for its work, say so, then exit holding it."""
     _start()

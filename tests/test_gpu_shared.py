@@ -139,6 +139,23 @@ def test_memory_cuda_ipc_cannot_share_is_refused(cp: Any) -> None:
         pickle.dumps(fut)
 
 
+def test_the_rows_of_a_batch_cross_with_one_event(children: list[Child]) -> None:
+    """The futures of one batch share their work: they cross with one
+    interprocess event between them (and one IPC handle), yet each waits."""
+    rows = 32
+    child = Child(shared_worker.produce_batch, rows)
+    children.append(child)
+    futs = child.get()
+    assert len(futs) == rows
+    for i, fut in enumerate(futs):
+        host = fut.result(60).get()
+        assert (host == 5.0 + i).all(), f"row {i} read {host[:4]} before the producer's kernel wrote"
+    _held, events, _used, _fds = child.ask()
+    assert events == 1, f"{events} interprocess events made for the {rows} rows of one batch"
+    del futs, fut
+    _released_by_producer(child)
+
+
 def test_ten_thousand_futures_cross_and_leave_nothing(children: list[Child]) -> None:
     count = 10_000
     child = Child(shared_worker.produce_many, count, 256)

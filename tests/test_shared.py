@@ -206,7 +206,9 @@ def test_a_producer_that_dies_fails_the_receivers_wait(
     children += [stand_in, receiver]
     fut = set_future(None, ())
     # Device -7: the fake event joins a free list no real export takes from.
-    ticket = list(_shared.held_ticket(fut, None, pickle.dumps(None), (-7, 1, b"h" * 64)))
+    ticket = list(
+        _shared.held_ticket(fut, None, pickle.dumps(None), _shared._SharedEvent(-7, 1, b"h" * 64, (), ()))
+    )
     pid = stand_in.process.pid
     assert pid is not None
     ticket[4], ticket[5] = pid, _shared._start_time(pid)

@@ -1,7 +1,7 @@
 """Serve a torchvision model every way server.py knows (and with LitServe), load each, compare.
 
 For each model and mode: the server in its own process, the load generator
-(load.py) in others; closed loop (64 clients: the most each server does)
+(load.py) in others; closed loop (64 clients, ``--clients``: the most each server does)
 and, with ``--open``, open loop at a fixed rate (latency and loop health at
 a load the server can carry: half the no-GPU ceiling for the batching
 servers, half ``run_in_executor``'s maximum for the unbatched ones). Each
@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,13 @@ OPEN_UNBATCHED = ("nogpu", "executor", "launch", "launch_graph")
 OPEN_FRONTS = ("nogpu_fronts", "fronts")
 
 
+def _free_port() -> int:
+    """A port no one listens on now (two comparisons may run at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
@@ -85,6 +93,7 @@ def serving(
     extra: tuple[str, ...] = (),
     fronts: int = 4,
     devices: int = 1,
+    gpu_procs: int = 1,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server of ``mode`` on ``port`` until the block ends; waits until
     ``/health`` answers (model loaded, graphs captured). ``fronts`` and
@@ -96,6 +105,7 @@ def serving(
     elif mode in ("fronts", "nogpu_fronts"):
         cmd = [sys.executable, str(HERE / "multiproc.py"), "--model", model, "--port", str(port)]
         cmd += ["--fronts", str(fronts), "--devices", ",".join(str(d) for d in range(devices))]
+        cmd += ["--gpu-procs", str(gpu_procs)]
         if mode == "nogpu_fronts":
             cmd += ["--nogpu", ref_path]
     else:
@@ -243,6 +253,7 @@ def compare(
     procs: int = 4,
     fronts: int = 4,
     devices: int = 1,
+    gpu_procs: int = 1,
     step: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
     """Every model and mode, closed loop (and open loop); see the module.
@@ -252,7 +263,6 @@ def compare(
         modes = tuple(m for m in modes if not m.startswith("litserve"))
         step("LitServe is not installed: its rows are skipped")
     results: dict[str, Any] = {}
-    port = 18400
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             ref_path = str(Path(tmp) / f"{model}.npy")
@@ -269,9 +279,11 @@ def compare(
             run = functools.partial(measure, ref_path=ref_path, seconds=seconds, warmup=warmup, procs=procs)
 
             for mode in modes:
-                port += 1
+                port = _free_port()
                 log = Path(tmp) / f"{model}-{mode}.log"
-                with serving(model, mode, port, ref_path, log, fronts=fronts, devices=devices) as proc:
+                with serving(
+                    model, mode, port, ref_path, log, fronts=fronts, devices=devices, gpu_procs=gpu_procs
+                ) as proc:
                     try:
                         r = run(proc, port, clients=clients)
                     except BaseException:  # the server's own account of what went wrong, then the error
@@ -288,13 +300,19 @@ def compare(
                             if mode not in group or base not in row["closed"]:
                                 continue
                             rate = round(row["closed"][base]["rps"] / 2, 1)
+                            label = f"{base}/2"
+                            gpus = row.get("gpu_limit_images_per_s", 0.0) * devices
+                            if group is OPEN_FRONTS and gpus and gpus / 2 < rate:
+                                # Half what the GPUs can do, not more: a rate
+                                # beyond them measures only a growing queue.
+                                rate, label = round(gpus / 2, 1), "GPU limit/2"
                             r = run(proc, port, clients=0, rate=rate)
-                            row["open"].setdefault(f"{base}/2", {"rate": rate})[mode] = r
+                            row["open"].setdefault(label, {"rate": rate})[mode] = r
                             step(f"{model} {mode} open at {rate}/s: {_line(r)}")
             if threads and model == models[0]:
                 for mode in ("launch", "batch_graph"):
                     for n in threads:
-                        port += 1
+                        port = _free_port()
                         log = Path(tmp) / f"{model}-{mode}-{n}.log"
                         with serving(model, mode, port, ref_path, log, threads=n) as proc:
                             r = run(proc, port, clients=clients)
@@ -338,7 +356,8 @@ def table(results: dict[str, Any]) -> list[str]:
     for model, m in results.items():
         if not isinstance(m, dict) or "closed" not in m:
             continue
-        lines += [f"**{model}, closed loop** (64 clients):", "", head, rule]
+        clients = sorted({r.get("clients", 64) for r in m["closed"].values()})
+        lines += [f"**{model}, closed loop** ({'/'.join(map(str, clients))} clients):", "", head, rule]
         lines += [row(mode, r) for mode, r in m["closed"].items()]
         lines.append("")
         for base, group in m["open"].items():
@@ -370,7 +389,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES + MULTI_MODES, default=list(MODES))
     parser.add_argument("--fronts", type=int, default=4, help="multi-process modes: HTTP processes")
     parser.add_argument("--devices", type=int, default=1, help="multi-process modes: GPUs (0..N-1)")
+    parser.add_argument("--gpu-procs", type=int, default=1, help="fronts mode: GPU processes per GPU")
     parser.add_argument("--load-procs", type=int, help="load generator processes (default 4; --quick 2)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=64,
+        help="closed loop: clients (64; with several GPU processes, more keep their batches full)",
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--open", action="store_true", help="also measure open loop")
     parser.add_argument("--quick", action="store_true", help="1 s per run, 2 load processes (a smoke run)")
@@ -388,8 +414,10 @@ def main(argv: list[str] | None = None) -> None:
         warmup=0.5 if args.quick else 1.0,
         open_loop=args.open,
         procs=procs,
+        clients=args.clients,
         fronts=args.fronts,
         devices=args.devices,
+        gpu_procs=args.gpu_procs,
     )
     print("\n".join(table(results)))
     if args.json:

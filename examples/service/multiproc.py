@@ -2,15 +2,18 @@
 
 ``--fronts`` front processes each run their own event loop and aiohttp
 server on one port (``SO_REUSEPORT``: the kernel spreads connections), and
-one GPU process per device (``--devices``) runs a :class:`cudafut.Batcher`
-over captured CUDA graphs (``submit_future``: each request's future is set
-once its batch is enqueued). Each front and GPU process pair shares a pipe:
-requests go to the GPU process with the fewest outstanding (as this front
-counts them), and the answers come back as :class:`cudafut.CudaFuture`\\ s
-that crossed the pipe: the GPU process sends each future once its batch is
-enqueued (:func:`cudafut.enqueued`), not once it is done, and the front
-awaits the GPU work itself, through an interprocess event; the answer's
-memory stays on the GPU until the front has read it.
+one GPU process per device (``--devices``; ``--gpu-procs`` for more) runs a
+:class:`cudafut.Batcher` over captured CUDA graphs (``submit_future``: each
+request's future is set once its batch is enqueued). Each front and GPU
+process pair shares a pipe: requests go to the GPU process with the fewest
+outstanding (as this front counts them), and the answers come back as
+:class:`cudafut.CudaFuture`\\ s that crossed the pipe: once a batch is
+enqueued (:func:`cudafut.enqueued`), not once it is done, the GPU process
+sends each front one future for its requests in it (:func:`cudafut.gather`),
+and the front awaits the GPU work itself, through an interprocess event; the
+answer's memory stays on the GPU until the front has read it. Both kinds of
+process read and write the pipes on their event loop, once per loop
+iteration.
 
 The same HTTP interface as server.py (``POST /predict`` with ``{"i": k}``,
 ``GET /health``, ``GET /stats``)::
@@ -18,11 +21,12 @@ The same HTTP interface as server.py (``POST /predict`` with ``{"i": k}``,
     python examples/service/multiproc.py --model resnet50 --fronts 4 --devices 0,1 --port 8080
 
 It prints ``READY <port>`` once every GPU process has captured its graphs
-and every front listens. ``--nogpu REFERENCE.npy`` runs the fronts alone,
-answering from the reference table (the HTTP ceiling of that many fronts);
-``--model toy`` runs everything without a GPU (a NumPy model on cudafut's
-fake GPU, whose futures cross processes once their work is done). If any
-process ends, the service stops, saying which.
+and every front listens; until then ``/health`` answers 503. ``--nogpu
+REFERENCE.npy`` runs the fronts alone, answering from the reference table
+(the HTTP ceiling of that many fronts); ``--model toy`` runs everything
+without a GPU (a NumPy model on cudafut's fake GPU, whose futures cross
+processes once their work is done). If any process ends, the service stops,
+saying which.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,70 +96,138 @@ def gpu_main(
     asyncio.run(_gpu_loop(served.answer_on_gpu, conns, max_batch, max_delay_s, ready))
 
 
+def _read_on_loop(
+    loop: asyncio.AbstractEventLoop,
+    conns: list[Any],
+    take: Callable[[int, Any], None],
+    gone: Callable[[], None],
+) -> None:
+    """Have the loop read the pipes: ``take(i, message)`` for each message
+    from ``conns[i]``, ``gone()`` once one of them has closed.
+
+    On the loop, not on reader threads: a thread woken by the pipe must
+    first win the GIL from the loop and the launcher threads (up to 5 ms a
+    hand-over when they are busy), and requests would wait for it. A
+    message is written in one piece (multiprocessing sends up to 16 KB in
+    one write), so a readable pipe holds all of it, or nearly: ``recv()``
+    does not wait.
+    """
+
+    def readable(i: int, conn: Any) -> None:
+        try:
+            while True:
+                take(i, conn.recv())
+                if not conn.poll():
+                    return
+        except (EOFError, OSError):
+            loop.remove_reader(conn.fileno())
+            gone()
+
+    for i, conn in enumerate(conns):
+        loop.add_reader(conn.fileno(), readable, i, conn)
+
+
+class _Outbox:
+    """Messages for each pipe, written once per loop iteration (one write
+    for all that the iteration produced, not one per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, conns: list[Any], what: str) -> None:
+        self.loop = loop
+        self.conns = conns
+        self.what = what
+        self.boxes: list[list[Any]] = [[] for _ in conns]
+        self.scheduled = False
+
+    def put(self, i: int, item: Any) -> None:
+        self.boxes[i].append(item)
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.scheduled = False
+        for conn, box in zip(self.conns, self.boxes, strict=True):
+            if box:
+                items = box[:]
+                box.clear()
+                with _or_exit(self.what):
+                    conn.send(items)
+
+
 async def _gpu_loop(
     run_batch: Callable[[list[int]], Any], conns: list[Any], max_batch: int, max_delay_s: float, ready: Any
 ) -> None:
+    """Requests ``(id, k)`` in lists from each front's pipe; answers back
+    down the same pipe, in lists of ``(ids, future)``: one future per batch
+    and front (:func:`cudafut.gather` of the batch's futures for that
+    front), so a batch crosses to each front once, not once per request."""
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
-    # One sender thread per front: pickling a future (exporting it) and the
-    # pipe's write happen there, off the loop.
-    outboxes: list[list[tuple[int, Any]]] = [[] for _ in conns]
-    wakes = [threading.Event() for _ in conns]
+    outbox = _Outbox(loop, conns, "a GPU process could not send answers")
+    answers: list[list[tuple[int, Any]]] = [[] for _ in conns]
+    grouping = [False]
 
-    def sender(i: int) -> None:
-        conn, box, wake = conns[i], outboxes[i], wakes[i]
-        while True:
-            wake.wait()
-            wake.clear()
-            batch = box[:]
-            del box[: len(batch)]
-            if batch:
-                with _or_exit("a GPU process could not send answers"):
-                    conn.send(batch)
+    def group() -> None:
+        # Once per loop iteration, after the iteration's futures were set:
+        # those of one front are sent as one gathered future. Pickling it
+        # (conn.send) exports it: its value's rows and one event.
+        grouping[0] = False
+        for i, done in enumerate(answers):
+            if not done:
+                continue
+            ok = [(rid, fut) for rid, fut in done if not (fut.done() and _failed(fut))]
+            for rid, fut in done:
+                if fut.done() and _failed(fut):  # sent alone: the others must not fail with it
+                    outbox.put(i, ([rid], fut))
+            if ok:
+                outbox.put(i, ([rid for rid, _ in ok], cudafut.gather(*(fut for _, fut in ok))))
+            done.clear()
 
-    async def answer(i: int, rid: int, fut: Any) -> None:
-        await cudafut.enqueued(fut)
-        outboxes[i].append((rid, fut))
-        wakes[i].set()
-
-    def receiver(i: int) -> None:
-        conn = conns[i]
-        while True:
-            try:
-                msgs = conn.recv()
-            except EOFError:
-                msgs = None
-            if msgs is None:
-                loop.call_soon_threadsafe(stopped.set)
-                return
-            loop.call_soon_threadsafe(submit, i, msgs)
-
-    tasks: set[asyncio.Task[None]] = set()
-
-    def submit(i: int, msgs: list[tuple[int, int]]) -> None:
+    async def answer(i: int, msgs: list[tuple[int, int]]) -> None:
+        futs = []
         for rid, k in msgs:
             try:
                 fut = batcher.submit_future(k)
             except Exception as exc:  # noqa: BLE001 - the front gets it, as a failed future
                 fut = cudafut.CudaFuture()
                 fut.set_exception(exc)
-            task = loop.create_task(answer(i, rid, fut))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            futs.append((rid, fut))
+        for rid, fut in futs:
+            await cudafut.enqueued(fut)  # set once its batch is enqueued, not done
+            answers[i].append((rid, fut))
+            if not grouping[0]:
+                grouping[0] = True
+                loop.call_soon(group)
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    def take(i: int, msgs: list[tuple[int, int]]) -> None:
+        task = loop.create_task(answer(i, msgs))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     batcher: cudafut.Batcher[int, Any] = cudafut.Batcher(
         run_batch, max_batch=max_batch, max_delay_s=max_delay_s, buckets=BUCKETS
     )
     async with batcher:
-        for i in range(len(conns)):
-            threading.Thread(target=sender, args=(i,), daemon=True, name=f"sender-{i}").start()
-            threading.Thread(target=receiver, args=(i,), daemon=True, name=f"receiver-{i}").start()
+        _read_on_loop(loop, conns, take, stopped.set)  # a front that has gone stops this process
         ready.set()
         await stopped.wait()
 
 
-def front_main(port: int, conns: list[Any], reference: str | None, warm_cuda: bool, ready: Any) -> None:
-    """A front process: HTTP on ``port`` (shared), requests to the GPU processes."""
+def _failed(fut: cudafut.CudaFuture[Any]) -> bool:
+    """Whether a done future failed or was cancelled (non-blocking)."""
+    return fut.cancelled() or fut.exception() is not None
+
+
+def front_main(
+    port: int, conns: list[Any], reference: str | None, warm: list[int], ready: Any, serving: Any
+) -> None:
+    """A front process: HTTP on ``port`` (shared), requests to the GPU
+    processes. ``/health`` answers 503 until ``serving`` is set (every
+    process of the service ready): a front listens before the GPU processes
+    have captured their graphs, and a load balancer must not send it
+    requests meanwhile."""
     try:
         from aiohttp import web
     except ImportError as exc:  # one line that says what to install, not a traceback
@@ -165,28 +236,22 @@ def front_main(port: int, conns: list[Any], reference: str | None, warm_cuda: bo
 
     app = web.Application()
     loop_ref: list[asyncio.AbstractEventLoop] = []
+    outbox: list[_Outbox] = []
     outstanding = [0] * len(conns)
     waiting: dict[int, asyncio.Future[Any]] = {}
     ids = itertools.count()
     counts = {"requests": 0}
     answers = None if reference is None else [top_of(row) for row in np.load(reference)]
 
-    def deliver(g: int, batch: list[tuple[int, Any]]) -> None:
-        outstanding[g] -= len(batch)
-        for rid, fut in batch:
-            waiter = waiting.pop(rid, None)
-            if waiter is not None and not waiter.done():  # its handler may have timed out
-                waiter.set_result(fut)
-
-    def receiver(g: int) -> None:
-        # Unpickling (importing the futures) happens here, off the loop.
-        while True:
-            try:
-                with _or_exit("a front process could not receive answers"):
-                    batch = conns[g].recv()
-            except EOFError:
-                return
-            loop_ref[0].call_soon_threadsafe(deliver, g, batch)
+    def deliver(g: int, items: list[tuple[list[int], Any]]) -> None:
+        # Unpickling the message (importing its futures: one a batch) ran
+        # just before, on this loop.
+        for rids, fut in items:
+            outstanding[g] -= len(rids)
+            for j, rid in enumerate(rids):
+                waiter = waiting.pop(rid, None)
+                if waiter is not None and not waiter.done():  # its handler may have timed out
+                    waiter.set_result((fut, j))
 
     async def predict(request: web.Request) -> web.Response:
         k = image_index(await request.json())
@@ -200,37 +265,48 @@ def front_main(port: int, conns: list[Any], reference: str | None, warm_cuda: bo
         rid = next(ids)
         waiter: asyncio.Future[Any] = loop_ref[0].create_future()
         waiting[rid] = waiter
-        conns[g].send([(rid, k)])
+        outbox[0].put(g, (rid, k))
         try:  # a GPU process that fails must not leave the client waiting for ever
-            shared = await asyncio.wait_for(waiter, ANSWER_TIMEOUT_S)  # the batch is enqueued
+            shared, j = await asyncio.wait_for(waiter, ANSWER_TIMEOUT_S)  # the batch is enqueued
         except TimeoutError:
             raise web.HTTPGatewayTimeout(
                 text=f"no answer from the GPU process in {ANSWER_TIMEOUT_S} s"
             ) from None
         finally:
             waiting.pop(rid, None)
-        # The GPU work: a producer that dies fails this wait (cudafut.SharingError).
-        row = await shared
-        return web.json_response({"top": row.tolist()})
+        # The GPU work (of this front's part of the batch): a producer that
+        # dies fails this wait (cudafut.SharingError).
+        rows = await shared
+        return web.json_response({"top": rows[j].tolist()})
+
+    up = [False]
 
     async def health(request: web.Request) -> web.Response:
+        if not up[0]:
+            up[0] = serving.is_set()  # a lock of multiprocessing's: asked until set
+            if not up[0]:
+                return web.Response(status=503, text="starting")
         return web.Response(text="ok")
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({**counts, "pid": os.getpid()})
 
-    if answers is None and warm_cuda:
-        # The first received future would otherwise import PyTorch and make
-        # this process's CUDA context on a receiver thread, with the GIL held
-        # for seconds in part: do it before serving.
+    if answers is None and warm:
+        # The first future received from each device would otherwise import
+        # PyTorch and make this process's CUDA context on that device on the
+        # loop (a second or more each, and the driver makes the contexts of
+        # many processes one after another): make them all before serving.
         import torch
 
-        torch.zeros(1, device="cuda")
+        for device in warm:
+            torch.zeros(1, device=f"cuda:{device}")
 
     async def started(app: web.Application) -> None:
-        loop_ref.append(asyncio.get_running_loop())
-        for g in range(len(conns)):
-            threading.Thread(target=receiver, args=(g,), daemon=True).start()
+        loop = asyncio.get_running_loop()
+        loop_ref.append(loop)
+        outbox.append(_Outbox(loop, conns, "a front process could not send requests"))
+        # A GPU process that has gone: main() stops the whole service.
+        _read_on_loop(loop, conns, deliver, lambda: None)
 
     app.on_startup.append(started)
     app.add_routes([web.post("/predict", predict), web.get("/health", health), web.get("/stats", stats)])
@@ -260,7 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         help="toy: NumPy on the fake GPU, no GPU needed",
     )
     parser.add_argument("--fronts", type=int, default=4, help="front (HTTP) processes")
-    parser.add_argument("--devices", default="0", help="GPUs, one GPU process each: e.g. 0,1")
+    parser.add_argument("--devices", default="0", help="GPUs, e.g. 0,1")
+    parser.add_argument(
+        "--gpu-procs",
+        type=int,
+        default=1,
+        help="GPU processes per device (each its own GIL, Batcher and graphs; the GPU time-slices them)",
+    )
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--max-delay-ms", type=float, default=2.0)
@@ -269,8 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.fronts < 1:
         parser.error("--fronts must be at least 1")
-    devices = [] if args.nogpu else [int(d) for d in args.devices.split(",")]
+    if args.gpu_procs < 1:
+        parser.error("--gpu-procs must be at least 1")
+    devices = [] if args.nogpu else [int(d) for d in args.devices.split(",")] * args.gpu_procs
     ctx = mp.get_context("spawn")  # CUDA does not survive fork()
+    serving = ctx.Event()
     pipes = [[ctx.Pipe() for _ in devices] for _ in range(args.fronts)]
     children: list[Any] = []
     readies = []
@@ -281,17 +366,19 @@ def main(argv: list[str] | None = None) -> None:
             ctx.Process(
                 target=gpu_main,
                 args=(device, args.model, conns, args.max_batch, args.max_delay_ms / 1e3, ready),
-                name=f"gpu-{device}",
+                name=f"gpu{g}-device{device}",
             )
         )
         readies.append(ready)
     for f in range(args.fronts):
         ready = ctx.Event()
         conns = [pipes[f][g][0] for g in range(len(devices))]
-        warm = args.nogpu is None and args.model != TOY
+        warm = [] if args.nogpu is not None or args.model == TOY else sorted(set(devices))
         children.append(
             ctx.Process(
-                target=front_main, args=(args.port, conns, args.nogpu, warm, ready), name=f"front-{f}"
+                target=front_main,
+                args=(args.port, conns, args.nogpu, warm, ready, serving),
+                name=f"front-{f}",
             )
         )
         readies.append(ready)
@@ -309,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
                 for other in children:
                     other.terminate()
                 sys.exit(f"multiproc.py: {child.name} exited with {child.exitcode} before it was ready")
+    serving.set()
     print(f"READY {args.port}", flush=True)
 
     def stop(*_: object) -> None:
