@@ -397,10 +397,12 @@ def held_ticket(
     caller took) in a slot for one receiver; the ticket (``_import``'s
     arguments) it unpickles. Host logic only, without an event:
     tests/test_shared.py drives the ledger through it on the CPU."""
+    # Before the slot: once it is taken, the export holds the uses, and an
+    # error here would give them back a second time.
+    shared = None if event is None else (_bus_of(event.device), event.handle)
     slot, gen = _take_slot(fut, value, event, spans)
     ledger = _state.ledger
     assert ledger is not None
-    shared = None if event is None else (_bus_of(event.device), event.handle)
     return (
         _VERSION,
         "shared",
@@ -511,6 +513,9 @@ def _take_slot(
     fut: CudaFuture[Any], value: object, event: _SharedEvent | None, spans: tuple[_Span, ...]
 ) -> tuple[int, int]:
     st = _state
+    # First: once the export is stored it holds the caller's uses, and a
+    # failure after that would have the caller give them back a second time.
+    _ensure_thread()
     with st.lock:
         if st.ledger is None:
             st.ledger = Ledger.create()
@@ -531,7 +536,6 @@ def _take_slot(
         row[1] = row[2] = row[3] = 0
         row[0] = gen
         st.exports[slot] = _Export(gen, fut, value, event, spans)
-    _ensure_thread()
     return slot, gen
 
 
@@ -565,18 +569,22 @@ def _reap_exports(now: float) -> None:
     st.last_alive = now
     claim_s = _claim_s()
     with st.lock:
-        claims = {slot: (int(ledger.rows[slot, 1]), int(ledger.rows[slot, 2])) for slot in st.exports}
-    gone: list[int] = []
+        rows = ledger.rows
+        claims = [
+            (slot, entry.gen, entry.t, int(rows[slot, 1]), int(rows[slot, 2]))
+            for slot, entry in st.exports.items()
+        ]
+    gone: list[tuple[int, int]] = []
     alive = functools.cache(_alive)  # each receiver read once this round
-    for slot, (pid, start) in claims.items():
+    for slot, gen, t, pid, start in claims:
         if pid:
             if not alive(pid, start):
-                gone.append(slot)
-        elif now - st.exports[slot].t > claim_s:
-            gone.append(slot)
+                gone.append((slot, gen))
+        elif now - t > claim_s:
+            gone.append((slot, gen))
     if gone:
-        with st.lock:
-            freed = [_free(slot) for slot in gone if slot in st.exports]
+        with st.lock:  # the same exports only: a slot freed meanwhile may hold a new one
+            freed = [_free(slot) for slot, gen in gone if getattr(st.exports.get(slot), "gen", None) == gen]
         del freed
         logger.debug(
             "cudafut: freed %d futures sent to processes that died or never received them", len(gone)

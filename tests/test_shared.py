@@ -122,6 +122,39 @@ def test_unpickled_where_pickled_gives_the_future_itself() -> None:
         _shared.import_ticket(ticket)
 
 
+def test_exports_sharing_an_event_and_an_allocation_give_them_back_after_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rows of a batch share one interprocess event and one IPC handle,
+    a use each: freeing one export keeps both; freeing the last returns the
+    event to the free list, once, and forgets the allocation."""
+    from cudafut import _cuda
+
+    monkeypatch.setattr(_cuda, "device_bus_id", lambda device: "0000:00:00.0")
+    st = _shared._state
+    # Device -9: a free list no real export takes from.
+    event = _shared._SharedEvent(-9, 11, b"e" * 64, (), ())
+    span = _shared._Span(-9, 0x1000, 0x2000, "0000:00:00.0", b"m" * 64)
+    with st.lock:
+        st.shared_events[event.key] = event
+        st.spans[-9, 0x1000] = span
+        st.last_span[-9] = span
+    event.uses = span.uses = 2  # as _shared_event() and _span() take them, one per export
+    tickets = [_shared.held_ticket(set_future(i, ()), i, pickle.dumps(i), event, (span,)) for i in range(2)]
+    try:
+        _shared.import_ticket(tickets[0])  # where it was pickled: frees the export
+        assert (event.uses, span.uses) == (1, 1)
+        assert st.shared_events.get(event.key) is event and st.last_span.get(-9) is span
+        assert not st.free_events.get(-9)
+        _shared.import_ticket(tickets[1])
+        assert (event.uses, span.uses) == (0, 0)
+        assert st.free_events[-9] == [(11, b"e" * 64)]
+        assert event.key not in st.shared_events
+        assert (-9, 0x1000) not in st.spans and -9 not in st.last_span
+    finally:
+        st.free_events.pop(-9, None)
+
+
 @pytest.mark.anyio
 async def test_enqueued_returns_once_set_not_once_done(fake_cuda: Any) -> None:
     fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()

@@ -4,7 +4,9 @@ For each model and mode: the server in its own process, the load generator
 (load.py) in others; closed loop (64 clients, ``--clients``: the most each server does)
 and, with ``--open``, open loop at a fixed rate (latency and loop health at
 a load the server can carry: half the no-GPU ceiling for the batching
-servers, half ``run_in_executor``'s maximum for the unbatched ones). Each
+servers, half ``run_in_executor``'s maximum for the unbatched ones, and
+for several processes half the no-GPU fronts' ceiling or, where lower,
+half the GPUs' own limit). Each
 row has req/s, latency, ``/health`` latency, the server's CPU (its worker
 processes included), the GPU's busy fraction, the mean batch and the number
 of wrong answers (every answer is checked against the model run eagerly on
@@ -25,6 +27,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -68,10 +71,19 @@ OPEN_FRONTS = ("nogpu_fronts", "fronts")
 
 
 def _free_port() -> int:
-    """A port no one listens on now (two comparisons may run at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port of 18400-19399 no one listens on now (two comparisons may run
+    at once; the servers bind with ``SO_REUSEPORT``, which would share a
+    port silently, so the check binds without it)."""
+    start = random.randrange(1000)
+    for i in range(1000):
+        port = 18400 + (start + i) % 1000
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 18400-19399")
 
 
 def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -361,10 +373,8 @@ def table(results: dict[str, Any]) -> list[str]:
         lines += [row(mode, r) for mode, r in m["closed"].items()]
         lines.append("")
         for base, group in m["open"].items():
-            lines += [
-                f"**{model}, open loop at {group['rate']:,.0f} req/s** ({base} of the closed loop):",
-                "",
-            ]
+            why = "half the GPUs' own limit" if base == "GPU limit/2" else f"{base} of the closed loop"
+            lines += [f"**{model}, open loop at {group['rate']:,.0f} req/s** ({why}):", ""]
             lines += [head, rule]
             lines += [row(mode, r) for mode, r in group.items() if mode != "rate"]
             lines.append("")

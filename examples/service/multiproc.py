@@ -12,8 +12,8 @@ enqueued (:func:`cudafut.enqueued`), not once it is done, the GPU process
 sends each front one future for its requests in it (:func:`cudafut.gather`),
 and the front awaits the GPU work itself, through an interprocess event; the
 answer's memory stays on the GPU until the front has read it. Both kinds of
-process read and write the pipes on their event loop, once per loop
-iteration.
+process read the pipes on their event loop as messages come, and write
+each pipe at most once per loop iteration, never waiting for room.
 
 The same HTTP interface as server.py (``POST /predict`` with ``{"i": k}``,
 ``GET /health``, ``GET /stats``)::
@@ -39,9 +39,12 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
+import struct
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +78,8 @@ def gpu_main(
     device: int, model: str, conns: list[Any], max_batch: int, max_delay_s: float, ready: Any
 ) -> None:
     """A GPU process: requests ``(id, k)`` in lists from each front's pipe,
-    answers ``(id, future)`` in lists back down the same pipe."""
+    answers ``(ids, future)`` in lists back down the same pipe (see
+    :func:`_gpu_loop`)."""
     if model == TOY:  # no GPU: the fake GPU, whose futures cross once done
         from ray_serve import Toy
 
@@ -103,25 +107,33 @@ def _read_on_loop(
     gone: Callable[[], None],
 ) -> None:
     """Have the loop read the pipes: ``take(i, message)`` for each message
-    from ``conns[i]``, ``gone()`` once one of them has closed.
+    from ``conns[i]``, ``gone()`` once one of them has closed. A message
+    that cannot be read (unpickling it imports its futures, which can fail)
+    ends the process, saying why: its requests could not be answered.
 
     On the loop, not on reader threads: a thread woken by the pipe must
     first win the GIL from the loop and the launcher threads (up to 5 ms a
     hand-over when they are busy), and requests would wait for it. A
-    message is written in one piece (multiprocessing sends up to 16 KB in
-    one write), so a readable pipe holds all of it, or nearly: ``recv()``
-    does not wait.
+    message is written in one piece where the pipe has room (see
+    :class:`_Outbox`), so a readable pipe holds all of it, or nearly:
+    ``recv()`` does not wait for long.
     """
 
     def readable(i: int, conn: Any) -> None:
         try:
             while True:
-                take(i, conn.recv())
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    loop.remove_reader(conn.fileno())
+                    gone()
+                    return
+                take(i, message)
                 if not conn.poll():
                     return
-        except (EOFError, OSError):
-            loop.remove_reader(conn.fileno())
-            gone()
+        except Exception:
+            with _or_exit("a message between the processes could not be read"):
+                raise
 
     for i, conn in enumerate(conns):
         loop.add_reader(conn.fileno(), readable, i, conn)
@@ -129,13 +141,21 @@ def _read_on_loop(
 
 class _Outbox:
     """Messages for each pipe, written once per loop iteration (one write
-    for all that the iteration produced, not one per request)."""
+    for all that the iteration produced, not one per request), and never
+    waiting: what the pipe has no room for waits in a buffer until the
+    loop sees the pipe writable. A blocking write could deadlock two
+    processes whose pipes are both full, each waiting for the other to read.
+    Pickling a message (exporting its futures) happens here, on the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, conns: list[Any], what: str) -> None:
         self.loop = loop
-        self.conns = conns
         self.what = what
+        # Writes go through a duplicate of each pipe's socket, sent without
+        # waiting (MSG_DONTWAIT): reads on the pipe itself stay blocking.
+        self.socks = [socket.socket(fileno=os.dup(conn.fileno())) for conn in conns]
         self.boxes: list[list[Any]] = [[] for _ in conns]
+        self.unsent = [bytearray() for _ in conns]
+        self.watched = [False] * len(conns)
         self.scheduled = False
 
     def put(self, i: int, item: Any) -> None:
@@ -146,12 +166,31 @@ class _Outbox:
 
     def flush(self) -> None:
         self.scheduled = False
-        for conn, box in zip(self.conns, self.boxes, strict=True):
+        for i, box in enumerate(self.boxes):
             if box:
-                items = box[:]
-                box.clear()
                 with _or_exit(self.what):
-                    conn.send(items)
+                    data = ForkingPickler.dumps(box)  # what Connection.send() writes, framed below
+                box.clear()
+                self.unsent[i] += struct.pack("!i", len(data)) + data
+                self._write(i)
+
+    def _write(self, i: int) -> None:
+        buf = self.unsent[i]
+        try:
+            sent = self.socks[i].send(buf, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the peer has gone: main() stops the service
+            buf.clear()
+            sent = 0
+        del buf[:sent]
+        fd = self.socks[i].fileno()
+        if buf and not self.watched[i]:
+            self.watched[i] = True
+            self.loop.add_writer(fd, self._write, i)
+        elif not buf and self.watched[i]:
+            self.watched[i] = False
+            self.loop.remove_writer(fd)
 
 
 async def _gpu_loop(
@@ -169,8 +208,13 @@ async def _gpu_loop(
 
     def group() -> None:
         # Once per loop iteration, after the iteration's futures were set:
-        # those of one front are sent as one gathered future. Pickling it
-        # (conn.send) exports it: its value's rows and one event.
+        # those of one front are sent as one gathered future, exported when
+        # the outbox pickles it (its value's rows, one event per batch).
+        # Nearly always one batch; where two batches were set in the same
+        # iteration, their requests wait for both, and GPU work failing
+        # after it was enqueued (a broken context, which fails every batch
+        # anyway) fails both. A batch that failed before it was enqueued
+        # (run_batch raised) is sent apart.
         grouping[0] = False
         for i, done in enumerate(answers):
             if not done:
@@ -275,8 +319,14 @@ def front_main(
         finally:
             waiting.pop(rid, None)
         # The GPU work (of this front's part of the batch): a producer that
-        # dies fails this wait (cudafut.SharingError).
-        rows = await shared
+        # dies fails this wait (cudafut.SharingError); work that never ends
+        # while it lives (a hung kernel) answers 504, not never.
+        try:
+            rows = await asyncio.wait_for(shared, ANSWER_TIMEOUT_S)
+        except TimeoutError:
+            raise web.HTTPGatewayTimeout(
+                text=f"the GPU work did not complete in {ANSWER_TIMEOUT_S} s"
+            ) from None
         return web.json_response({"top": rows[j].tolist()})
 
     up = [False]
@@ -296,10 +346,12 @@ def front_main(
         # PyTorch and make this process's CUDA context on that device on the
         # loop (a second or more each, and the driver makes the contexts of
         # many processes one after another): make them all before serving.
+        import cupy  # received futures use CuPy's runtime: imported once, here
         import torch
 
         for device in warm:
             torch.zeros(1, device=f"cuda:{device}")
+        del cupy
 
     async def started(app: web.Application) -> None:
         loop = asyncio.get_running_loop()
