@@ -18,6 +18,14 @@ Two parts:
   answer checked against the model run eagerly on one image. Also the
   launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``.
 
+- ``processes`` (with ``CUDAFUT_BENCH_SERVE_DEVICES``, e.g. ``"1 2 4"``):
+  examples/service/multiproc.py for ResNet-50 on each number of GPUs the
+  machine has, 8 front processes and 256 closed-loop clients per GPU (16
+  load processes at most), beside LitServe with as many API servers and a
+  worker per GPU, and the GPU's own limit measured in the same run; with 1
+  GPU also the fronts without GPU work, and open loop. With that variable
+  set, the section runs this part alone.
+
 ``CUDAFUT_BENCH_SERVE_MODELS`` and ``CUDAFUT_BENCH_SERVE_MODES``
 (space-separated) restrict the models and handlers, to split the section
 over runs (one JSON each); ``launch()``'s own figures and the thread counts
@@ -61,6 +69,50 @@ def _whole() -> bool:
     """Whether this run measures launch() itself and the thread counts:
     once, with ResNet-50 and every handler."""
     return "resnet50" in _models() and _modes() is None
+
+
+def _devices() -> tuple[int, ...]:
+    """GPU counts for the ``processes`` part (``CUDAFUT_BENCH_SERVE_DEVICES``)."""
+    text = os.environ.get("CUDAFUT_BENCH_SERVE_DEVICES", "")
+    try:
+        counts = tuple(int(n) for n in text.split())
+    except ValueError:
+        counts = (0,)
+    if any(n < 1 for n in counts):
+        raise ValueError(f"CUDAFUT_BENCH_SERVE_DEVICES must be GPU counts such as '1 2 4', not {text!r}")
+    return counts
+
+
+#: Front processes and closed-loop clients per GPU in the ``processes`` part.
+FRONTS_PER_GPU = 8
+CLIENTS_PER_GPU = 256
+
+
+def _processes_part(quick: bool, progress: Progress) -> dict[str, Any]:
+    from cudafut import _cuda
+
+    compare = _compare_module()
+    have = _cuda.device_count()
+    out: dict[str, Any] = {}
+    for n in _devices():
+        if n > have:
+            progress.step(f"serve: processes: {n} GPUs asked for, {have} here; skipped")
+            continue
+        first = not out
+        modes = ("nogpu_fronts", "fronts", "litserve_fronts") if first else ("fronts", "litserve_fronts")
+        out[str(n)] = compare.compare(
+            ("resnet50",),
+            modes,
+            seconds=2.0 if quick else 5.0,
+            warmup=0.5 if quick else 1.0,
+            open_loop=first,
+            clients=CLIENTS_PER_GPU * n,
+            procs=min(8 * n, 16),
+            fronts=FRONTS_PER_GPU * n,
+            devices=n,
+            step=progress.step,
+        )
+    return out
 
 
 def _compare_module() -> Any:
@@ -262,6 +314,9 @@ def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
 
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if _devices():  # this part alone: the others are a run of their own
+        out["processes"] = _processes_part(quick, progress)
+        return out
     if _whole():
         out["launch"] = _launch_part(quick, progress)
     compare = _compare_module()
@@ -311,6 +366,7 @@ def _targets(result: dict[str, Any]) -> list[str]:
                     f"- {model}, open loop at {group['rate']:,.0f}/s: {mode} /health p99 {dh:+.1f} ms over "
                     f"no-GPU (target <= 1 ms), request p99 {dp:+.1f} ms (target <= 10 ms for batch_graph)"
                 )
+    lines += _process_targets(result.get("processes") or {})
     launch = result.get("launch")
     if launch:
         c = launch["caller"]["launch"]
@@ -338,6 +394,35 @@ def _targets(result: dict[str, Any]) -> list[str]:
                 f"warm_launchers() itself {s['prepare_s']} s, loop stall {s['prepare_max_stall_ms']} ms"
             )
     return [*lines, ""]
+
+
+def _process_targets(processes: dict[str, Any]) -> list[str]:
+    """Issue 33's targets, for the ``processes`` part."""
+    lines = []
+    one = processes.get("1", {}).get("resnet50", {}).get("closed", {}).get("fronts")
+    for n, result in processes.items():
+        m = result.get("resnet50")
+        if not m:
+            continue
+        fronts = m["closed"].get("fronts")
+        if fronts is None:
+            continue
+        limit = m.get("gpu_limit_images_per_s")
+        if limit:
+            lines.append(
+                f"- {n} GPU(s): fronts at {fronts['rps'] / (limit * int(n)):.2f}x the GPUs' own limit "
+                "(target 0.9 on one GPU)"
+            )
+        peer = m["closed"].get("litserve_fronts")
+        if peer and peer["rps"]:
+            ratio = fronts["rps"] / peer["rps"]
+            lines.append(f"- {n} GPU(s): {ratio:.1f}x LitServe with the same processes (target 5)")
+        lines.append(f"- {n} GPU(s): /health p99 {fronts['health']['p99_ms']} ms (target 2)")
+        if one and n != "1" and one["rps"]:
+            want = {"2": 1.9, "4": 3.7}.get(n)
+            goal = f" (target {want})" if want else ""
+            lines.append(f"- {n} GPUs: {fronts['rps'] / one['rps']:.2f}x one GPU{goal}")
+    return lines
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
@@ -371,6 +456,9 @@ def markdown(result: dict[str, Any]) -> list[str]:
     models = result.get("models")
     if models:
         lines += _compare_module().table(models)
+    for n, part in (result.get("processes") or {}).items():
+        lines += [f"Several processes, {n} GPU(s) (examples/service/multiproc.py):", ""]
+        lines += _compare_module().table(part)
     lines += _targets(result)
     return lines
 
