@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -220,3 +221,44 @@ def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_pa
         server.terminate()
         server.wait(timeout=30)
     assert server.returncode == 0  # SIGTERM stops every process of the service
+
+
+def test_the_multi_process_outbox_never_waits_for_a_full_pipe() -> None:
+    """multiproc.py's pipes are written on the event loop: a peer that does
+    not read (its pipe full) must not block the loop (two such processes
+    would deadlock); what did not fit goes out, in order and whole, once
+    the peer reads."""
+    import asyncio
+    import multiprocessing as mp
+    import threading
+
+    sys.path.insert(0, str(SERVICE))  # multiproc imports models from next to it
+    multiproc = load_example(SERVICE / "multiproc.py")
+    ours, theirs = mp.get_context("spawn").Pipe()
+    # A write that waits for room fails after 5 s instead of hanging the test.
+    with socket.socket(fileno=os.dup(ours.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
+    n, size = 400, 64 * 1024  # 25 MB: far more than a socket buffer holds
+    received: list[Any] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        outbox = multiproc._Outbox(loop, [ours], "the test could not write")
+        for i in range(n):
+            outbox.put(0, (i, b"x" * size))
+            await asyncio.sleep(0)  # one message per loop iteration
+        assert any(outbox.unsent), "the pipe took all of it: the test proves nothing"
+        reader = threading.Thread(target=lambda: received.extend(theirs.recv() for _ in range(n)))
+        reader.start()
+        while any(outbox.unsent):  # the loop, not a blocked write, sends the rest
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(reader.join, 30)
+        outbox.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        ours.close()
+        theirs.close()
+    assert [batch[0][0] for batch in received] == list(range(n))
+    assert all(len(batch) == 1 and batch[0][1] == b"x" * size for batch in received)

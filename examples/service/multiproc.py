@@ -174,6 +174,13 @@ class _Outbox:
                 self.unsent[i] += struct.pack("!i", len(data)) + data
                 self._write(i)
 
+    def close(self) -> None:
+        """Stop writing: drop what is unsent, close the duplicates."""
+        for i, sock in enumerate(self.socks):
+            if self.watched[i]:
+                self.loop.remove_writer(sock.fileno())
+            sock.close()
+
     def _write(self, i: int) -> None:
         buf = self.unsent[i]
         try:
