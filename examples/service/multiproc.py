@@ -226,10 +226,12 @@ async def _gpu_loop(
         for i, done in enumerate(answers):
             if not done:
                 continue
-            ok = [(rid, fut) for rid, fut in done if not (fut.done() and _failed(fut))]
+            ok = []
             for rid, fut in done:
-                if fut.done() and _failed(fut):  # sent alone: the others must not fail with it
+                if _failed(fut):  # sent alone: the others must not fail with it
                     outbox.put(i, ([rid], fut))
+                else:
+                    ok.append((rid, fut))
             if ok:
                 outbox.put(i, ([rid for rid, _ in ok], cudafut.gather(*(fut for _, fut in ok))))
             done.clear()
@@ -267,8 +269,9 @@ async def _gpu_loop(
 
 
 def _failed(fut: cudafut.CudaFuture[Any]) -> bool:
-    """Whether a done future failed or was cancelled (non-blocking)."""
-    return fut.cancelled() or fut.exception() is not None
+    """Whether a future failed or was cancelled (non-blocking: ``done()``
+    queries its events, and ``exception()`` then has nothing to wait for)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
 
 
 def front_main(
