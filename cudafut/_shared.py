@@ -551,18 +551,23 @@ def _free(slot: int) -> _Export:
     return entry
 
 
+def _free_same(slot: int, gen: int) -> _Export | None:
+    """:func:`_free` the export in ``slot`` if it is still export ``gen``
+    (under the lock): a slot freed meanwhile may hold a new one."""
+    entry = _state.exports.get(slot)
+    if entry is None or entry.gen != gen:
+        return None
+    return _free(slot)
+
+
 def _reap_exports(now: float) -> None:
     st = _state
     ledger = st.ledger
     if ledger is None or not st.exports:
         return
-    freed = []
     with st.lock:
         rows = ledger.rows
-        for slot in ledger.released(st.next_slot).tolist():
-            entry = st.exports.get(slot)
-            if entry is not None and entry.gen == int(rows[slot, 0]):
-                freed.append(_free(slot))
+        freed = [_free_same(slot, int(rows[slot, 0])) for slot in ledger.released(st.next_slot).tolist()]
     del freed  # the values end here, outside the lock
     if now - st.last_alive < _ALIVE_S:
         return
@@ -583,8 +588,8 @@ def _reap_exports(now: float) -> None:
         elif now - t > claim_s:
             gone.append((slot, gen))
     if gone:
-        with st.lock:  # the same exports only: a slot freed meanwhile may hold a new one
-            freed = [_free(slot) for slot, gen in gone if getattr(st.exports.get(slot), "gen", None) == gen]
+        with st.lock:
+            freed = [_free_same(slot, gen) for slot, gen in gone]
         del freed
         logger.debug(
             "cudafut: freed %d futures sent to processes that died or never received them", len(gone)
