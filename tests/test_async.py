@@ -162,7 +162,7 @@ async def test_thousand_concurrent_awaits_query_only_the_oldest_per_stream() -> 
             if random.random() < 0.05:
                 await anyio.sleep(0)
     assert results == {i: i for i in range(1000)}
-    assert driver.watchlist.pending == 0
+    assert driver is not None and driver.watchlist.pending == 0
 
 
 async def test_as_completed_yields_in_completion_order() -> None:
