@@ -63,24 +63,9 @@ _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock: Final = threading.Lock()
 
 
-# Under cudafut.testing's fake CUDA, whose device arrays are NumPy arrays:
-# copies are NumPy copies, made at the call, with an event on the stream
-# the real copy would use. One test per copy, off the µs paths.
-_faked = False
-
-
-def _swap_copies(backend: object) -> Callable[[], None]:
-    global _faked
-    _faked = True
-
-    def restore() -> None:
-        global _faked
-        _faked = False
-
-    return restore
-
-
-_cuda.on_swap(_swap_copies)
+# Under cudafut.testing's fake CUDA (_cuda.faked()), whose device arrays are
+# NumPy arrays: copies are NumPy copies, made at the call, with an event on
+# the stream the real copy would use. One flag read per copy, off the µs paths.
 
 
 def _fake_to_device(array: np.ndarray[Any, Any], device: int, ptr: int) -> CudaFuture[Any]:
@@ -450,7 +435,7 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
     else:
         ptr, dev = _stream_of(stream, dev if device is not None else None)
         copy_stream = _cuda.cupy_stream(stream, ptr, dev)
-    if _faked:
+    if _cuda.faked():
         return _fake_to_device(array, dev, ptr)
     nbytes = array.nbytes
     pinned = _pinned_address(array)
@@ -595,7 +580,7 @@ def _to_host_on(
     """The copy, from the caller's current stream (``follow``: it already
     waits for the producer, as in a then() callback) or a copy stream.
     ``after``, ``read``: see :func:`to_host_after`."""
-    if _faked:
+    if _cuda.faked():
         return _fake_to_host(array, out, stream, follow=follow, after=after, read=read)
     device, shape, dtype = _device_array_info(array)
     if out is not None:

@@ -18,7 +18,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from . import _compiled, _lifetimes, _log
 from ._errors import CudaError, CudaUnavailableError
@@ -1218,46 +1219,63 @@ def device_synchronize(device: int) -> None:
 # as ``_cuda.name`` at each call: the real functions run as they are, with no
 # flag tested and no indirection added.
 
-#: The functions a backend replaces, by name.
-SEAM: Final = (
-    "call_on_streams",
-    "close_after",
-    "cupy",
-    "cupy_stream",
-    "current_device",
-    "current_stream",
-    "current_stream_getter",
-    "device_count",
-    "device_bus_id",
-    "device_of_bus_id",
-    "device_synchronize",
-    "devices_of_host_value",
-    "event_create",
-    "event_destroy",
-    "event_record",
-    "event_synchronize",
-    "free_host",
-    "host_alloc",
-    "initialise",
-    "initialised",
-    "ipc_close_memory",
-    "ipc_event_create",
-    "ipc_memory_handle",
-    "ipc_open_event",
-    "ipc_open_memory",
-    "memcpy_to_device",
-    "memcpy_to_host",
-    "new_stream",
-    "notice_stream",
-    "on_device",
-    "pointer_device",
-    "pointer_is_pinned",
-    "runtime",
-    "stream_device",
-    "stream_synchronize",
-    "stream_wait",
-    "use_device",
-)
+
+class Backend(Protocol):
+    """The CUDA calls cudafut's core makes, as one interface.
+
+    Two implementations: this module's own functions (CUDA through CuPy,
+    the native notices of ``_waker.c`` behind :func:`close_after`) and
+    :mod:`cudafut.testing`'s fake GPU. mypy checks both against this class
+    (cudafut/testing.py). :func:`swap` is the one place that chooses: it
+    rebinds this module's functions to the backend's methods, so that the
+    core's calls (``_cuda.name(...)``, looked up at each call) reach CUDA's
+    functions with nothing in between. Each method's meaning is the
+    docstring of the function of this module with the same name.
+    """
+
+    def call_on_streams(
+        self, streams: Mapping[int, Any], primary: int, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any: ...
+    def close_after(self, record: Any, fd: int, stream: int) -> None: ...
+    def cupy(self) -> Any: ...
+    def cupy_stream(self, stream: object, ptr: int, device: int) -> Any: ...
+    def current_device(self) -> int: ...
+    def current_stream(self, device: int) -> Any: ...
+    def current_stream_getter(self) -> Callable[[int], Any]: ...
+    def device_count(self) -> int: ...
+    def device_bus_id(self, device: int) -> str: ...
+    def device_of_bus_id(self, bus_id: str) -> int: ...
+    def device_synchronize(self, device: int) -> None: ...
+    def devices_of_host_value(self) -> tuple[int, ...]: ...
+    def event_create(self, device: int) -> int: ...
+    def event_destroy(self, event: int) -> None: ...
+    def event_record(self, event: int, stream: int, device: int) -> None: ...
+    def event_synchronize(self, event: int) -> None: ...
+    def free_host(self, ptr: int) -> None: ...
+    def host_alloc(self, nbytes: int) -> int: ...
+    def initialise(self) -> None: ...
+    def initialised(self) -> bool: ...
+    def ipc_close_memory(self, ptr: int) -> None: ...
+    def ipc_event_create(self, device: int) -> tuple[int, bytes]: ...
+    def ipc_memory_handle(self, ptr: int, device: int) -> tuple[bytes, int, int]: ...
+    def ipc_open_event(self, handle: bytes, device: int) -> int: ...
+    def ipc_open_memory(self, handle: bytes, device: int) -> int: ...
+    def memcpy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+    def memcpy_to_host(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+    def new_stream(self, device: int, priority: int) -> Any: ...
+    def notice_stream(self, device: int) -> int | None: ...
+    def on_device(self, device: int) -> AbstractContextManager[None]: ...
+    def pointer_device(self, ptr: int) -> int: ...
+    def pointer_is_pinned(self, ptr: int) -> bool: ...
+    def runtime(self) -> Any: ...
+    def stream_device(self, stream: int) -> int: ...
+    def stream_synchronize(self, stream: int) -> None: ...
+    def stream_wait(self, stream: int, event: int, device: int) -> None: ...
+    def use_device(self, device: int) -> None: ...
+
+
+#: The functions a backend replaces, by name: the methods of :class:`Backend`.
+SEAM: Final = tuple(name for name in vars(Backend) if not name.startswith("_"))
 
 #: Modules holding objects of the backend (pools of streams and events,
 #: threads owning streams) and the record type: see on_swap().
@@ -1292,9 +1310,9 @@ def on_swap(hook: Callable[[Any], Callable[[], None]]) -> None:
             _swapped[1].append(hook(_swapped[0]))
 
 
-def swap(backend: Any) -> Callable[[], None]:
-    """Install ``backend`` (an object with a method for each name of
-    :data:`SEAM`) in place of CUDA; return the function that removes it.
+def swap(backend: Backend) -> Callable[[], None]:
+    """Install ``backend`` in place of CUDA (this module's functions); return
+    the function that removes it.
 
     Costs the real functions nothing: they are rebound, never wrapped. The
     hooks of :func:`on_swap` run after the functions are installed; on
@@ -1342,3 +1360,9 @@ def _unswap(restores: list[Callable[[], None]], saved: dict[str, Any], count: in
         globals().update(saved)
         _count = count
         _swapped = None
+
+
+if TYPE_CHECKING:  # mypy: this module's functions implement the interface
+    from . import _cuda as _this
+
+    _implements: Backend = _this

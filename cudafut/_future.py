@@ -621,7 +621,8 @@ class CudaFuture(Generic[T]):
             RuntimeError: no ``loop`` given and no asyncio (or uvloop) loop
                 runs in this thread (on trio, ``await`` the CudaFuture itself).
         """
-        return _to_asyncio(self, loop)
+        out: asyncio.Future[T] = _bridged().to_asyncio(self, loop)
+        return out
 
     def to_concurrent(self) -> concurrent.futures.Future[T]:
         """A :class:`concurrent.futures.Future` done when this one is done.
@@ -636,7 +637,8 @@ class CudaFuture(Generic[T]):
         Cancelling it cancels neither this future nor its GPU work. Costs a
         few µs; blocks nothing.
         """
-        return _to_concurrent(self)
+        out: concurrent.futures.Future[T] = _bridged().to_concurrent(self)
+        return out
 
     def to_torch(self) -> Any:
         """A ``torch.futures.Future`` with this future's value, ordered like it.
@@ -658,7 +660,7 @@ class CudaFuture(Generic[T]):
         Raises:
             RuntimeError: PyTorch is not imported.
         """
-        return _to_torch(self)
+        return _bridged().to_torch(self)
 
     @property
     def _asyncio_future_blocking(self) -> None:
@@ -1421,6 +1423,24 @@ def set_future(
     return fut
 
 
+# cudafut._bridges, whose to_asyncio/to_concurrent/to_torch are the bodies of
+# the methods of those names: it sits above this module (it uses this
+# module's internal interface only), so it registers itself here at import.
+_bridges: Any = None
+
+
+def set_bridges(module: Any) -> None:
+    """Make ``module`` (``_bridges``, at import) what the bridge methods call."""
+    global _bridges
+    _bridges = module
+
+
+def _bridged() -> Any:
+    if _bridges is None:  # pragma: no cover - cudafut/__init__ imports _bridges
+        raise RuntimeError("CudaFuture's bridges work once cudafut is imported (import cudafut)")
+    return _bridges
+
+
 # cudafut._shared's export(), which CudaFuture.__reduce__ calls: _shared sits
 # above this module (it builds futures), so it registers itself here.
 _exporter: Callable[[CudaFuture[Any]], tuple[Any, tuple[Any, ...]]] | None = None
@@ -1487,6 +1507,14 @@ def settled(fut: CudaFuture[Any]) -> tuple[bool, Any, BaseException | None]:
     if error is not None:
         return False, None, error
     return False, fut._value, None
+
+
+def set_value(fut: CudaFuture[T]) -> tuple[T, tuple[EventRecord, ...]] | None:
+    """``(value, records)`` of a set future, its events complete or not;
+    None while pending, or once failed or cancelled (for the bridges)."""
+    if fut._state is not _SET:
+        return None
+    return fut._value, fut._records
 
 
 def given_devices(fut: CudaFuture[Any]) -> tuple[int, ...] | None:
@@ -1557,137 +1585,3 @@ def complete_with(
     copy, a bridge) with ``records`` already recorded; ``keep`` lives until
     they complete. A future its consumer cancelled meanwhile stays cancelled."""
     fut._try_complete(_SET, value, None, records, keep)
-
-
-# -- bridges: CudaFuture.to_asyncio/to_concurrent/to_torch --------------------------------------
-
-
-def _to_asyncio(fut: CudaFuture[T], loop: asyncio.AbstractEventLoop | None) -> asyncio.Future[T]:
-    try:
-        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if loop is None:
-        if running is None:
-            raise RuntimeError(
-                "wrap_future() and to_asyncio() make a future of the running asyncio (or uvloop) "
-                "loop: call them in a coroutine, or pass loop=...; on trio, await the CudaFuture "
-                "itself, and in threads use fut.to_concurrent()"
-            )
-        loop = running
-    elif not isinstance(loop, asyncio.AbstractEventLoop):
-        raise TypeError(f"loop must be an asyncio event loop, not {type(loop).__name__}")
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
-    out: asyncio.Future[T] = loop.create_future()
-
-    def copy(done: CudaFuture[T]) -> None:  # on the loop
-        if out.done():
-            return  # cancelled by its owner meanwhile
-        cancelled, value, exc = settled(done)
-        if cancelled:
-            out.cancel()
-        elif exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(value)
-
-    if loop is running:
-        callback = copy
-        driver: _waiter.Driver | None = _loops.current_driver()
-    else:
-        target = loop
-
-        def callback(done: CudaFuture[T]) -> None:  # in the watcher thread
-            if not target.is_closed():
-                target.call_soon_threadsafe(copy, done)
-
-        driver = None
-    fut._when_done(callback, driver or _waiter.thread_waiter())
-
-    def forget(_out: asyncio.Future[T]) -> None:
-        if out.cancelled():
-            fut.remove_done_callback(callback)
-
-    out.add_done_callback(forget)
-    return out
-
-
-def _to_concurrent(fut: CudaFuture[T]) -> concurrent.futures.Future[T]:
-    out: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def copy(done: CudaFuture[T]) -> None:  # in the watcher thread
-        cancelled, value, exc = settled(done)
-        if cancelled:
-            out.cancel()
-            out.set_running_or_notify_cancel()
-            return
-        if not out.set_running_or_notify_cancel():
-            return  # cancelled by its owner meanwhile
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(value)
-
-    fut._when_done(copy, _waiter.thread_waiter())
-    return out
-
-
-def _to_torch(fut: CudaFuture[T]) -> Any:
-    torch = _torch.required("to_torch()")
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
-
-    def tensor_devices() -> set[int]:
-        return {t.get_device() for t in _torch.torch_tensors(torch, fut._value)}
-
-    def ordered_by_torch(devices: Iterable[int]) -> bool:
-        """Whether the events torch records at set_result(), for the devices of
-        the torch CUDA tensors it finds in the value, cover every one of ours
-        (torch refuses a tensor on a device the future was not made for)."""
-        covered = tensor_devices()
-        return covered <= set(devices) and {r.device for r in fut._records} <= covered
-
-    # The torch future's devices are fixed now. A future already set is
-    # known: with devices only if torch can order its value (for another
-    # value, torch would pickle it at set_result() to look for tensors:
-    # a copy to the host of every CuPy array). A pending one: the devices
-    # given to CudaFuture(), if any.
-    devices: tuple[int, ...] = ()
-    if _torch.loaded() is not None:
-        if fut._state is _SET:
-            if first_error(fut._records) is None and ordered_by_torch(fut.devices):
-                devices = fut.devices
-        elif fut._state is not _CANCELLED and fut._devices:
-            devices = fut._devices
-    out = _torch.torch_future(torch, devices)
-
-    def complete(done: CudaFuture[T]) -> None:
-        if out.done():
-            return  # completed by its owner
-        cancelled, value, exc = settled(done)
-        if cancelled:
-            out.set_exception(CancelledError("the CudaFuture was cancelled before it was set"))
-        elif exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(value)
-
-    def on_set() -> None:  # in the thread that completes fut
-        if fut._state is not _SET or first_error(fut._records) is not None:
-            complete(fut)  # failed or cancelled: nothing to wait for
-            return
-        pending = [r for r in fut._records if r.status is None]
-        if pending and devices and ordered_by_torch(devices):
-            # torch records its events on its current streams at set_result():
-            # make them wait on ours first.
-            for rec in pending:
-                rec.wait_on(_torch.current_handle(torch, rec.device), rec.device)
-            complete(fut)
-        elif pending:  # torch cannot order what it does not see: complete once done
-            fut._when_done(complete, _waiter.thread_waiter())
-        else:
-            complete(fut)
-
-    fut._on_set(on_set)
-    return out
