@@ -195,3 +195,86 @@ asyncio.run(main())
     out = proc.stdout + proc.stderr
     assert "native True" in out, out
     assert "error cudaErrorIllegalAddress" in out, out
+
+
+# -- the end of a process, and fork, with notices in flight -------------------------------------
+
+#: Arms a notice for 3 s of GPU work: the await's task asks for it, then
+#: (EXIT) the process ends with the work still running and the notice in
+#: flight (a native notice thread blocked in cuEventSynchronize, or CUDA's
+#: host function queued), or (FORK) forks, and the child asks for CUDA.
+_IN_FLIGHT = """
+import asyncio, os, sys, time, warnings
+warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process: the point here
+import cudafut
+from cudafut import _cuda
+from tests import kernels
+cp = _cuda.cupy()
+native = sys.argv[1] == "native"
+cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # off by default
+_cuda.set_native_notices(native)
+deadline = time.monotonic() + 30
+while not native and _cuda.notice_stream(0) is None and time.monotonic() < deadline:
+    time.sleep(0.01)  # the host functions' notice streams are made on a helper thread
+out = cp.zeros(1, dtype=cp.float32)
+stream = cp.cuda.Stream(non_blocking=True)
+
+async def wait(fut):
+    return float((await fut)[0])
+
+async def main():
+    with stream:
+        kernels.spin_fill(out, 2.0, 3000.0)
+        fut = cudafut.record(out)
+    task = asyncio.ensure_future(wait(fut))
+    await asyncio.sleep(0.3)  # the wait has asked for its notice
+    print("pending", not fut.done())
+    if native:
+        from cudafut import _waker
+        threads, _idle, _queued, _cap, done = _waker.statistics()
+        print("native notice in flight", threads >= 1 and done == 0)
+    if sys.argv[2] == "fork":
+        sys.stdout.flush()  # or the child prints the parent's buffered lines again
+        pid = os.fork()
+        if pid == 0:
+            for what, call in (("result", lambda: fut.result()), ("record", lambda: cudafut.record(out))):
+                try:
+                    call()
+                    print("child", what, "no error")
+                except cudafut.CudaUnavailableError as exc:
+                    print("child", what, "CudaUnavailableError", "fork" in str(exc))
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent", await task)
+    return fut
+
+kept = asyncio.run(main())  # exit: the task is cancelled, the work and its notice go on
+unawaited = cudafut.record(out)
+print("exiting")
+"""
+
+
+def test_the_interpreter_exits_cleanly_with_a_notice_in_flight(kind: str) -> None:
+    from tests.subproc import run_python
+
+    proc = run_python(_IN_FLIGHT, "native" if kind == "native" else "host", "exit", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "pending True" and lines[-1] == "exiting", out
+    if kind == "native":
+        assert "native notice in flight True" in lines, out
+    assert "Traceback" not in proc.stderr and "Fatal" not in proc.stderr, out
+
+
+def test_a_child_forked_with_a_notice_in_flight_is_told_why(kind: str) -> None:
+    from tests.subproc import run_python
+
+    proc = run_python(_IN_FLIGHT, "native" if kind == "native" else "host", "fork", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = proc.stdout.splitlines()
+    assert "child result CudaUnavailableError True" in lines, out
+    assert "child record CudaUnavailableError True" in lines, out
+    assert "parent 2.0" in lines and lines[-1] == "exiting", out  # the parent's notice still came
