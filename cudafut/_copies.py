@@ -65,7 +65,7 @@ _executor_lock: Final = threading.Lock()
 
 # Under cudafut.testing's fake CUDA (_cuda.faked()), whose device arrays are
 # NumPy arrays: copies are NumPy copies, made at the call, with an event on
-# the stream the real copy would use. One flag read per copy, off the µs paths.
+# the stream the real copy would use. One call per copy, off the µs paths.
 
 
 def _fake_to_device(array: np.ndarray[Any, Any], device: int, ptr: int) -> CudaFuture[Any]:
