@@ -1024,6 +1024,16 @@ def wrap_cupy_allocator(allocator: Callable[[int], Any], owner: Callable[[Any, i
     return allocate
 
 
+def owner_of(array: Any) -> object:
+    """The ``owner`` that :func:`wrap_cupy_allocator` gave the memory under
+    ``array`` (a CuPy array), or None: for another array, or memory of
+    another allocator. Reads CuPy's ``UnownedMemory`` (its private
+    ``_owner``), which only this module knows; attribute reads, no call."""
+    data = getattr(array, "data", None)
+    memory = getattr(data, "mem", None)
+    return getattr(memory, "_owner", None)
+
+
 def capture_cupy_graph(fn: Callable[..., Any], inputs: tuple[Any, ...], warmup: int) -> tuple[Any, Any, Any]:
     """Run ``fn(*inputs)`` ``warmup`` times, then capture one call into a
     CUDA graph, on a new stream of the current device; ``(graph, outputs,

@@ -124,9 +124,7 @@ def installed() -> bool:
 
 
 def _block_of(array: Any) -> _Block | None:
-    data = getattr(array, "data", None)
-    memory = getattr(data, "mem", None)
-    owner = getattr(memory, "_owner", None)
+    owner = _cuda.owner_of(array)
     return owner if type(owner) is _Block else None
 
 

@@ -71,6 +71,8 @@ _RAW_CALLS = frozenset(
 )
 # The seam's private state, and its raw runtime: callers use its functions.
 _SEAM_PRIVATE = frozenset({"runtime", "_rt", "_cupy"})
+# CuPy's private attributes cudafut reads (UnownedMemory's owner): the seam alone knows them.
+_CUPY_PRIVATE = frozenset({"_owner"})
 
 
 def _cupy_name(node: ast.AST) -> str | None:
@@ -94,6 +96,12 @@ def violations(source: str) -> list[str]:
         elif isinstance(node, ast.Call):
             names = [_cupy_name(arg) for arg in node.args]
             found += [f"{line}: CuPy looked up by name ({name!r})" for name in names if name]
+            found += [
+                f"{line}: CuPy's private attribute {arg.value!r}"
+                for arg in node.args[1:2]
+                if isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}
+                if isinstance(arg, ast.Constant) and arg.value in _CUPY_PRIVATE
+            ]
             if isinstance(node.func, ast.Attribute) and node.func.attr in _RAW_CALLS:
                 found.append(f"{line}: raw CUDA call .{node.func.attr}()")
         elif isinstance(node, ast.Subscript):
@@ -102,7 +110,9 @@ def violations(source: str) -> list[str]:
                 found.append(f"{line}: CuPy looked up by name ({name!r})")
         elif isinstance(node, ast.Attribute):
             value = node.value
-            if isinstance(value, ast.Name) and value.id == "_cuda" and node.attr in _SEAM_PRIVATE:
+            if node.attr in _CUPY_PRIVATE:
+                found.append(f"{line}: CuPy's private attribute .{node.attr}")
+            elif isinstance(value, ast.Name) and value.id == "_cuda" and node.attr in _SEAM_PRIVATE:
                 found.append(f"{line}: _cuda.{node.attr}: call a function of the seam instead")
             elif isinstance(value, ast.Attribute) and value.attr == "cuda":
                 base = value.value
@@ -146,6 +156,8 @@ def test_the_seams_and_exemptions_exist() -> None:
         "cp.cuda.Stream(non_blocking=True)",
         "x = _cuda._rt",
         "comm.allReduce(1, 1, 4, 7, 0, 0)",
+        "getattr(array.data.mem, '_owner', None)",
+        "array.data.mem._owner",
     ],
 )
 def test_the_check_sees_each_way_to_reach_cuda(source: str) -> None:
