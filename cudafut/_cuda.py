@@ -1236,11 +1236,12 @@ class Backend(Protocol):
     Two implementations: this module's own functions (CUDA through CuPy,
     the native notices of ``_waker.c`` behind :func:`close_after`) and
     :mod:`cudafut.testing`'s fake GPU. mypy checks both against this class
-    (cudafut/testing.py). :func:`swap` is the one place that chooses: it
-    rebinds this module's functions to the backend's methods, so that the
-    core's calls (``_cuda.name(...)``, looked up at each call) reach CUDA's
-    functions with nothing in between. Each method's meaning is the
-    docstring of the function of this module with the same name.
+    (this module at its end, the fake as :func:`swap`'s argument).
+    :func:`swap` is the one place that chooses: it rebinds this module's
+    functions to the backend's methods, so that the core's calls
+    (``_cuda.name(...)``, looked up at each call) reach CUDA's functions
+    with nothing in between. Each method's meaning is the docstring of the
+    function of this module with the same name.
     """
 
     def call_on_streams(
