@@ -67,7 +67,7 @@ from typing import Any, Final
 
 from . import _cuda, _lifetimes, _torch
 from ._errors import CudaError, InvalidStateError, SharingError
-from ._events import EventRecord
+from ._events import EventRecord, first_error
 from ._future import CudaFuture, set_exporter, set_future, share_state, until_set
 from ._log import logger
 
@@ -366,9 +366,9 @@ def export(fut: CudaFuture[Any]) -> tuple[Callable[..., CudaFuture[Any]], tuple[
     if state == "failed":
         return _import, (_VERSION, "failed", _picklable(exception))
     pending = [rec for rec in records if rec.query() is None]
-    for rec in records:
-        if rec.status:
-            return _import, (_VERSION, "failed", _picklable(rec.error()))
+    error = first_error(records)
+    if error is not None:
+        return _import, (_VERSION, "failed", _picklable(error))
     payload, spans = _dump_value(value, bool(pending))
     if not pending and not spans:
         return _import, (_VERSION, "value", payload)
@@ -1002,29 +1002,27 @@ def _release_received() -> None:
                 rows = ledger.rows
                 if rows is not None and int(rows[slot, 0]) == gen:
                     rows[slot, 3] = gen
-                for handle in mappings:
-                    entry = st.mappings[handle]
-                    entry[1] -= 1
-                    entry[2] = now
-                if event_key is not None:
-                    entry = st.events[event_key]
-                    entry[1] -= 1
-                    entry[2] = now
+                events = () if event_key is None else (event_key,)
+                for table, handles in ((st.mappings, mappings), (st.events, events)):
+                    for handle in handles:  # the uses _opened() counted, back
+                        entry = table[handle]
+                        entry[1] -= 1
+                        entry[2] = now
                 st.released += 1
-            idle_maps = sorted((e[2], h) for h, e in st.mappings.items() if e[1] == 0)
-            idle_events = sorted((e[2], h) for h, e in st.events.items() if e[1] == 0)
-            close_maps = [
-                st.mappings.pop(h)[0] for _t, h in idle_maps[: max(0, len(idle_maps) - _IDLE_MAPPINGS)]
-            ]
-            close_events = [
-                st.events.pop(h)[0] for _t, h in idle_events[: max(0, len(idle_events) - _IDLE_EVENTS)]
-            ]
-        for ptr in close_maps:
-            with contextlib.suppress(Exception):
-                _cuda.ipc_close_memory(ptr)
-        for event in close_events:
-            with contextlib.suppress(Exception):
-                _cuda.event_destroy(event)
+            close_maps = _pop_idle(st.mappings, _IDLE_MAPPINGS)
+            close_events = _pop_idle(st.events, _IDLE_EVENTS)
+        for close, opened in ((_cuda.ipc_close_memory, close_maps), (_cuda.event_destroy, close_events)):
+            for ptr in opened:
+                with contextlib.suppress(Exception):
+                    close(ptr)
+
+
+def _pop_idle(table: dict[bytes, list[Any]], keep: int) -> list[int]:
+    """Take out of ``table`` (``_State.mappings`` or ``events``, under the
+    lock) its unused entries beyond the ``keep`` used last; what they opened,
+    for the caller to close."""
+    idle = sorted((e[2], h) for h, e in table.items() if e[1] == 0)
+    return [table.pop(h)[0] for _t, h in idle[: max(0, len(idle) - keep)]]
 
 
 # -- the thread -------------------------------------------------------------------------------
