@@ -432,10 +432,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         readies.append(ready)
+    warm = [] if args.nogpu is not None or args.model == TOY else sorted(set(devices))
     for f in range(args.fronts):
         ready = ctx.Event()
         conns = [pipes[f][g][0] for g in range(len(devices))]
-        warm = [] if args.nogpu is not None or args.model == TOY else sorted(set(devices))
         children.append(
             ctx.Process(
                 target=front_main,
