@@ -86,16 +86,22 @@ _IDLE_MAPPINGS: Final = 64
 _IDLE_EVENTS: Final = 256
 
 
+_CLAIM_DEFAULT_S: Final = 60.0
+
+
 def _claim_s() -> float:
     text = os.environ.get("CUDAFUT_SHARE_CLAIM_S", "").strip()
     if not text:
-        return 60.0
+        return _CLAIM_DEFAULT_S
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"CUDAFUT_SHARE_CLAIM_S must be a number of seconds above 0, not {text!r}")
+        raise ValueError(
+            f"CUDAFUT_SHARE_CLAIM_S must be a number of seconds above 0, not {text!r}: "
+            f"set it to one, or unset it for the default ({_CLAIM_DEFAULT_S:g} s)"
+        )
     return value
 
 
@@ -398,7 +404,10 @@ def held_ticket(
     arguments) it unpickles. Host logic only, without an event:
     tests/test_shared.py drives the ledger through it on the CPU."""
     # Before the slot: once it is taken, the export holds the uses, and an
-    # error here would give them back a second time.
+    # error here would give them back a second time. The claim time is
+    # checked here, where the caller sees a bad one, not first in the share
+    # thread's round, which could only log it.
+    _claim_s()
     shared = None if event is None else (_bus_of(event.device), event.handle)
     slot, gen = _take_slot(fut, value, event, spans)
     ledger = _state.ledger
@@ -572,7 +581,11 @@ def _reap_exports(now: float) -> None:
     if now - st.last_alive < _ALIVE_S:
         return
     st.last_alive = now
-    claim_s = _claim_s()
+    try:
+        claim_s = _claim_s()
+    except ValueError as exc:  # changed since the exports checked it: dead receivers are still freed
+        logger.warning("cudafut: %s; unclaimed exports are freed after %g s", exc, _CLAIM_DEFAULT_S)
+        claim_s = _CLAIM_DEFAULT_S
     with st.lock:
         rows = ledger.rows
         claims = [

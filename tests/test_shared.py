@@ -220,10 +220,31 @@ def test_a_ticket_nobody_takes_expires(children: list[Child], monkeypatch: pytes
     assert "no longer held" in child.ask(ticket, limit_s=60)
 
 
-def test_a_claim_time_that_is_not_a_number_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("text", ["soon", "0", "-1", "nan"])
+def test_a_claim_time_that_is_not_a_number_is_refused_when_pickled(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    # Refused to the caller, before a slot holds anything: not first in the
+    # share thread's round, which could only log it.
+    monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", text)
+    held = _held()
+    with pytest.raises(ValueError, match="CUDAFUT_SHARE_CLAIM_S must be a number of seconds above 0"):
+        _ticket(5)
+    assert _held() == held
+
+
+def test_a_claim_time_spoiled_after_export_still_frees_what_a_dead_receiver_held(
+    children: list[Child], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    child = Child(shared_worker.receive_ticket, False)  # never writes its release
+    children.append(child)
+    ticket = _ticket(7)
+    assert child.ask(ticket, limit_s=60) == 7
     monkeypatch.setenv("CUDAFUT_SHARE_CLAIM_S", "soon")
-    with pytest.raises(ValueError, match="CUDAFUT_SHARE_CLAIM_S"):
-        _shared._claim_s()
+    child.process.kill()
+    child.process.join(30)
+    until(lambda: _freed(ticket), "the export freed once its receiver died")
+    assert "unclaimed exports are freed after 60 s" in caplog.text
 
 
 def test_a_producer_that_dies_fails_the_receivers_wait(
