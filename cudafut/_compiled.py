@@ -20,6 +20,7 @@ first by ``cudafut/__init__.py`` and must import nothing of cudafut's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -38,12 +39,14 @@ __all__ = ["MODULES", "compiled_modules", "core"]
 MODULES: Final = (
     "cudafut._batcher",
     "cudafut._combinators",
+    "cudafut._cuda",
     "cudafut._engine",
     "cudafut._events",
     "cudafut._future",
     "cudafut._launch",
     "cudafut._lifetimes",
     "cudafut._loops",
+    "cudafut._memory",
     "cudafut._policy",
     "cudafut._pools",
     "cudafut._values",
@@ -58,11 +61,14 @@ PURE: Final = os.environ.get("CUDAFUT_PURE", "") not in ("", "0")
 
 
 def _stale(source: Path) -> bool:
-    """Whether ``source`` has an extension built beside it that is older."""
+    """Whether ``source`` (or the ``.pxd`` that types it) has an extension
+    built beside it that is older."""
     try:
         mtime = source.stat().st_mtime
     except OSError:
         return False
+    with contextlib.suppress(OSError):  # most modules have no .pxd
+        mtime = max(mtime, source.with_suffix(".pxd").stat().st_mtime)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         try:
             if source.with_suffix(suffix).stat().st_mtime < mtime:

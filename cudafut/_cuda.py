@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import importlib
 import os
 import sys
 import threading
@@ -124,7 +125,9 @@ def _initialise() -> Any:
         if _rt is not None:
             return _rt
         try:
-            import cupy as cp
+            # import_module, not an import statement: compiled, the statement
+            # would take a None in sys.modules (a blocked CuPy) for the module.
+            cp = importlib.import_module("cupy")
         except ImportError as exc:
             raise CudaUnavailableError(
                 "CuPy is not installed. Install cudafut with the extra that "
@@ -523,7 +526,10 @@ def event_elapsed_ms(start: int, end: int) -> float:
 
 def event_record(event: int, stream: int, device: int) -> None:
     """Record ``event`` on ``stream`` of ``device`` (under 1 µs, no wait)."""
-    _on_device_of(stream, device, _rt.eventRecord, event, stream)
+    if stream in _SPECIAL_STREAMS:
+        _on_device_of(stream, device, _rt.eventRecord, event, stream)
+    else:  # the common case, without the call: an explicit stream carries its device
+        _rt.eventRecord(event, stream)
 
 
 def event_query(event: int) -> int:
@@ -536,7 +542,10 @@ def event_query(event: int) -> int:
 
 def stream_wait(stream: int, event: int, device: int) -> None:
     """Make ``stream`` (on ``device``) wait for ``event``; the host does not wait."""
-    _on_device_of(stream, device, _rt.streamWaitEvent, stream, event)
+    if stream in _SPECIAL_STREAMS:
+        _on_device_of(stream, device, _rt.streamWaitEvent, stream, event)
+    else:
+        _rt.streamWaitEvent(stream, event)
 
 
 # -- notices: CUDA closes a file descriptor when work ends ------------------------------
@@ -996,9 +1005,7 @@ def cupy_module() -> Any:
     is usable (for what needs no GPU: the allocator hooks)."""
     cp = sys.modules.get("cupy")
     if cp is None:
-        import cupy
-
-        cp = cupy
+        cp = importlib.import_module("cupy")  # as in _initialise
     return cp
 
 

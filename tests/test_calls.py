@@ -68,7 +68,11 @@ def test_the_plain_asyncio_peer_makes_no_cudafut_call(counts: dict[str, Any]) ->
     # The counter tells cudafut's frames from the rest: the peers make none.
     assert counts["concurrent"][PLAIN]["cudafut calls"] == 0
     assert counts["single"]["peer: asyncio future create + set + await"]["cudafut calls"] == 0
-    assert counts["concurrent"][CONCURRENT]["cudafut calls"] > 0
+    mine = counts["concurrent"][CONCURRENT]
+    if _compiled.compiled_modules():  # no frame of cudafut's runs on this path: its C calls show
+        assert mine["all calls"] > counts["concurrent"][PLAIN]["all calls"]
+    else:
+        assert mine["cudafut calls"] > 0
 
 
 def test_the_markdown_has_a_row_per_operation(counts: dict[str, Any]) -> None:

@@ -38,6 +38,10 @@ def test_a_source_newer_than_its_extension_is_stale(tmp_path: Path) -> None:
     assert _compiled._stale(source)
     os.utime(ext, (3_000_000, 3_000_000))
     assert not _compiled._stale(source)
+    typing = tmp_path / "_mod.pxd"  # the .pxd that types it, edited since the build
+    typing.write_text("cdef class C:\n    pass\n")
+    os.utime(typing, (4_000_000, 4_000_000))
+    assert _compiled._stale(source)
 
 
 def test_the_report_names_what_runs() -> None:
