@@ -1,0 +1,218 @@
+"""The hot path, step by step: what each internal step of ``record()``,
+``await`` and ``then()`` costs, beside the CUDA and CuPy calls beneath it.
+
+On a machine with a GPU, from a source checkout::
+
+    python -m benchmarks.support.steps            # the core in force
+    CUDAFUT_PURE=1 python -m benchmarks.support.steps --profile
+
+Prints one line per step: µs per call, best of five timings of 20,000
+calls. ``--profile`` adds a cProfile of 20,000 ``record()``, a chain of
+3,000 ``then()`` and 20,000 awaits (on the pure core, where cudafut's own
+functions show). A diagnostic, not a benchmark section: it names where the
+time goes; ``python -m cudafut bench --only host`` is what is compared.
+
+The raw rows (``ctypes`` calls of the driver, CuPy's runtime calls) are the
+floor beneath cudafut: a ``ctypes`` call itself costs about what
+``ctypes libc getpid`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import ctypes
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cupy as cp
+
+import cudafut
+from cudafut import _compiled, _cuda, _engine, _events, _memory, _pools, _torch, _values
+from cudafut._future import CudaFuture, new_future, set_future
+
+N = 20_000
+
+
+def per_call_us(fn: Callable[[], object], n: int = N) -> float:
+    """µs per ``fn()``, best of five timings of ``n`` calls, after a warm-up."""
+    for _ in range(n // 10):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def _row(name: str, us: float) -> None:
+    print(f"{name:55s} {us:8.3f} us", flush=True)
+
+
+def steps(stream: Any, token: Any) -> None:
+    """The synchronous steps, timed one by one on ``stream`` (current)."""
+    ptr = int(stream.ptr)
+    handle = _pools.events.acquire(0)
+    record = _events.record(ptr, 0)
+    records = (record,)
+    stream.synchronize()
+    rt = cp.cuda.runtime
+    libc = ctypes.CDLL(None)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    libcuda.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    libcuda.cuEventQuery.argtypes = [ctypes.c_void_p]
+    current = _cuda.current_stream(0)
+    consumers = [(int(current.ptr), 0, current)]
+
+    def consumer(_device: int) -> tuple[int, int]:
+        return ptr, 0
+
+    def locked() -> None:
+        with _events._record_lock:
+            pass
+
+    rows: list[tuple[str, Callable[[], object]]] = [
+        ("empty python call", lambda: None),
+        ("ctypes libc getpid", libc.getpid),
+        ("ctypes cuEventRecord", lambda: libcuda.cuEventRecord(handle, ptr)),
+        ("ctypes cuEventQuery", lambda: libcuda.cuEventQuery(handle)),
+        ("cupy rt.eventRecord", lambda: rt.eventRecord(handle, ptr)),
+        ("cupy rt.eventQuery", lambda: rt.eventQuery(handle)),
+        ("cupy Event() + record", lambda: cp.cuda.Event(disable_timing=True).record(stream)),
+        ("_cuda.event_record", lambda: _cuda.event_record(handle, ptr, 0)),
+        ("_cuda.event_query", lambda: _cuda.event_query(handle)),
+        ("rt.getDevice", rt.getDevice),
+        ("pool acquire+release", lambda: _pools.events.release(0, _pools.events.acquire(0))),
+        ("_events.record(ptr,0) (+drop)", lambda: _events.record(ptr, 0)),
+        ("perf_counter", time.perf_counter),
+        ("record_lock enter/exit", locked),
+        ("_cuda.stream_handle(stream)", lambda: _cuda.stream_handle(stream)),
+        ("_cuda.current_stream(0)", lambda: _cuda.current_stream(0)),
+        ("cp.cuda.get_current_stream(0)", lambda: cp.cuda.get_current_stream(0)),
+        ("order_foreign(token, lam)", lambda: _values.order_foreign(token, consumer)),
+        ("find_devices(token)", lambda: _values.find_devices(token)),
+        ("gpu_arrays(token)", lambda: _values.gpu_arrays(token)),
+        ("_torch.loaded()", _torch.loaded),
+        ("CudaFuture()", CudaFuture),
+        ("new_future('record')", lambda: new_future("record")),
+        ("set_future(token, recs)", lambda: set_future(token, records, None, "record")),
+        (
+            "record_current_consumers",
+            lambda: _engine.record_current_consumers(token, records, untracked=False),
+        ),
+        ("record_streams_of", lambda: _memory.record_streams_of([token], consumers, untracked=False)),
+        ("cudafut.record(token)", lambda: cudafut.record(token)),
+        ("cudafut.record(token, stream=)", lambda: cudafut.record(token, stream=stream)),
+        ("CudaFuture(devices=0).set_result", lambda: CudaFuture(devices=0).set_result(token)),
+    ]
+    for name, fn in rows:
+        _row(name, per_call_us(fn))
+    done = cudafut.record(token, stream=stream)
+    done.result()
+    _row("done.done()", per_call_us(done.done))
+    _row("done._outcome", per_call_us(lambda: done._outcome(cudafut.CancelledError)))
+    _row("done.result()", per_call_us(done.result))
+    stream.synchronize()
+    _pools.events.release(0, handle)
+
+
+async def awaits(stream: Any, token: Any, n: int = N) -> dict[str, float]:
+    """``await`` of done futures, and an asyncio round trip, best of three."""
+    done = cudafut.record(token, stream=stream)
+    done.result()
+    loop = asyncio.get_running_loop()
+
+    async def same() -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            await done
+        return (time.perf_counter() - t) / n * 1e6
+
+    async def fresh() -> float:
+        futs = [cudafut.record(token, stream=stream) for _ in range(n)]
+        stream.synchronize()
+        t = time.perf_counter()
+        for fut in futs:
+            await fut
+        return (time.perf_counter() - t) / n * 1e6
+
+    async def round_trip() -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            fut = loop.create_future()
+            fut.set_result(None)
+            await fut
+        return (time.perf_counter() - t) / n * 1e6
+
+    out = {}
+    for name, fn in (
+        ("await same done", same),
+        ("await fresh done", fresh),
+        ("asyncio round trip", round_trip),
+    ):
+        await fn()
+        out[name] = min([await fn() for _ in range(3)])
+    return out
+
+
+def then_per_link(stream: Any, token: Any, links: int = 1000) -> float:
+    fut: CudaFuture[Any] = cudafut.record(token, stream=stream)
+    t = time.perf_counter()
+    for _ in range(links):
+        fut = fut.then(lambda v: v)
+    per = (time.perf_counter() - t) / links * 1e6
+    fut.result()
+    return per
+
+
+def profile(stream: Any, token: Any) -> str:
+    """The top 45 functions by own time over the three operations."""
+
+    def work() -> None:
+        with stream:
+            for _ in range(N):
+                cudafut.record(token, stream=stream)
+        fut: CudaFuture[Any] = cudafut.record(token, stream=stream)
+        for _ in range(3000):
+            fut = fut.then(lambda v: v)
+        fut.result()
+
+        async def await_all() -> None:
+            futs = [cudafut.record(token, stream=stream) for _ in range(N)]
+            stream.synchronize()
+            for f in futs:
+                await f
+
+        asyncio.run(await_all())
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    work()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(45)
+    return out.getvalue()
+
+
+def main(argv: list[str]) -> None:
+    print("core:", _compiled.core())
+    stream = cp.cuda.Stream(non_blocking=True)
+    token = cp.zeros(1, dtype=cp.float32)
+    with stream:
+        steps(stream, token)
+    for name, us in asyncio.run(awaits(stream, token)).items():
+        _row(name, us)
+    then_per_link(stream, token)
+    _row("then() per link", min(then_per_link(stream, token) for _ in range(3)))
+    if "--profile" in argv:
+        print(profile(stream, token))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
