@@ -126,11 +126,14 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
     return res
 
 
-def _kept(kept: list[Any], make: Callable[[], None], n: int = 20_000) -> float:
+def _kept(kept: list[Any], make: Callable[[], None], n: int = 4000) -> float:
     """µs per ``make()`` that appends what it makes to ``kept``, best of
-    three; ``kept`` is emptied after each timing, untimed."""
+    seven; ``kept`` is emptied after each timing, untimed. ``n`` stays
+    under the 4,096 free events the pool keeps per device: more live
+    records would make each timing create new CUDA events (and each
+    emptying destroy them), and time that instead."""
     times = []
-    for _ in range(4):
+    for _ in range(8):
         t = time.perf_counter()
         for _ in range(n):
             make()

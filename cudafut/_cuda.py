@@ -8,6 +8,12 @@ reason.
 Costs (measured with CuPy 14.2, see docs/performance.md): an event record is
 under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 0.4 µs and releases the GIL.
+
+Compiled with the core (cudafut/_compiled.py), as plain Python: a compiled
+module still reads its globals from its dictionary at each call, so
+:func:`swap` rebinding them reaches every caller, this module's own
+functions included. This module must therefore get no ``.pxd`` and no
+``cpdef`` function: those would bind calls at compile time, past a swap.
 """
 
 from __future__ import annotations

@@ -37,9 +37,8 @@ def _no_stream_wait(stream: int, event: int, device: int) -> None:
     pass
 
 
-def _always_complete(self: _events.EventRecord) -> int:
-    self.status = 0
-    return 0
+def _always_complete(handle: int) -> int:
+    return 0  # cudaSuccess: the event's work is reported done, whatever it is
 
 
 def _wait_without_stream_wait(self: CudaFuture[Any], timeout: float | None = None) -> Any:
@@ -176,8 +175,10 @@ MUTATIONS = {
     "record_record": lambda: _patch_record(_record_recorded_early),
     # then() / submit(): the child's events no longer follow fn's work
     "settle_record": lambda: setattr(_future, "_settle", _settle_recorded_early),
-    # every event query reports "complete" at once (await, result(), done())
-    "query": lambda: setattr(_events.EventRecord, "query", _always_complete),
+    # every event query reports "complete" at once (await, result(), done()).
+    # Through the seam: compiled, EventRecord is an extension type, whose
+    # methods cannot be replaced (cudafut/_events.pxd).
+    "query": lambda: setattr(_cuda, "event_query", _always_complete),
     # then() children and submit() futures stop keeping their inputs alive
     "keep": lambda: setattr(_future, "_settle", _settle_without_keep),
     # record(keep=...) keeps nothing

@@ -79,3 +79,33 @@ def test_an_edited_source_runs_instead_of_its_stale_extension(tmp_path: Path) ->
     assert proc.stdout.strip().endswith("_events.py"), proc.stdout + proc.stderr
     assert "_events.py is newer than its compiled extension" in proc.stderr
     assert "pip install -e ." in proc.stderr
+
+
+PACKAGE = Path(_compiled.__file__).resolve().parent
+
+
+def _pxd_classes(pxd: Path) -> dict[str, set[str]]:
+    """The fields each ``cdef class`` of a ``.pxd`` declares, by class name."""
+    classes: dict[str, set[str]] = {}
+    fields: set[str] | None = None
+    for line in pxd.read_text().splitlines():
+        words = line.split("#")[0].split()
+        if words[:2] == ["cdef", "class"]:
+            fields = classes.setdefault(words[2].rstrip(":").split("(")[0], set())
+        elif fields is not None and line.startswith("    cdef") and words:
+            fields.add(words[-1])
+    return classes
+
+
+@pytest.mark.parametrize("pxd", sorted(PACKAGE.rglob("*.pxd")), ids=lambda p: p.name)
+def test_a_pxd_declares_exactly_the_slots_of_its_classes(pxd: Path) -> None:
+    # Compiled, a slot the .pxd lacks would be an AttributeError at its first
+    # assignment, and only there: the pure core would never show it.
+    classes = _pxd_classes(pxd)
+    assert classes, f"{pxd.name} declares no class"
+    module = __import__("cudafut." + ".".join(pxd.relative_to(PACKAGE).with_suffix("").parts), fromlist=["_"])
+    for name, fields in classes.items():
+        slots = set(getattr(module, name).__slots__)
+        assert fields == slots, (
+            f"{pxd.name}: {name} declares {sorted(fields)}, its __slots__ are {sorted(slots)}"
+        )

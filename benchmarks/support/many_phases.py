@@ -12,7 +12,8 @@ same tasks awaiting plain asyncio futures set in bulk after 500 ms. Per
 policy, one line: the host CPU per future and the wall time of the
 *arrival* (from the first task made to the last) and of the *wait* (from
 there to the last answer), and the event queries and waiter polls of each
-phase. Two rounds, so that a policy's first run is not alone. A
+phase. A ``*`` ends the lines whose arrival outlasted the GPU's work: their
+arrival figures include completions. Two rounds, so that a policy's first run is not alone. A
 diagnostic, not a benchmark section: ``python -m cudafut bench --only many``
 is what is compared.
 """
@@ -142,7 +143,9 @@ def main(argv: list[str]) -> None:
                     cudafut.set_wait_policy(policy)
                 counts["query"] = counts["poll"] = 0
                 row = asyncio.run(scenario(streams, plain=policy is None))
-                print(f"{name:22s} " + " ".join(f"{v:12.1f}" for v in row), flush=True)
+                # An arrival longer than the GPU's work saw completions too.
+                late = " *" if policy is not None and row[1] > BUSY_S * 1e3 else ""
+                print(f"{name:22s} " + " ".join(f"{v:12.1f}" for v in row) + late, flush=True)
         if "--profile" in argv:
             cudafut.set_wait_policy(previous)
             asyncio.run(scenario(streams))
