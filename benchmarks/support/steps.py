@@ -7,7 +7,7 @@ On a machine with a GPU, from a source checkout::
     CUDAFUT_PURE=1 python -m benchmarks.support.steps --profile
 
 Prints one line per step: µs per call, best of five timings of 20,000
-calls. ``--profile`` adds a cProfile of 20,000 ``record()``, a chain of
+calls; then the ``host`` section's own await rows (``benchmarks/host.py``). ``--profile`` adds a cProfile of 20,000 ``record()``, a chain of
 3,000 ``then()`` and 20,000 awaits (on the pure core, where cudafut's own
 functions show). A diagnostic, not a benchmark section: it names where the
 time goes; ``python -m cudafut bench --only host`` is what is compared.
@@ -35,20 +35,16 @@ import cudafut
 from cudafut import _compiled, _cuda, _engine, _events, _memory, _pools, _torch, _values
 from cudafut._future import CudaFuture, new_future, set_future
 
+from .. import host
+from ..host import per_call_us
+
 N = 20_000
 
 
-def per_call_us(fn: Callable[[], object], n: int = N) -> float:
+def best_us(fn: Callable[[], object], n: int = N) -> float:
     """µs per ``fn()``, best of five timings of ``n`` calls, after a warm-up."""
-    for _ in range(n // 10):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
+    per_call_us(fn, n // 10)
+    return min(per_call_us(fn, n) for _ in range(5))
 
 
 def _row(name: str, us: float) -> None:
@@ -112,53 +108,14 @@ def steps(stream: Any, token: Any) -> None:
         ("CudaFuture(devices=0).set_result", lambda: CudaFuture(devices=0).set_result(token)),
     ]
     for name, fn in rows:
-        _row(name, per_call_us(fn))
+        _row(name, best_us(fn))
     done = cudafut.record(token, stream=stream)
     done.result()
-    _row("done.done()", per_call_us(done.done))
-    _row("done._outcome", per_call_us(lambda: done._outcome(cudafut.CancelledError)))
-    _row("done.result()", per_call_us(done.result))
+    _row("done.done()", best_us(done.done))
+    _row("done._outcome", best_us(lambda: done._outcome(cudafut.CancelledError)))
+    _row("done.result()", best_us(done.result))
     stream.synchronize()
     _pools.events.release(0, handle)
-
-
-async def awaits(stream: Any, token: Any, n: int = N) -> dict[str, float]:
-    """``await`` of done futures, and an asyncio round trip, best of three."""
-    done = cudafut.record(token, stream=stream)
-    done.result()
-    loop = asyncio.get_running_loop()
-
-    async def same() -> float:
-        t = time.perf_counter()
-        for _ in range(n):
-            await done
-        return (time.perf_counter() - t) / n * 1e6
-
-    async def fresh() -> float:
-        futs = [cudafut.record(token, stream=stream) for _ in range(n)]
-        stream.synchronize()
-        t = time.perf_counter()
-        for fut in futs:
-            await fut
-        return (time.perf_counter() - t) / n * 1e6
-
-    async def round_trip() -> float:
-        t = time.perf_counter()
-        for _ in range(n):
-            fut = loop.create_future()
-            fut.set_result(None)
-            await fut
-        return (time.perf_counter() - t) / n * 1e6
-
-    out = {}
-    for name, fn in (
-        ("await same done", same),
-        ("await fresh done", fresh),
-        ("asyncio round trip", round_trip),
-    ):
-        await fn()
-        out[name] = min([await fn() for _ in range(3)])
-    return out
 
 
 def then_per_link(stream: Any, token: Any, links: int = 1000) -> float:
@@ -206,8 +163,8 @@ def main(argv: list[str]) -> None:
     token = cp.zeros(1, dtype=cp.float32)
     with stream:
         steps(stream, token)
-    for name, us in asyncio.run(awaits(stream, token)).items():
-        _row(name, us)
+    for name, value in host._awaits(stream, token).items():  # the host section's await rows (µs, ratios)
+        print(f"{name:55s} {value:8.3f}", flush=True)
     then_per_link(stream, token)
     _row("then() per link", min(then_per_link(stream, token) for _ in range(3)))
     if "--profile" in argv:
