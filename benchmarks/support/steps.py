@@ -7,8 +7,9 @@ On a machine with a GPU, from a source checkout::
     CUDAFUT_PURE=1 python -m benchmarks.support.steps --profile
 
 Prints one line per step: µs per call, best of five timings of 20,000
-calls; then the ``host`` section's own await rows (``benchmarks/host.py``). ``--profile`` adds a cProfile of 20,000 ``record()``, a chain of
-3,000 ``then()`` and 20,000 awaits (on the pure core, where cudafut's own
+calls; then the ``host`` section's own await rows (``benchmarks/host.py``).
+``--profile`` adds a cProfile of 20,000 ``record()``, a chain of 3,000
+``then()`` and 20,000 awaits (on the pure core, where cudafut's own
 functions show). A diagnostic, not a benchmark section: it names where the
 time goes; ``python -m cudafut bench --only host`` is what is compared.
 
