@@ -97,29 +97,14 @@ def _check_callable(fn: object, what: str) -> None:
         raise TypeError(f"{what} needs a callable, not {fn!r}")
 
 
-class CudaFuture(Generic[T]):
-    """The value of GPU work that has been enqueued and may not have run yet.
+class _FutureState:
+    """A future's fields and their setting-up: :class:`CudaFuture`'s base.
 
-    Args:
-        devices: the devices whose streams :meth:`set_result` records on: one
-            CUDA device ordinal (an ``int``: ``0``, ``1``, ...) or an iterable
-            of them. ``None`` (the default) means the devices of the value
-            itself, found from its arrays.
-
-    Raises:
-        TypeError: ``devices`` is neither an int nor an iterable of ints.
-        ValueError: ``devices`` is empty, or names a device this process
-            does not see (negative, or not below the device count).
-        CudaUnavailableError: ``devices`` was given (and is not negative)
-            but CUDA cannot be used here.
-
-    A future is created unset; the producer completes it once, with
-    :meth:`set_result` or :meth:`set_exception`. Consumers then choose what
-    they are willing to block: nothing (``await``, :meth:`then`,
-    :meth:`wait`) or the calling thread (:meth:`result`).
-
-    All methods may be called from any thread. Creating a future with
-    ``devices=None`` costs about half a µs on the host and blocks nothing.
+    A class of its own so that the compiled core can make it a C extension
+    type (``cudafut/_future.pxd`` declares its fields): Cython's extension
+    types cannot derive from ``typing.Generic``, which ``CudaFuture`` does.
+    Its fields are read and written as before, by name; it has no behaviour
+    of its own but ``__init__``.
     """
 
     __slots__ = (
@@ -162,6 +147,34 @@ class CudaFuture(Generic[T]):
         self._callbacks: list[_DoneCallback] | None = None
         if _trace.active is not None:
             _trace.created(self)
+
+
+class CudaFuture(_FutureState, Generic[T]):
+    """The value of GPU work that has been enqueued and may not have run yet.
+
+    Args:
+        devices: the devices whose streams :meth:`set_result` records on: one
+            CUDA device ordinal (an ``int``: ``0``, ``1``, ...) or an iterable
+            of them. ``None`` (the default) means the devices of the value
+            itself, found from its arrays.
+
+    Raises:
+        TypeError: ``devices`` is neither an int nor an iterable of ints.
+        ValueError: ``devices`` is empty, or names a device this process
+            does not see (negative, or not below the device count).
+        CudaUnavailableError: ``devices`` was given (and is not negative)
+            but CUDA cannot be used here.
+
+    A future is created unset; the producer completes it once, with
+    :meth:`set_result` or :meth:`set_exception`. Consumers then choose what
+    they are willing to block: nothing (``await``, :meth:`then`,
+    :meth:`wait`) or the calling thread (:meth:`result`).
+
+    All methods may be called from any thread. Creating a future with
+    ``devices=None`` costs about half a µs on the host and blocks nothing.
+    """
+
+    __slots__ = ()
 
     # -- producer side ---------------------------------------------------
 
