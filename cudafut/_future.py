@@ -452,18 +452,34 @@ class CudaFuture(_FutureState, Generic[T]):
                 :class:`CancelledError`).
             Exception: whatever the producer set with :meth:`set_exception`.
         """
-        if _cuda.forked:  # a flag test, without a call
-            _cuda.check_usable()
-        if self._state is _SET and self._events_done():
-            if _trace.active is not None:
-                _trace.waited_at_once(self, "await")
-            value = self._outcome(CancelledError)
-            if self._records:
-                record_current_consumers(value, self._records, untracked=False)
-            return value
+        if self._state is _SET and not _cuda.forked and _trace.active is None:
+            records = self._records
+            if len(records) == 1:
+                record = records[0]
+                if record.status is None and record.query() is None:
+                    # Pending: in an asyncio task among other waits, one
+                    # object does the whole wait (_loops._AsyncioAwait).
+                    driver = _loops.current_driver()
+                    if driver is not None:
+                        wait = driver.await_one(self, record, CudaFuture._awaited)
+                        if wait is not None:
+                            return wait  # type: ignore[return-value]
+                    return self._await(True)
+        return self._await(False)
+
+    def _await(self, seen_pending: bool) -> Generator[Any, None, T]:
+        """:meth:`__await__`'s general path. ``seen_pending``: the future is
+        set, and its one record was seen pending just now."""
+        if not seen_pending:
+            if _cuda.forked:  # a flag test, without a call
+                _cuda.check_usable()
+            if self._state is _SET and self._events_done():
+                if _trace.active is not None:
+                    _trace.waited_at_once(self, "await")
+                return self._awaited(CancelledError)
+        driver = _loops.require_driver()
         # A plain generator, not a coroutine: each pending await keeps only a
         # few objects alive, which matters to the cyclic GC at 10k awaits.
-        driver = _loops.require_driver()
         token = _trace.wait_start(self, "await") if _trace.active is not None else None
         if self._state is _PENDING:
             yield from self._until_set(driver).__await__()
@@ -477,7 +493,13 @@ class CudaFuture(_FutureState, Generic[T]):
                 yield from driver.wait(pending)
         if token is not None:
             _trace.waited("await", token)
-        value = self._outcome(driver.cancelled_error)
+        return self._awaited(driver.cancelled_error)
+
+    def _awaited(self, cancelled_error: type[BaseException]) -> T:
+        """An await's value, once the future is set and its records
+        complete (or failed): the outcome, with the value's GPU memory
+        recorded as used on the awaiting thread's current streams."""
+        value = self._outcome(cancelled_error)
         if self._records:
             record_current_consumers(value, self._records, untracked=False)
         return value

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Final
 
@@ -35,9 +35,11 @@ from ._log import logger
 from ._policy import predictor
 from ._timer import make_timer
 from ._trace import hooks as _trace
-from ._waiter import Driver
+from ._waiter import Driver, Watch
 
 Register = Callable[[Callable[[], None]], Callable[[], None]]
+#: ``finish(future, cancelled_error)``: an await's value, once its record completed or failed.
+Finish = Callable[[Any, type[BaseException]], Any]
 
 
 _IDLE, _SPIN, _SLEEP = 0, 1, 2
@@ -95,6 +97,15 @@ class LoopDriver(Driver):
         if len(records) == 1 and not self.watchlist.pending and not self._alone:
             return self._wait_alone(records)
         return self.wait_records(records)
+
+    def await_one(self, future: Any, record: EventRecord, finish: Finish) -> Iterator[Any] | None:
+        """What ``await future`` returns when ``future``'s one record is
+        pending and other waits share this loop's waiter: one object that
+        is the watch, the iterator and what the task waits on, or None
+        where this loop has none (trio; or a lone wait, which spins from
+        the task: :meth:`wait`). ``finish(future, cancelled_error)`` gives
+        the await's value once the record completed or failed."""
+        return None
 
     def _wait_alone(self, records: Sequence[EventRecord]) -> Generator[Any, None, None]:
         if (yield from self.spin_alone(records[0]).__await__()):
@@ -324,6 +335,14 @@ class AsyncioDriver(LoopDriver):
             context["future"] = future
         loop.call_exception_handler(context)
 
+    def await_one(self, future: Any, record: EventRecord, finish: Finish) -> Iterator[Any] | None:
+        if not self.watchlist.pending and not self._alone:
+            return None  # a lone wait: wait() spins from the task
+        loop = self._loop()
+        if loop is None:
+            return None
+        return _AsyncioAwait(self, loop, future, record, finish)
+
     def wait_records(self, records: Sequence[EventRecord]) -> Generator[Any, None, None]:
         """``yield from`` it in an awaiting task: returns once ``records``
         completed or one failed. Keeps one asyncio future and one watch per
@@ -358,6 +377,182 @@ class AsyncioDriver(LoopDriver):
             await waiter
         finally:
             cancel()
+
+
+# The states of an _AsyncioAwait.
+_NEW, _WAITING, _FIRED, _CANCELLED, _FINISHED = 0, 1, 2, 3, 4
+
+
+class _AsyncioAwait(Watch):
+    """One ``await`` of a future whose one record is pending, in an asyncio
+    task: the watch in the waiter's list, the iterator that ``__await__``
+    returns, and the future the task waits on, all in one object.
+
+    Every object alive per pending wait costs the cyclic GC (10,000 awaits
+    pending walk them all), and each one made costs its allocation: the
+    general path (:meth:`AsyncioDriver.wait_records`, run from the future's
+    ``__await__`` generator) keeps two generators, an asyncio future and
+    its iterator, a ``functools.partial`` and a watch per wait.
+
+    As an iterator: the first ``next()`` adds the watch and yields this
+    object to the task (the ``yield`` of ``asyncio.Future.__await__``); the
+    next, once the waiter saw the record complete or fail, returns
+    ``finish(future, asyncio.CancelledError)``, or raises what it raises.
+    ``throw()`` and ``close()`` (the awaiting coroutine is cancelled or
+    closed) remove the watch. As a future, it is what ``asyncio.Task``
+    needs of one it waits on (``asyncio.Future``'s protocol, for its one
+    task): ``_asyncio_future_blocking``, ``get_loop()``,
+    ``add_done_callback()``, ``remove_done_callback()``, ``done()``,
+    ``cancelled()``, ``result()``, ``exception()`` and ``cancel()``. Used in
+    the loop's thread only, as a task's future is.
+    """
+
+    __slots__ = (
+        "_asyncio_future_blocking",
+        "_context",
+        "_driver",
+        "_finish",
+        "_future",
+        "_loop",
+        "_message",
+        "_state",
+        "_wakeup",
+    )
+
+    def __init__(
+        self,
+        driver: AsyncioDriver,
+        loop: asyncio.AbstractEventLoop,
+        future: Any,
+        record: EventRecord,
+        finish: Finish,
+    ) -> None:
+        # Watch's fields, set here: its __init__ would take a callback.
+        self.record = record
+        self.seq = record.seq
+        self.callback = None
+        self._driver = driver
+        self._loop = loop
+        self._future = future
+        self._finish = finish
+        self._state = _NEW
+        self._wakeup: Callable[..., object] | None = None
+        self._context: Any = None
+        self._message: object = None
+        self._asyncio_future_blocking = False
+
+    # -- the iterator, driven by the awaiting coroutine ------------------------
+
+    def __iter__(self) -> _AsyncioAwait:
+        return self
+
+    def __next__(self) -> _AsyncioAwait:
+        state = self._state
+        if state == _FIRED:
+            self._state = _FINISHED
+            raise StopIteration(self._finish(self._future, asyncio.CancelledError))
+        if state == _NEW:
+            if require_driver() is not self._driver:  # driven by hand from elsewhere
+                raise RuntimeError("a CudaFuture's await must run in the task that started it")
+            self._state = _WAITING
+            self.callback = self  # the waiter calls self(record) when it fires
+            self._driver.watch(self)
+            self._asyncio_future_blocking = True
+            return self
+        if state == _CANCELLED:
+            self._state = _FINISHED
+            raise self._cancelled_error()
+        # Resumed while waiting (or after the end): not driven by a task.
+        raise RuntimeError("await wasn't used with future")
+
+    def send(self, value: object) -> _AsyncioAwait:
+        """As ``next()``: a task sends nothing else (``asyncio.Future``'s
+        iterator ignores what is sent too)."""
+        return self.__next__()
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> _AsyncioAwait:
+        """Stop waiting and raise the exception thrown in (a cancellation)."""
+        self._stop()
+        if val is None:
+            val = typ() if isinstance(typ, type) else typ
+        if tb is not None:
+            val = val.with_traceback(tb)
+        raise val
+
+    def close(self) -> None:
+        """Stop waiting (the awaiting coroutine is closed)."""
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._state == _WAITING:
+            self._driver.watchlist.remove(self)
+        self._wakeup = None
+        self._state = _FINISHED
+
+    def __call__(self, record: EventRecord) -> None:
+        """The waiter saw the record complete or fail: wake the task."""
+        if self._state == _WAITING:
+            self._state = _FIRED
+            self._schedule()
+
+    def _schedule(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None  # breaks the cycle task -> self -> task
+            self._loop.call_soon(wakeup, self, context=self._context)
+
+    def _cancelled_error(self) -> BaseException:
+        message = self._message
+        return asyncio.CancelledError() if message is None else asyncio.CancelledError(message)
+
+    # -- the future, as asyncio.Task uses it ----------------------------------
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def add_done_callback(self, fn: Callable[..., object], *, context: Any = None) -> None:
+        if self._wakeup is not None:
+            raise RuntimeError("a cudafut await is waited on by one task only")
+        self._wakeup = fn
+        self._context = context
+        if self._state == _FIRED or self._state == _CANCELLED:
+            self._schedule()
+
+    def remove_done_callback(self, fn: Callable[..., object]) -> int:
+        if self._wakeup is not None and self._wakeup == fn:
+            self._wakeup = None
+            return 1
+        return 0
+
+    def done(self) -> bool:
+        return self._state != _WAITING and self._state != _NEW
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def result(self) -> None:
+        """None once the record completed or failed (the await's value is
+        ``next()``'s); raises CancelledError if cancelled."""
+        self.exception()
+
+    def exception(self) -> BaseException | None:
+        state = self._state
+        if state == _CANCELLED:
+            raise self._cancelled_error()
+        if state == _WAITING or state == _NEW:
+            raise asyncio.InvalidStateError("Result is not ready.")
+        return None
+
+    def cancel(self, msg: object = None) -> bool:
+        """Stop waiting and wake the task with CancelledError; False if the
+        wait is over already (the task then cancels at its next step)."""
+        if self._state != _WAITING:
+            return False
+        self._driver.watchlist.remove(self)
+        self._state = _CANCELLED
+        self._message = msg
+        self._schedule()
+        return True
 
 
 class _Notice:

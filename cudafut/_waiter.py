@@ -130,10 +130,15 @@ class Watchlist:
         return len(self._queues)
 
     def add(self, record: EventRecord, callback: RecordCallback) -> Watch:
-        watch = Watch(record, callback)
-        queue = self._queues.get(record.stream_key)
+        return self.add_watch(Watch(record, callback))
+
+    def add_watch(self, watch: Watch) -> Watch:
+        """Add a watch made by the caller (its ``callback`` set): a subclass
+        of :class:`Watch` may carry the wait's other state itself."""
+        key = watch.record.stream_key
+        queue = self._queues.get(key)
         if queue is None:
-            queue = self._queues[record.stream_key] = _Queue()
+            queue = self._queues[key] = _Queue()
         watches = queue.watches
         if watches and watches[-1].seq > watch.seq:
             queue.add(watch)  # out of order: a sorted insert
@@ -264,9 +269,14 @@ class Driver(abc.ABC):
         completes or fails; the common case, with the fewest objects alive
         per wait. Must be called from the driver's thread; cancel with
         ``self.watchlist.remove(watch)``."""
+        return self.watch(Watch(record, callback))
+
+    def watch(self, watch: Watch) -> Watch:
+        """:meth:`watch_one` for a watch the caller made (its ``callback``
+        set): the waiter calls ``watch.callback(watch.record)``."""
         self.pacer.new_wait(time.perf_counter())  # _new_wait(), inline: every wait comes here
         self.ensure_polling()
-        return self.watchlist.add(record, callback)
+        return self.watchlist.add_watch(watch)
 
     def watch_all(self, records: Sequence[EventRecord], on_done: DoneCallback) -> Callable[[], None]:
         """Call ``on_done`` in this driver's thread when ``records`` complete.

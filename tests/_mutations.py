@@ -9,14 +9,22 @@ docs/reliability.md.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import cudafut
-from cudafut import _cuda, _events, _future, _lifetimes, _pools, _shared, _tasks, _tracked, _values
+from cudafut import _cuda, _events, _future, _lifetimes, _loops, _pools, _shared, _tasks, _tracked, _values
 from cudafut._future import _SET, CudaFuture
 
 _idle: dict[int, Any] = {}
 _real_event_record = _events.record  # before any mutation replaces it
+
+
+def _await_one_at_once(self: Any) -> Any:
+    """An await among others (asyncio's one-object wait) ends at once, as if
+    its record had completed."""
+    self._state = 4  # finished
+    raise StopIteration(self._finish(self._future, asyncio.CancelledError))
 
 
 def _idle_stream(device: int) -> int:
@@ -179,6 +187,8 @@ MUTATIONS = {
     # Through the seam: compiled, EventRecord is an extension type, whose
     # methods cannot be replaced (cudafut/_events.pxd).
     "query": lambda: setattr(_cuda, "event_query", _always_complete),
+    # an await among others (asyncio) returns without waiting for its record
+    "await_one": lambda: setattr(_loops._AsyncioAwait, "__next__", _await_one_at_once),
     # then() children and submit() futures stop keeping their inputs alive
     "keep": lambda: setattr(_future, "_settle", _settle_without_keep),
     # record(keep=...) keeps nothing

@@ -270,3 +270,148 @@ def test_a_test_marked_both_anyio_and_asyncio_is_refused(pytester: pytest.Pytest
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*both the anyio and the asyncio marker*", "*::test_mixed*"])
     assert "test_anyio_only" not in result.stderr.str()
+
+
+# -- an await among others: one object per wait (asyncio) -----------------------
+
+
+def _asyncio_only(anyio_backend: tuple[str, dict[str, object]]) -> None:
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("the one-object await is asyncio's (trio waits through its driver)")
+
+
+async def _until_pending(n: int) -> _loops.LoopDriver:
+    driver = _loops.current_driver()
+    assert driver is not None
+    with anyio.fail_after(10):
+        while driver.watchlist.pending < n:
+            await anyio.sleep(0)
+    return driver
+
+
+async def test_awaits_among_others_wait_as_one_object_each(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    _asyncio_only(anyio_backend)
+    streams = [fake_cuda.stream() for _ in range(4)]
+    futs = [cudafut.record(i, stream=streams[i % 4]) for i in range(40)]
+    tasks = [asyncio.ensure_future(_await(f)) for f in futs]
+    driver = await _until_pending(40)
+    # The first await was alone (it spins from its task); the rest joined it.
+    waited_on = [type(t._fut_waiter).__name__ for t in tasks]  # type: ignore[attr-defined]
+    assert waited_on.count("_AsyncioAwait") >= 39
+    fake_cuda.complete(*futs[:20])
+    assert await asyncio.gather(*tasks[:20]) == list(range(20))
+    assert not any(t.done() for t in tasks[20:])
+    fake_cuda.complete_all()
+    assert await asyncio.gather(*tasks[20:]) == list(range(20, 40))
+    assert driver.watchlist.pending == 0
+
+
+async def _await(fut: cudafut.CudaFuture[object]) -> object:
+    return await fut
+
+
+async def test_cancelling_one_of_many_awaits_keeps_the_message_and_the_rest(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    _asyncio_only(anyio_backend)
+    futs = [cudafut.record(i) for i in range(10)]
+    tasks = [asyncio.ensure_future(_await(f)) for f in futs]
+    driver = await _until_pending(10)
+    tasks[5].cancel("no longer needed")
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await tasks[5]
+    assert "no longer needed" in str(caught.value) or caught.value.args == ("no longer needed",)
+    assert driver.watchlist.pending == 9
+    fake_cuda.complete_all()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert [r for i, r in enumerate(results) if i != 5] == [i for i in range(10) if i != 5]
+    assert driver.watchlist.pending == 0
+    assert await futs[5] == 5  # the future itself is unaffected
+
+
+async def test_a_task_cancelled_after_its_record_completed_is_cancelled(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    """As with an asyncio future set before the task woke: the wait cannot
+    be cancelled any more, the task is, at its next step."""
+    _asyncio_only(anyio_backend)
+    futs = [cudafut.record(i) for i in range(3)]
+    tasks = [asyncio.ensure_future(_await(f)) for f in futs]
+    driver = await _until_pending(3)
+    fake_cuda.complete(futs[2])
+    with anyio.fail_after(10):
+        while driver.watchlist.pending > 2:  # the waiter saw it; the task has not run yet
+            await asyncio.sleep(0)
+    waited = tasks[2]._fut_waiter  # type: ignore[attr-defined]
+    if waited is not None:  # else the task already ran: nothing left to check
+        assert waited.done() and not waited.cancel()
+        tasks[2].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[2]
+    fake_cuda.complete_all()
+    assert await asyncio.gather(*tasks[:2]) == [0, 1]
+
+
+async def test_a_failed_record_among_many_fails_its_await_only(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    _asyncio_only(anyio_backend)
+    streams = [fake_cuda.stream() for _ in range(3)]
+    futs = [cudafut.record(i, stream=streams[i]) for i in range(3)]
+    tasks = [asyncio.ensure_future(_await(f)) for f in futs]
+    await _until_pending(3)
+    fake_cuda.fail(futs[1], 700)
+    fake_cuda.complete(futs[0], futs[2])
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert results[0] == 0 and results[2] == 2
+    assert isinstance(results[1], cudafut.CudaError) and results[1].code == 700
+
+
+async def test_a_timeout_among_many_awaits_removes_its_wait(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    _asyncio_only(anyio_backend)
+    futs = [cudafut.record(i) for i in range(5)]
+    tasks = [asyncio.ensure_future(_await(f)) for f in futs[:4]]
+    driver = await _until_pending(4)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(futs[4], 0.01)
+    assert driver.watchlist.pending == 4
+    fake_cuda.complete_all()
+    assert await asyncio.gather(*tasks) == [0, 1, 2, 3]
+
+
+async def test_the_one_object_await_as_a_future_and_an_iterator(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    """What asyncio.Task relies on, and misuse: explained, never a hang."""
+    _asyncio_only(anyio_backend)
+    other = asyncio.ensure_future(_await(cudafut.record("other")))
+    driver = await _until_pending(1)
+    fut = cudafut.record("v")
+    wait = fut.__await__()
+    assert type(wait).__name__ == "_AsyncioAwait"
+    assert iter(wait) is wait and not wait.done()  # type: ignore[attr-defined]
+    with pytest.raises(asyncio.InvalidStateError):
+        wait.result()  # type: ignore[attr-defined]
+    # Driven by hand from a thread without this loop: refused, nothing added.
+    with pytest.raises(RuntimeError, match="running asyncio|task that started it"):
+        await anyio.to_thread.run_sync(lambda: wait.send(None))
+    assert driver.watchlist.pending == 1
+    assert next(wait) is wait and driver.watchlist.pending == 2  # the yield a task sees
+    wait.add_done_callback(lambda w: None)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="one task"):
+        wait.add_done_callback(lambda w: None)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="wasn't used with future"):
+        next(wait)  # resumed before the wake-up
+    assert wait.get_loop() is asyncio.get_running_loop()  # type: ignore[attr-defined]
+    assert wait.cancel() and wait.cancelled() and not wait.cancel()  # type: ignore[attr-defined]
+    assert driver.watchlist.pending == 1
+    with pytest.raises(asyncio.CancelledError):
+        wait.result()  # type: ignore[attr-defined]
+    wait.close()
+    fake_cuda.complete_all()
+    assert await other == "other"
+    assert await fut == "v"
