@@ -465,7 +465,15 @@ class CudaFuture(_FutureState, Generic[T]):
                         if wait is not None:
                             return wait  # type: ignore[return-value]
                     return self._await(True)
+                return self._ready()
         return self._await(False)
+
+    def _ready(self) -> Generator[Any, None, T]:
+        """:meth:`__await__` of a future set with one record, complete or
+        failed (a generator that returns at once, for ``await``'s sake)."""
+        value = self._awaited(CancelledError)
+        yield from ()  # makes this a generator: await takes an iterator
+        return value
 
     def _await(self, seen_pending: bool) -> Generator[Any, None, T]:
         """:meth:`__await__`'s general path. ``seen_pending``: the future is

@@ -441,6 +441,10 @@ class _AsyncioAwait(Watch):
         self._message: object = None
         self._asyncio_future_blocking = False
 
+    def __repr__(self) -> str:  # asyncio's task repr shows it (wait_for=...)
+        state = ("new", "waiting", "woken", "cancelled", "finished")[self._state]
+        return f"<cudafut await {state} of {self._future!r}>"
+
     # -- the iterator, driven by the awaiting coroutine ------------------------
 
     def __iter__(self) -> _AsyncioAwait:
@@ -539,7 +543,7 @@ class _AsyncioAwait(Watch):
         state = self._state
         if state == _CANCELLED:
             raise self._cancelled_error()
-        if state == _WAITING or state == _NEW:
+        if state in (_WAITING, _NEW):
             raise asyncio.InvalidStateError("Result is not ready.")
         return None
 

@@ -8,6 +8,7 @@ import concurrent.futures
 import logging
 import random
 import threading
+from typing import Any
 
 import anyio
 import pytest
@@ -308,7 +309,7 @@ async def test_awaits_among_others_wait_as_one_object_each(
     assert driver.watchlist.pending == 0
 
 
-async def _await(fut: cudafut.CudaFuture[object]) -> object:
+async def _await(fut: cudafut.CudaFuture[Any]) -> Any:
     return await fut
 
 
@@ -391,26 +392,27 @@ async def test_the_one_object_await_as_a_future_and_an_iterator(
     other = asyncio.ensure_future(_await(cudafut.record("other")))
     driver = await _until_pending(1)
     fut = cudafut.record("v")
-    wait = fut.__await__()
+    wait: Any = fut.__await__()
     assert type(wait).__name__ == "_AsyncioAwait"
-    assert iter(wait) is wait and not wait.done()  # type: ignore[attr-defined]
+    assert iter(wait) is wait and not wait.done()
+    assert repr(wait).startswith("<cudafut await new of <CudaFuture")
     with pytest.raises(asyncio.InvalidStateError):
-        wait.result()  # type: ignore[attr-defined]
+        wait.result()
     # Driven by hand from a thread without this loop: refused, nothing added.
-    with pytest.raises(RuntimeError, match="running asyncio|task that started it"):
+    with pytest.raises(RuntimeError, match=r"running asyncio|task that started it"):
         await anyio.to_thread.run_sync(lambda: wait.send(None))
     assert driver.watchlist.pending == 1
     assert next(wait) is wait and driver.watchlist.pending == 2  # the yield a task sees
-    wait.add_done_callback(lambda w: None)  # type: ignore[attr-defined]
+    wait.add_done_callback(lambda w: None)
     with pytest.raises(RuntimeError, match="one task"):
-        wait.add_done_callback(lambda w: None)  # type: ignore[attr-defined]
+        wait.add_done_callback(lambda w: None)
     with pytest.raises(RuntimeError, match="wasn't used with future"):
         next(wait)  # resumed before the wake-up
-    assert wait.get_loop() is asyncio.get_running_loop()  # type: ignore[attr-defined]
-    assert wait.cancel() and wait.cancelled() and not wait.cancel()  # type: ignore[attr-defined]
+    assert wait.get_loop() is asyncio.get_running_loop()
+    assert wait.cancel() and wait.cancelled() and not wait.cancel()
     assert driver.watchlist.pending == 1
     with pytest.raises(asyncio.CancelledError):
-        wait.result()  # type: ignore[attr-defined]
+        wait.result()
     wait.close()
     fake_cuda.complete_all()
     assert await other == "other"

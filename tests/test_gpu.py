@@ -435,6 +435,36 @@ async def test_cancelling_an_await_leaves_nothing_pending(cp: Any, producer: Any
 
 
 @pytest.mark.anyio
+async def test_cancelling_some_of_many_awaits_leaves_the_rest_ordered(cp: Any) -> None:
+    """Many awaits at once (on asyncio, each one object: _loops._AsyncioAwait):
+    the cancelled ones leave no wait behind, the others still read after the
+    slow producers' writes."""
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    reader = cp.cuda.Stream(non_blocking=True)
+    data = cp.zeros((64, 256), dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    seen: dict[int, float] = {}
+
+    async def one(i: int) -> None:
+        with streams[i % 4]:
+            spin_fill(data[i], float(i + 1), 2.0)
+            fut = cudafut.record(data[i])
+        if i % 2:
+            with anyio.move_on_after(0.005):
+                await fut
+            return
+        row = await fut
+        seen[i] = float(host(row, reader).min())
+
+    async with anyio.create_task_group() as tg:
+        for i in range(64):
+            tg.start_soon(one, i)
+    assert seen == {i: float(i + 1) for i in range(0, 64, 2)}
+    driver = _loops.current_driver()
+    assert driver is not None and driver.watchlist.pending == 0
+
+
+@pytest.mark.anyio
 async def test_done_callback_on_the_loop_after_the_gpu_work(cp: Any, producer: Any) -> None:
     _x, fut = slow(cp, producer)
     called = anyio.Event()
