@@ -31,11 +31,12 @@ CALL_BUDGETS = {
 }
 
 #: Objects tracked by the garbage collector per pending await, over what a
-#: plain asyncio future's await keeps (its task, coroutine, future...). A
-#: compiled core keeps each generator's locals in a closure object of its
-#: own, which the collector tracks too: two more (the await and the driver's
-#: wait are generators).
-GC_OBJECTS_OVER_PLAIN = 14.1 if _compiled.compiled_modules() else 12.1
+#: plain asyncio future's await keeps (its task, coroutine, future...): the
+#: future, its event record and their tuples, and the one object that does
+#: an asyncio await among others (``_loops._AsyncioAwait``). Both cores
+#: alike: that path runs no generator, whose locals a compiled core would
+#: keep in a closure object of their own. (Before it: 12 more, 14 compiled.)
+GC_OBJECTS_OVER_PLAIN = 6.2
 
 PLAIN = "peer: plain asyncio futures, set in bulk"
 CONCURRENT = "cudafut await (record on a stream, completed in bulk)"
