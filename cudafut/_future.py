@@ -97,14 +97,29 @@ def _check_callable(fn: object, what: str) -> None:
         raise TypeError(f"{what} needs a callable, not {fn!r}")
 
 
-class _FutureState:
-    """A future's fields and their setting-up: :class:`CudaFuture`'s base.
+class CudaFuture(Generic[T]):
+    """The value of GPU work that has been enqueued and may not have run yet.
 
-    A class of its own so that the compiled core can make it a C extension
-    type (``cudafut/_future.pxd`` declares its fields): Cython's extension
-    types cannot derive from ``typing.Generic``, which ``CudaFuture`` does.
-    Its fields are read and written as before, by name; it has no behaviour
-    of its own but ``__init__``.
+    Args:
+        devices: the devices whose streams :meth:`set_result` records on: one
+            CUDA device ordinal (an ``int``: ``0``, ``1``, ...) or an iterable
+            of them. ``None`` (the default) means the devices of the value
+            itself, found from its arrays.
+
+    Raises:
+        TypeError: ``devices`` is neither an int nor an iterable of ints.
+        ValueError: ``devices`` is empty, or names a device this process
+            does not see (negative, or not below the device count).
+        CudaUnavailableError: ``devices`` was given (and is not negative)
+            but CUDA cannot be used here.
+
+    A future is created unset; the producer completes it once, with
+    :meth:`set_result` or :meth:`set_exception`. Consumers then choose what
+    they are willing to block: nothing (``await``, :meth:`then`,
+    :meth:`wait`) or the calling thread (:meth:`result`).
+
+    All methods may be called from any thread. Creating a future with
+    ``devices=None`` costs about half a µs on the host and blocks nothing.
     """
 
     __slots__ = (
@@ -147,34 +162,6 @@ class _FutureState:
         self._callbacks: list[_DoneCallback] | None = None
         if _trace.active is not None:
             _trace.created(self)
-
-
-class CudaFuture(_FutureState, Generic[T]):
-    """The value of GPU work that has been enqueued and may not have run yet.
-
-    Args:
-        devices: the devices whose streams :meth:`set_result` records on: one
-            CUDA device ordinal (an ``int``: ``0``, ``1``, ...) or an iterable
-            of them. ``None`` (the default) means the devices of the value
-            itself, found from its arrays.
-
-    Raises:
-        TypeError: ``devices`` is neither an int nor an iterable of ints.
-        ValueError: ``devices`` is empty, or names a device this process
-            does not see (negative, or not below the device count).
-        CudaUnavailableError: ``devices`` was given (and is not negative)
-            but CUDA cannot be used here.
-
-    A future is created unset; the producer completes it once, with
-    :meth:`set_result` or :meth:`set_exception`. Consumers then choose what
-    they are willing to block: nothing (``await``, :meth:`then`,
-    :meth:`wait`) or the calling thread (:meth:`result`).
-
-    All methods may be called from any thread. Creating a future with
-    ``devices=None`` costs about half a µs on the host and blocks nothing.
-    """
-
-    __slots__ = ()
 
     # -- producer side ---------------------------------------------------
 
@@ -442,7 +429,11 @@ class CudaFuture(_FutureState, Generic[T]):
         otherwise it polls once per sleep, sleeps being at most
         ``max_sleep_s`` (1 ms by default). See docs/performance.md for the CPU
         measured. Works on asyncio, uvloop and trio. Cancelling the awaiting
-        task removes its wait; the future itself is unaffected.
+        task removes its wait; the future itself is unaffected. In an asyncio
+        task, while other waits share the loop, a pending wait is one object
+        (the waiter's watch and the future the task waits on at once); with
+        a trace recording (:func:`cudafut.trace`) every await takes the
+        general path, where the tracer times it.
 
         Raises:
             RuntimeError: the future is not done yet and no asyncio, uvloop

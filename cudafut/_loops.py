@@ -453,8 +453,10 @@ class _AsyncioAwait(Watch):
     def __next__(self) -> _AsyncioAwait:
         state = self._state
         if state == _FIRED:
+            future = self._future
             self._state = _FINISHED
-            raise StopIteration(self._finish(self._future, asyncio.CancelledError))
+            self._future = None
+            raise StopIteration(self._finish(future, asyncio.CancelledError))
         if state == _NEW:
             if require_driver() is not self._driver:  # driven by hand from elsewhere
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
@@ -464,7 +466,7 @@ class _AsyncioAwait(Watch):
             self._asyncio_future_blocking = True
             return self
         if state == _CANCELLED:
-            self._state = _FINISHED
+            self._stop()
             raise self._cancelled_error()
         # Resumed while waiting (or after the end): not driven by a task.
         raise RuntimeError("await wasn't used with future")
@@ -475,10 +477,11 @@ class _AsyncioAwait(Watch):
         return self.__next__()
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> _AsyncioAwait:
-        """Stop waiting and raise the exception thrown in (a cancellation)."""
+        """Stop waiting and raise the exception thrown in (a cancellation),
+        as a generator would (the legacy ``throw(type, value)`` included)."""
         self._stop()
-        if val is None:
-            val = typ() if isinstance(typ, type) else typ
+        if not isinstance(val, BaseException):  # throw(exc), or throw(type[, value])
+            val = (typ() if val is None else typ(val)) if isinstance(typ, type) else typ
         if tb is not None:
             val = val.with_traceback(tb)
         raise val
@@ -488,9 +491,14 @@ class _AsyncioAwait(Watch):
         self._stop()
 
     def _stop(self) -> None:
-        if self._state == _WAITING:
-            self._driver.watchlist.remove(self)
+        # In the task, on the loop's thread: a cancel() only marks the wait
+        # (Task.cancel may be misused from another thread; the watchlist is
+        # the loop's). A watch removed stays in its stream's queue until the
+        # waiter passes it: it keeps only its record from here on.
+        self._driver.watchlist.remove(self)  # a no-op once fired or removed
         self._wakeup = None
+        self._context = None
+        self._future = None
         self._state = _FINISHED
 
     def __call__(self, record: EventRecord) -> None:
@@ -548,11 +556,11 @@ class _AsyncioAwait(Watch):
         return None
 
     def cancel(self, msg: object = None) -> bool:
-        """Stop waiting and wake the task with CancelledError; False if the
-        wait is over already (the task then cancels at its next step)."""
+        """Wake the task with CancelledError (its ``throw()`` then removes
+        the watch); False if the wait is over already (the task then
+        cancels at its next step)."""
         if self._state != _WAITING:
             return False
-        self._driver.watchlist.remove(self)
         self._state = _CANCELLED
         self._message = msg
         self._schedule()

@@ -4,9 +4,11 @@ scripted events (no GPU): the waiter's logic, not CUDA's."""
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures
 import logging
 import random
+import sys
 import threading
 from typing import Any
 
@@ -338,19 +340,17 @@ async def test_a_task_cancelled_after_its_record_completed_is_cancelled(
     """As with an asyncio future set before the task woke: the wait cannot
     be cancelled any more, the task is, at its next step."""
     _asyncio_only(anyio_backend)
-    futs = [cudafut.record(i) for i in range(3)]
+    futs = [cudafut.record(i, stream=fake_cuda.stream()) for i in range(3)]  # completed apart
     tasks = [asyncio.ensure_future(_await(f)) for f in futs]
     driver = await _until_pending(3)
     fake_cuda.complete(futs[2])
-    with anyio.fail_after(10):
-        while driver.watchlist.pending > 2:  # the waiter saw it; the task has not run yet
-            await asyncio.sleep(0)
+    driver.poll(False)  # the waiter sees it here: the task's wake-up is queued, not run
     waited = tasks[2]._fut_waiter  # type: ignore[attr-defined]
-    if waited is not None:  # else the task already ran: nothing left to check
-        assert waited.done() and not waited.cancel()
-        tasks[2].cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await tasks[2]
+    assert waited.done() and not waited.cancelled() and not waited.cancel()
+    assert tasks[2].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[2]
+    assert driver.watchlist.pending == 2
     fake_cuda.complete_all()
     assert await asyncio.gather(*tasks[:2]) == [0, 1]
 
@@ -410,10 +410,86 @@ async def test_the_one_object_await_as_a_future_and_an_iterator(
         next(wait)  # resumed before the wake-up
     assert wait.get_loop() is asyncio.get_running_loop()
     assert wait.cancel() and wait.cancelled() and not wait.cancel()
-    assert driver.watchlist.pending == 1
     with pytest.raises(asyncio.CancelledError):
         wait.result()
+    # The watch goes when the task is thrown into (or closes), on the loop's thread.
+    assert driver.watchlist.pending == 2
+    with pytest.raises(asyncio.CancelledError):
+        next(wait)
+    assert driver.watchlist.pending == 1
     wait.close()
     fake_cuda.complete_all()
     assert await other == "other"
     assert await fut == "v"
+
+
+async def test_closing_a_coroutine_that_awaits_among_others_removes_its_wait(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    _asyncio_only(anyio_backend)
+    other = asyncio.ensure_future(_await(cudafut.record("other")))
+    driver = await _until_pending(1)
+    coro = _await(cudafut.record("v"))
+    waited = coro.send(None)  # driven by hand: the yield a task would see
+    assert type(waited).__name__ == "_AsyncioAwait" and driver.watchlist.pending == 2
+    coro.close()  # GeneratorExit through the await: close() on the object
+    assert driver.watchlist.pending == 1
+    fake_cuda.complete_all()
+    assert await other == "other"
+
+
+async def test_a_legacy_throw_of_a_type_and_value_raises_as_a_generator_would(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    _asyncio_only(anyio_backend)
+    other = asyncio.ensure_future(_await(cudafut.record("other")))
+    driver = await _until_pending(1)
+    wait: Any = cudafut.record("v").__await__()
+    next(wait)
+    with pytest.raises(ValueError, match="thrown in"):
+        wait.throw(ValueError, "thrown in")
+    assert driver.watchlist.pending == 1
+    fake_cuda.complete_all()
+    assert await other == "other"
+
+
+@pytest.mark.parametrize("task_type", ["c", "python"])
+async def test_timeouts_and_task_groups_cancel_awaits_among_others(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda, task_type: str
+) -> None:
+    """asyncio.timeout() and a TaskGroup (Python 3.11+) count their
+    cancellations right, on the C Task and on asyncio's pure-Python Task."""
+    _asyncio_only(anyio_backend)
+    if sys.version_info < (3, 11):
+        pytest.skip("asyncio.timeout() and TaskGroup are Python 3.11's")
+    make = asyncio.Task if task_type == "c" else asyncio.tasks._PyTask
+    loop = asyncio.get_running_loop()
+    futs = [cudafut.record(i) for i in range(4)]
+    tasks = [make(_await(f), loop=loop) for f in futs[:3]]
+    driver = await _until_pending(3)
+
+    async def timed() -> object:
+        async with asyncio.timeout(0.01):
+            return await futs[3]
+
+    timer = make(timed(), loop=loop)
+    with pytest.raises(TimeoutError):
+        await timer
+    assert timer.cancelling() == 0 and driver.watchlist.pending == 3
+
+    async def grouped() -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(_await(cudafut.record("waits")))
+            group.create_task(_raise_soon())
+
+    with pytest.raises(getattr(builtins, "ExceptionGroup")):  # Python 3.11+  # noqa: B009
+        await make(grouped(), loop=loop)
+    assert driver.watchlist.pending == 3
+    fake_cuda.complete_all()
+    assert await asyncio.gather(*tasks) == [0, 1, 2]
+    assert driver.watchlist.pending == 0
+
+
+async def _raise_soon() -> None:
+    await asyncio.sleep(0.005)
+    raise ValueError("a sibling failed")
