@@ -493,3 +493,27 @@ async def test_timeouts_and_task_groups_cancel_awaits_among_others(
 async def _raise_soon() -> None:
     await asyncio.sleep(0.005)
     raise ValueError("a sibling failed")
+
+
+async def test_a_wait_cancelled_then_seen_complete_before_its_task_runs(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    """cancel() only marks the wait: the waiter may still fire its watch
+    before the task runs; the task ends cancelled, the count stays right."""
+    _asyncio_only(anyio_backend)
+    futs = [cudafut.record(i, stream=fake_cuda.stream()) for i in range(3)]  # completed apart
+    tasks = [asyncio.ensure_future(_await(f)) for f in futs]
+    driver = await _until_pending(3)
+    waited = tasks[2]._fut_waiter  # type: ignore[attr-defined]
+    assert tasks[2].cancel() and waited.cancelled()
+    assert driver.watchlist.pending == 3  # removed by the task, on the loop's thread
+    fake_cuda.complete(futs[2])
+    driver.poll(False)  # the waiter fires the cancelled watch: nothing to wake twice
+    assert driver.watchlist.pending == 2
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[2]
+    assert driver.watchlist.pending == 2
+    assert repr(waited).startswith("<cudafut await finished")
+    fake_cuda.complete_all()
+    assert await asyncio.gather(*tasks[:2]) == [0, 1]
+    assert driver.watchlist.pending == 0
