@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import contextlib
 import logging
 import random
 import sys
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -384,42 +386,51 @@ async def test_a_timeout_among_many_awaits_removes_its_wait(
     assert await asyncio.gather(*tasks) == [0, 1, 2, 3]
 
 
+@contextlib.asynccontextmanager
+async def _beside_another_wait(fake_cuda: testing.FakeCuda) -> AsyncIterator[_loops.LoopDriver]:
+    """Another task waits (so that an await here is one among others);
+    yields the loop's driver; at the end completes everything and checks
+    that the other wait came through."""
+    other = asyncio.ensure_future(_await(cudafut.record("other")))
+    driver = await _until_pending(1)
+    yield driver
+    fake_cuda.complete_all()
+    assert await other == "other"
+
+
 async def test_the_one_object_await_as_a_future_and_an_iterator(
     anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
 ) -> None:
     """What asyncio.Task relies on, and misuse: explained, never a hang."""
     _asyncio_only(anyio_backend)
-    other = asyncio.ensure_future(_await(cudafut.record("other")))
-    driver = await _until_pending(1)
-    fut = cudafut.record("v")
-    wait: Any = fut.__await__()
-    assert type(wait).__name__ == "_AsyncioAwait"
-    assert iter(wait) is wait and not wait.done()
-    assert repr(wait).startswith("<cudafut await new of <CudaFuture")
-    with pytest.raises(asyncio.InvalidStateError):
-        wait.result()
-    # Driven by hand from a thread without this loop: refused, nothing added.
-    with pytest.raises(RuntimeError, match=r"running asyncio|task that started it"):
-        await anyio.to_thread.run_sync(lambda: wait.send(None))
-    assert driver.watchlist.pending == 1
-    assert next(wait) is wait and driver.watchlist.pending == 2  # the yield a task sees
-    wait.add_done_callback(lambda w: None)
-    with pytest.raises(RuntimeError, match="one task"):
+    async with _beside_another_wait(fake_cuda) as driver:
+        fut = cudafut.record("v")
+        wait: Any = fut.__await__()
+        assert type(wait).__name__ == "_AsyncioAwait"
+        assert iter(wait) is wait and not wait.done()
+        assert repr(wait).startswith("<cudafut await new of <CudaFuture")
+        with pytest.raises(asyncio.InvalidStateError):
+            wait.result()
+        # Driven by hand from a thread without this loop: refused, nothing added.
+        with pytest.raises(RuntimeError, match=r"running asyncio|task that started it"):
+            await anyio.to_thread.run_sync(lambda: wait.send(None))
+        assert driver.watchlist.pending == 1
+        assert next(wait) is wait and driver.watchlist.pending == 2  # the yield a task sees
         wait.add_done_callback(lambda w: None)
-    with pytest.raises(RuntimeError, match="wasn't used with future"):
-        next(wait)  # resumed before the wake-up
-    assert wait.get_loop() is asyncio.get_running_loop()
-    assert wait.cancel() and wait.cancelled() and not wait.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        wait.result()
-    # The watch goes when the task is thrown into (or closes), on the loop's thread.
-    assert driver.watchlist.pending == 2
-    with pytest.raises(asyncio.CancelledError):
-        next(wait)
-    assert driver.watchlist.pending == 1
-    wait.close()
-    fake_cuda.complete_all()
-    assert await other == "other"
+        with pytest.raises(RuntimeError, match="one task"):
+            wait.add_done_callback(lambda w: None)
+        with pytest.raises(RuntimeError, match="wasn't used with future"):
+            next(wait)  # resumed before the wake-up
+        assert wait.get_loop() is asyncio.get_running_loop()
+        assert wait.cancel() and wait.cancelled() and not wait.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            wait.result()
+        # The watch goes when the task is thrown into (or closes), on the loop's thread.
+        assert driver.watchlist.pending == 2
+        with pytest.raises(asyncio.CancelledError):
+            next(wait)
+        assert driver.watchlist.pending == 1
+        wait.close()
     assert await fut == "v"
 
 
@@ -427,30 +438,24 @@ async def test_closing_a_coroutine_that_awaits_among_others_removes_its_wait(
     anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
 ) -> None:
     _asyncio_only(anyio_backend)
-    other = asyncio.ensure_future(_await(cudafut.record("other")))
-    driver = await _until_pending(1)
-    coro = _await(cudafut.record("v"))
-    waited = coro.send(None)  # driven by hand: the yield a task would see
-    assert type(waited).__name__ == "_AsyncioAwait" and driver.watchlist.pending == 2
-    coro.close()  # GeneratorExit through the await: close() on the object
-    assert driver.watchlist.pending == 1
-    fake_cuda.complete_all()
-    assert await other == "other"
+    async with _beside_another_wait(fake_cuda) as driver:
+        coro = _await(cudafut.record("v"))
+        waited = coro.send(None)  # driven by hand: the yield a task would see
+        assert type(waited).__name__ == "_AsyncioAwait" and driver.watchlist.pending == 2
+        coro.close()  # GeneratorExit through the await: close() on the object
+        assert driver.watchlist.pending == 1
 
 
 async def test_a_legacy_throw_of_a_type_and_value_raises_as_a_generator_would(
     anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
 ) -> None:
     _asyncio_only(anyio_backend)
-    other = asyncio.ensure_future(_await(cudafut.record("other")))
-    driver = await _until_pending(1)
-    wait: Any = cudafut.record("v").__await__()
-    next(wait)
-    with pytest.raises(ValueError, match="thrown in"):
-        wait.throw(ValueError, "thrown in")
-    assert driver.watchlist.pending == 1
-    fake_cuda.complete_all()
-    assert await other == "other"
+    async with _beside_another_wait(fake_cuda) as driver:
+        wait: Any = cudafut.record("v").__await__()
+        next(wait)
+        with pytest.raises(ValueError, match="thrown in"):
+            wait.throw(ValueError, "thrown in")
+        assert driver.watchlist.pending == 1
 
 
 @pytest.mark.parametrize("task_type", ["c", "python"])
