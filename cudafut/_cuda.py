@@ -865,9 +865,10 @@ def close_after(record: Any, fd: int, stream: int) -> None:
 
 
 def _on_device_of(stream: int, device: int, call: Callable[[int, int], object], a: int, b: int) -> None:
-    # The special handles mean "the default stream of the *current* device",
-    # so switch to the device they are meant for; explicit streams carry it.
-    if stream in _SPECIAL_STREAMS and _rt.getDevice() != device:
+    # For a special handle only (the callers test it; ``stream`` is that
+    # handle): it means "the default stream of the *current* device", so
+    # switch to the device it is meant for; an explicit stream carries it.
+    if _rt.getDevice() != device:
         with on_device(device):
             call(a, b)
     else:

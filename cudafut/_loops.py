@@ -427,7 +427,8 @@ class _AsyncioAwait(Watch):
         record: EventRecord,
         finish: Finish,
     ) -> None:
-        # Watch's fields, set here: its __init__ would take a callback.
+        # Watch's fields, set here rather than by Watch.__init__: one call
+        # fewer per wait. The callback is set when the wait starts (next()).
         self.record = record
         self.seq = record.seq
         self.callback = None
@@ -443,7 +444,8 @@ class _AsyncioAwait(Watch):
 
     def __repr__(self) -> str:  # asyncio's task repr shows it (wait_for=...)
         state = ("new", "waiting", "woken", "cancelled", "finished")[self._state]
-        return f"<cudafut await {state} of {self._future!r}>"
+        future = self._future  # dropped once finished
+        return f"<cudafut await {state}>" if future is None else f"<cudafut await {state} of {future!r}>"
 
     # -- the iterator, driven by the awaiting coroutine ------------------------
 
@@ -456,9 +458,13 @@ class _AsyncioAwait(Watch):
             future = self._future
             self._state = _FINISHED
             self._future = None
+            self._context = None
             raise StopIteration(self._finish(future, asyncio.CancelledError))
         if state == _NEW:
-            if require_driver() is not self._driver:  # driven by hand from elsewhere
+            # Driven by hand from another thread or loop? The loop, not the
+            # driver, is compared (one driver per loop, and no lookup), through
+            # asyncio's own getter that returns None instead of raising.
+            if asyncio._get_running_loop() is not self._loop:  # noqa: SLF001 - in asyncio.__all__
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
             self._state = _WAITING
             self.callback = self  # the waiter calls self(record) when it fires
@@ -779,16 +785,29 @@ _asyncio_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioDr
 _trio_drivers: weakref.WeakKeyDictionary[Any, TrioDriver] = weakref.WeakKeyDictionary()
 
 
+def _no_driver() -> AsyncioDriver | None:
+    return None
+
+
+# The driver found last, tried first: most awaits run in the loop of the one
+# before. A weak reference, so that a closed loop's driver (its timer's
+# descriptor) still goes with the loop; WeakKeyDictionary.get, a Python
+# call that makes a weak reference, costs several times this.
+_last_driver: Callable[[], AsyncioDriver | None] = _no_driver
+
+
 def current_driver() -> LoopDriver | None:
     """The driver of the loop running in this thread, or None."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
+    global _last_driver
+    loop = asyncio._get_running_loop()  # noqa: SLF001 - in asyncio.__all__; None, not an exception
+    if loop is not None:
+        driver = _last_driver()
+        if driver is not None and driver._loop() is loop:  # noqa: SLF001 - this module's class
+            return driver
         driver = _asyncio_drivers.get(loop)
         if driver is None:
             driver = _asyncio_drivers[loop] = AsyncioDriver(loop)
+        _last_driver = weakref.ref(driver)
         return driver
     trio = sys.modules.get("trio")
     if trio is not None:
@@ -804,18 +823,8 @@ def current_driver() -> LoopDriver | None:
 
 
 def require_driver() -> LoopDriver:
-    """The driver of the loop running in this thread; RuntimeError if none.
-
-    The asyncio case inline (one call fewer per await), else
-    :func:`current_driver`."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        driver = current_driver()
-    else:
-        driver = _asyncio_drivers.get(loop)
-        if driver is None:
-            driver = current_driver()
+    """The driver of the loop running in this thread; RuntimeError if none."""
+    driver = current_driver()
     if driver is None:
         raise RuntimeError(
             "awaiting a CudaFuture needs a running asyncio (or uvloop) or trio "

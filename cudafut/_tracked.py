@@ -14,7 +14,7 @@ must not overwrite each other's record.
 The hot path is a few attribute loads, one ``cudaEventRecord`` and, only
 where the streams differ and the event is not known complete, one
 ``cudaEventQuery`` and one ``cudaStreamWaitEvent``. A per-array lock covers
-the bookkeeping and never a CUDA call (see ``_record_lock`` in _events.py
+the bookkeeping and never a CUDA call (see ``_counters`` in _events.py
 for the convoys a lock held across CUDA calls caused).
 """
 

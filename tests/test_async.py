@@ -522,3 +522,61 @@ async def test_a_wait_cancelled_then_seen_complete_before_its_task_runs(
     fake_cuda.complete_all()
     assert await asyncio.gather(*tasks[:2]) == [0, 1]
     assert driver.watchlist.pending == 0
+
+
+async def test_an_await_of_done_work_behind_an_unpolled_record_returns_at_once(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    """The older record's work ended unseen by any poll (the waiter sleeps
+    for long): an await of later work, done too, learns it from its own
+    query, before the poll that wakes the older record's task."""
+    stream = fake_cuda.stream()
+    first = cudafut.record("a", stream=stream)
+    second = cudafut.record("b", stream=stream)
+    old = cudafut.set_wait_policy(cudafut.WaitPolicy(spin_s=0.0, first_sleep_s=60.0, max_sleep_s=60.0))
+    done: list[str] = []
+
+    async def one(fut: cudafut.CudaFuture[str]) -> None:
+        done.append(await fut)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, first)
+            await _until_pending(1)
+            for _ in range(5):
+                await anyio.sleep(0)  # the waiter polled once and sleeps
+            fake_cuda.complete_all()
+            with anyio.fail_after(10):  # the waiter's next poll: in 60 s
+                assert await second == "b"
+            assert done == []  # the first task still waits for the poll
+            tg.cancel_scope.cancel()
+    finally:
+        cudafut.set_wait_policy(old)
+
+
+async def test_a_done_callback_of_done_work_behind_an_unpolled_record_runs_soon(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    """A done callback is added without a query: its wait starts a spin as
+    any new wait does, even behind a watched record of its stream, whose
+    end no poll has seen (the waiter sleeps for long): it runs at once,
+    not at that sleep's end."""
+    stream = fake_cuda.stream()
+    first = cudafut.record("a", stream=stream)
+    second = cudafut.record("b", stream=stream)
+    old = cudafut.set_wait_policy(cudafut.WaitPolicy(spin_s=1.0, first_sleep_s=60.0, max_sleep_s=60.0))
+    called = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_await, first)
+            driver = await _until_pending(1)
+            driver.pacer.spin_until = 0.0  # the first wait's spin is over
+            for _ in range(5):
+                await anyio.sleep(0)  # the waiter polled and sleeps
+            fake_cuda.complete_all()
+            second.add_done_callback(lambda f: called.set())
+            with anyio.fail_after(10):  # the waiter's planned poll: in 60 s
+                await called.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        cudafut.set_wait_policy(old)
