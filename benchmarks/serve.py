@@ -15,8 +15,10 @@ Two parts:
   LitServe, the server in its own process, 64 closed-loop clients, then
   open loop (Poisson arrivals) at half the no-GPU ceiling (batching
   servers) and half ``run_in_executor``'s maximum (unbatched ones); every
-  answer checked against the model run eagerly on one image. Also the
-  launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``.
+  answer checked against the model run eagerly on one image. The no-GPU
+  ceiling runs again after the other handlers (it has been seen to rise
+  within a run), and the targets take the higher of its two runs. Also
+  the launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``.
 
 - ``processes`` (with ``CUDAFUT_BENCH_SERVE_DEVICES``, e.g. ``"1 2 4"``):
   examples/service/multiproc.py for ResNet-50 on each number of GPUs the
@@ -338,10 +340,20 @@ def _targets(result: dict[str, Any]) -> list[str]:
         closed = m["closed"]
         best = closed.get("batch_graph")
         if best and "nogpu" in closed:
-            ratio = best["rps"] / closed["nogpu"]["rps"]
-            lines.append(
-                f"- {model}: launch + Batcher + graphs at {ratio:.2f}x the no-GPU ceiling (target 0.75)"
-            )
+            first = closed["nogpu"]["rps"]
+            again = m.get("again", {}).get("nogpu")
+            if again is None:  # a run from before the ceiling was measured twice
+                lines.append(
+                    f"- {model}: launch + Batcher + graphs at {best['rps'] / first:.2f}x the no-GPU "
+                    "ceiling (target 0.75)"
+                )
+            else:  # against the higher of the two: the ceiling moves within a run
+                ceiling = max(first, again["rps"])
+                lines.append(
+                    f"- {model}: launch + Batcher + graphs at {best['rps'] / ceiling:.2f}x the no-GPU "
+                    f"ceiling, the higher of its two runs ({first:,.0f} req/s first, {again['rps']:,.0f} "
+                    "after the others; target 0.75)"
+                )
         if best and "litserve" in closed:
             lines.append(f"- {model}: {best['rps'] / closed['litserve']['rps']:.1f}x LitServe (target 5)")
         if "launch" in closed and "executor" in closed:

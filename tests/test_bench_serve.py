@@ -39,3 +39,38 @@ def test_the_targets_of_several_processes_are_reported() -> None:
     assert "- 2 GPUs: 2.24x one GPU (target 1.9)" in text
     assert "- 4 GPUs: 3.45x one GPU (target 3.7)" in text
     assert "Several processes, 4 GPU(s)" in text
+
+
+def _closed(rps: float) -> dict[str, object]:
+    return {
+        "rps": rps,
+        "p50_ms": 5.0,
+        "p99_ms": 9.0,
+        "health": {"p50_ms": 0.5, "p99_ms": 1.0, "max_ms": 2.0},
+        "server_cpu": 1.0,
+        "gpu_busy": 0.5,
+        "mean_batch": 32.0,
+        "wrong": 0,
+        "errors": 0,
+    }
+
+
+def test_the_no_gpu_ceiling_is_the_higher_of_its_two_runs() -> None:
+    """It runs first and again after the other handlers (it has been seen
+    to rise within a run): the ratio is to the higher, both are shown."""
+    pytest.importorskip("aiohttp")  # markdown() renders through compare.py
+    model = {
+        "closed": {"nogpu": _closed(10_000), "batch_graph": _closed(5_000)},
+        "again": {"nogpu": _closed(16_000)},
+        "open": {},
+        "threads": {},
+    }
+    text = "\n".join(serve.markdown({"models": {"resnet50": model}}))
+    assert (
+        "- resnet50: launch + Batcher + graphs at 0.31x the no-GPU ceiling, the higher of its two runs "
+        "(10,000 req/s first, 16,000 after the others; target 0.75)"
+    ) in text
+    assert "| nogpu (again, after the others) | 16,000 |" in text
+    del model["again"]  # a run from before: the one ceiling it has
+    text = "\n".join(serve.markdown({"models": {"resnet50": model}}))
+    assert "- resnet50: launch + Batcher + graphs at 0.50x the no-GPU ceiling (target 0.75)" in text
