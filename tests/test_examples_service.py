@@ -262,3 +262,45 @@ def test_the_multi_process_outbox_never_waits_for_a_full_pipe() -> None:
         theirs.close()
     assert [batch[0][0] for batch in received] == list(range(n))
     assert all(len(batch) == 1 and batch[0][1] == b"x" * size for batch in received)
+
+
+def test_the_multi_process_outbox_packs_and_writes_in_one_loop_iteration() -> None:
+    """The GPU process groups its answers in the outbox's pack hook, called
+    by the write itself: an answer set in one loop iteration is in the pipe
+    after the next, not two later (a hop to group, then one to write)."""
+    import asyncio
+    import multiprocessing as mp
+
+    sys.path.insert(0, str(SERVICE))  # multiproc imports models from next to it
+    multiproc = load_example(SERVICE / "multiproc.py")
+    ours, theirs = mp.get_context("spawn").Pipe()
+    gathered: list[str] = []
+    packs: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def pack() -> None:
+            packs.append(len(gathered))
+            for item in gathered:
+                outbox.put(0, item)
+            gathered.clear()
+
+        outbox = multiproc._Outbox(loop, [ours], "the test could not write", pack=pack)
+        gathered.extend(["a", "b"])
+        outbox.wake()
+        outbox.wake()  # one write per iteration, whoever asks
+        assert not theirs.poll()
+        await asyncio.sleep(0)
+        assert theirs.poll(5) and theirs.recv() == ["a", "b"]
+        assert packs == [2] and not outbox.scheduled
+        outbox.put(0, "c")  # put() alone writes too, with an empty pack
+        await asyncio.sleep(0)
+        assert theirs.poll(5) and theirs.recv() == ["c"] and packs == [2, 0]
+        outbox.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        ours.close()
+        theirs.close()

@@ -145,11 +145,22 @@ class _Outbox:
     waiting: what the pipe has no room for waits in a buffer until the
     loop sees the pipe writable. A blocking write could deadlock two
     processes whose pipes are both full, each waiting for the other to read.
-    Pickling a message (exporting its futures) happens here, on the loop."""
+    Pickling a message (exporting its futures) happens here, on the loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, conns: list[Any], what: str) -> None:
+    ``pack``, if given, is called at the start of each write, to :meth:`put`
+    what the owner gathered since the last (see :meth:`wake`): the owner's
+    grouping and the write then take one loop iteration, not two."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conns: list[Any],
+        what: str,
+        pack: Callable[[], None] | None = None,
+    ) -> None:
         self.loop = loop
         self.what = what
+        self.pack = pack
         # Writes go through a duplicate of each pipe's socket, sent without
         # waiting (MSG_DONTWAIT): reads on the pipe itself stay blocking.
         self.socks = [socket.socket(fileno=os.dup(conn.fileno())) for conn in conns]
@@ -160,11 +171,18 @@ class _Outbox:
 
     def put(self, i: int, item: Any) -> None:
         self.boxes[i].append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        """Write at the next loop iteration (calling ``pack`` first)."""
         if not self.scheduled:
             self.scheduled = True
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
+        if self.pack is not None:
+            with _or_exit(self.what):  # answers that cannot be grouped cannot be sent
+                self.pack()  # its put()s find a write scheduled: this one
         self.scheduled = False
         for i, box in enumerate(self.boxes):
             if box:
@@ -209,20 +227,18 @@ async def _gpu_loop(
     front), so a batch crosses to each front once, not once per request."""
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
-    outbox = _Outbox(loop, conns, "a GPU process could not send answers")
     answers: list[list[tuple[int, Any]]] = [[] for _ in conns]
-    grouping = [False]
 
     def group() -> None:
-        # Once per loop iteration, after the iteration's futures were set:
-        # those of one front are sent as one gathered future, exported when
-        # the outbox pickles it (its value's rows, one event per batch).
-        # Nearly always one batch; where two batches were set in the same
-        # iteration, their requests wait for both, and GPU work failing
-        # after it was enqueued (a broken context, which fails every batch
-        # anyway) fails both. A batch that failed before it was enqueued
-        # (run_batch raised) is sent apart.
-        grouping[0] = False
+        # The outbox's pack hook: once per loop iteration, after the
+        # iteration's futures were set, just before the write: those of one
+        # front are sent as one gathered future, exported when the outbox
+        # pickles it (its value's rows, one event per batch). Nearly always
+        # one batch; where two batches were set in the same iteration, their
+        # requests wait for both, and GPU work failing after it was enqueued
+        # (a broken context, which fails every batch anyway) fails both. A
+        # batch that failed before it was enqueued (run_batch raised) is
+        # sent apart.
         for i, done in enumerate(answers):
             if not done:
                 continue
@@ -236,6 +252,8 @@ async def _gpu_loop(
                 outbox.put(i, ([rid for rid, _ in ok], cudafut.gather(*(fut for _, fut in ok))))
             done.clear()
 
+    outbox = _Outbox(loop, conns, "a GPU process could not send answers", pack=group)
+
     async def answer(i: int, msgs: list[tuple[int, int]]) -> None:
         futs = []
         for rid, k in msgs:
@@ -248,9 +266,7 @@ async def _gpu_loop(
         for rid, fut in futs:
             await cudafut.enqueued(fut)  # set once its batch is enqueued, not done
             answers[i].append((rid, fut))
-            if not grouping[0]:
-                grouping[0] = True
-                loop.call_soon(group)
+            outbox.wake()  # group() runs just before the write
 
     tasks: set[asyncio.Task[None]] = set()
 
