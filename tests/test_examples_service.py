@@ -4,6 +4,7 @@ script's ``--help``: tests/test_examples.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -14,6 +15,7 @@ import sys
 import time
 import types
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,37 +231,30 @@ def test_the_multi_process_outbox_never_waits_for_a_full_pipe() -> None:
     would deadlock); what did not fit goes out, in order and whole, once
     the peer reads."""
     import asyncio
-    import multiprocessing as mp
     import threading
 
-    sys.path.insert(0, str(SERVICE))  # multiproc imports models from next to it
-    multiproc = load_example(SERVICE / "multiproc.py")
-    ours, theirs = mp.get_context("spawn").Pipe()
-    # A write that waits for room fails after 5 s instead of hanging the test.
-    with socket.socket(fileno=os.dup(ours.fileno())) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
     n, size = 400, 64 * 1024  # 25 MB: far more than a socket buffer holds
     received: list[Any] = []
+    with _outbox_pipe() as (multiproc, ours, theirs):
+        # A write that waits for room fails after 5 s instead of hanging the test.
+        with socket.socket(fileno=os.dup(ours.fileno())) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        outbox = multiproc._Outbox(loop, [ours], "the test could not write")
-        for i in range(n):
-            outbox.put(0, (i, b"x" * size))
-            await asyncio.sleep(0)  # one message per loop iteration
-        assert any(outbox.unsent), "the pipe took all of it: the test proves nothing"
-        reader = threading.Thread(target=lambda: received.extend(theirs.recv() for _ in range(n)))
-        reader.start()
-        while any(outbox.unsent):  # the loop, not a blocked write, sends the rest
-            await asyncio.sleep(0.01)
-        await asyncio.to_thread(reader.join, 30)
-        outbox.close()
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            outbox = multiproc._Outbox(loop, [ours], "the test could not write")
+            for i in range(n):
+                outbox.put(0, (i, b"x" * size))
+                await asyncio.sleep(0)  # one message per loop iteration
+            assert any(outbox.unsent), "the pipe took all of it: the test proves nothing"
+            reader = threading.Thread(target=lambda: received.extend(theirs.recv() for _ in range(n)))
+            reader.start()
+            while any(outbox.unsent):  # the loop, not a blocked write, sends the rest
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(reader.join, 30)
+            outbox.close()
 
-    try:
         asyncio.run(asyncio.wait_for(main(), 60))
-    finally:
-        ours.close()
-        theirs.close()
     assert [batch[0][0] for batch in received] == list(range(n))
     assert all(len(batch) == 1 and batch[0][1] == b"x" * size for batch in received)
 
@@ -269,38 +264,47 @@ def test_the_multi_process_outbox_packs_and_writes_in_one_loop_iteration() -> No
     by the write itself: an answer set in one loop iteration is in the pipe
     after the next, not two later (a hop to group, then one to write)."""
     import asyncio
+
+    gathered: list[str] = []
+    packs: list[int] = []
+    with _outbox_pipe() as (multiproc, ours, theirs):
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+
+            def pack() -> None:
+                packs.append(len(gathered))
+                for item in gathered:
+                    outbox.put(0, item)
+                gathered.clear()
+
+            outbox = multiproc._Outbox(loop, [ours], "the test could not write", pack=pack)
+            gathered.extend(["a", "b"])
+            outbox.wake()
+            outbox.wake()  # one write per iteration, whoever asks
+            assert not theirs.poll()
+            await asyncio.sleep(0)
+            assert theirs.poll(5) and theirs.recv() == ["a", "b"]
+            assert packs == [2] and not outbox.scheduled
+            outbox.put(0, "c")  # put() alone writes too, with an empty pack
+            await asyncio.sleep(0)
+            assert theirs.poll(5) and theirs.recv() == ["c"] and packs == [2, 0]
+            outbox.close()
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@contextlib.contextmanager
+def _outbox_pipe() -> Iterator[tuple[Any, Any, Any]]:
+    """multiproc.py loaded, and a pipe: ``(multiproc, ours, theirs)``, the
+    test's _Outbox writing ``ours``; both ends closed afterwards."""
     import multiprocessing as mp
 
     sys.path.insert(0, str(SERVICE))  # multiproc imports models from next to it
     multiproc = load_example(SERVICE / "multiproc.py")
     ours, theirs = mp.get_context("spawn").Pipe()
-    gathered: list[str] = []
-    packs: list[int] = []
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-
-        def pack() -> None:
-            packs.append(len(gathered))
-            for item in gathered:
-                outbox.put(0, item)
-            gathered.clear()
-
-        outbox = multiproc._Outbox(loop, [ours], "the test could not write", pack=pack)
-        gathered.extend(["a", "b"])
-        outbox.wake()
-        outbox.wake()  # one write per iteration, whoever asks
-        assert not theirs.poll()
-        await asyncio.sleep(0)
-        assert theirs.poll(5) and theirs.recv() == ["a", "b"]
-        assert packs == [2] and not outbox.scheduled
-        outbox.put(0, "c")  # put() alone writes too, with an empty pack
-        await asyncio.sleep(0)
-        assert theirs.poll(5) and theirs.recv() == ["c"] and packs == [2, 0]
-        outbox.close()
-
     try:
-        asyncio.run(asyncio.wait_for(main(), 60))
+        yield multiproc, ours, theirs
     finally:
         ours.close()
         theirs.close()
