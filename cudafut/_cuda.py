@@ -533,7 +533,7 @@ def event_elapsed_ms(start: int, end: int) -> float:
 def event_record(event: int, stream: int, device: int) -> None:
     """Record ``event`` on ``stream`` of ``device`` (under 1 µs, no wait)."""
     if stream in _SPECIAL_STREAMS:
-        _on_device_of(stream, device, _rt.eventRecord, event, stream)
+        _on_device_of(device, _rt.eventRecord, event, stream)
     else:  # the common case, without the call: an explicit stream carries its device
         _rt.eventRecord(event, stream)
 
@@ -549,7 +549,7 @@ def event_query(event: int) -> int:
 def stream_wait(stream: int, event: int, device: int) -> None:
     """Make ``stream`` (on ``device``) wait for ``event``; the host does not wait."""
     if stream in _SPECIAL_STREAMS:
-        _on_device_of(stream, device, _rt.streamWaitEvent, stream, event)
+        _on_device_of(device, _rt.streamWaitEvent, stream, event)
     else:
         _rt.streamWaitEvent(stream, event)
 
@@ -864,10 +864,10 @@ def close_after(record: Any, fd: int, stream: int) -> None:
         raise cuda_error(rc, device)
 
 
-def _on_device_of(stream: int, device: int, call: Callable[[int, int], object], a: int, b: int) -> None:
-    # For a special handle only (the callers test it; ``stream`` is that
-    # handle): it means "the default stream of the *current* device", so
-    # switch to the device it is meant for; an explicit stream carries it.
+def _on_device_of(device: int, call: Callable[[int, int], object], a: int, b: int) -> None:
+    # For a special stream handle only (the callers test for it): it means
+    # "the default stream of the *current* device", so switch to the device
+    # it is meant for; an explicit stream carries its device itself.
     if _rt.getDevice() != device:
         with on_device(device):
             call(a, b)
