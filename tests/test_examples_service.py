@@ -105,6 +105,7 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     np.save(ref_path, _reference())
     port = _free_port()
     cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
+    cmd += ["--wait-policy", "low_cpu"]  # the option parses and applies without a GPU
     server = subprocess.Popen([*cmd, "--reference", str(ref_path)], cwd=ROOT, env=dict(os.environ))
     try:
         _wait_until_up(server, port, 60, "the server")

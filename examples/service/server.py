@@ -26,6 +26,10 @@ Run it (from the repository root, on a machine with a GPU and torchvision;
 
     python examples/service/server.py --model resnet50 --mode batch_graph --port 8080
 
+``--wait-policy`` picks how the loop's waiter polls (a preset of
+:func:`cudafut.set_wait_policy`, or ``notify`` for CUDA notices), to see
+what the waiter's spins cost a loop that also serves HTTP.
+
 It prints ``READY <port>`` once the model is warm (and, in the modes that
 launch, each launcher thread has run it once: :func:`cudafut.warm_launchers`);
 load it with load.py, or
@@ -189,9 +193,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batch modes: the longest wait")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the event loop")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
+    parser.add_argument(
+        "--wait-policy",
+        choices=("balanced", "low_latency", "low_cpu", "notify"),
+        default="balanced",
+        help="how the loop's waiter polls (cudafut.set_wait_policy; notify: WaitPolicy(notify=True))",
+    )
     args = parser.parse_args(argv)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    policy = cudafut.WaitPolicy(notify=True) if args.wait_policy == "notify" else args.wait_policy
+    cudafut.set_wait_policy(policy)
     from cudafut._cli.selfcheck import require_gpu
 
     ref = np.load(args.reference) if args.reference else None
