@@ -68,3 +68,30 @@ def test_a_failed_run_is_counted_and_the_others_go_on(
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         alternate.main(argv)
+
+
+@pytest.mark.parametrize("args", [["--", "--only", "serve"], ["--", "--only", "collectives"], []])
+def test_a_tree_without_examples_is_refused_for_the_sections_that_load_them(
+    tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "cudafut").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    with pytest.raises(SystemExit):
+        alternate.main(["--tree", f"base={tmp_path}", "--tree", f"new={ROOT}", *args])
+    assert "has no examples/" in capsys.readouterr().err
+
+
+def test_a_tree_without_examples_runs_the_sections_that_need_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "cudafut").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    ran: list[list[str]] = []
+
+    def run(trees: Any, rounds: int, out: Path, bench_args: list[str], *rest: Any) -> int:
+        ran.append(bench_args)
+        return 0
+
+    monkeypatch.setattr(alternate, "run", run)
+    assert alternate.main(["--tree", f"base={tmp_path}", "--", "--only", "host"]) == 0
+    assert ran == [["--only", "host"]]

@@ -13,6 +13,9 @@ process with that tree first on ``PYTHONPATH`` (its ``cudafut`` and its
 ``benchmarks``), writing ``<name>-<round>.json`` (and the Markdown and
 plots) to ``--out``. A run that fails is reported and the others go on; the
 exit status says whether all succeeded. ``--timeout`` bounds each run.
+The ``serve`` and ``collectives`` sections load code from the tree's
+``examples/``: asked for (or every section, without ``--only``) on a tree
+without it, the run is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Final
+
+#: The ``cudafut bench`` sections that load code from the tree's examples/.
+NEEDS_EXAMPLES: Final = frozenset({"serve", "collectives"})
 
 
 def _tree(text: str) -> tuple[str, Path]:
@@ -107,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--env needs NAME:VAR=VALUE with NAME one of {names}, not {item!r}")
         envs.setdefault(name, {})[var] = value
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    needy = sorted(NEEDS_EXAMPLES & set(bench_args))
+    if needy or "--only" not in bench_args:  # without --only, every section runs
+        for name, root in args.tree:
+            if not (root / "examples").is_dir():
+                parser.error(
+                    f"tree {name} ({root}) has no examples/, which the sections "
+                    f"{', '.join(needy or sorted(NEEDS_EXAMPLES))} load: archive it too "
+                    "(git archive REV cudafut benchmarks examples)"
+                )
     return 1 if run(args.tree, args.rounds, args.out, bench_args, args.timeout, envs) else 0
 
 
