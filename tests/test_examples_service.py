@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import types
 import urllib.request
@@ -59,15 +60,41 @@ def test_the_comparison_table_has_a_row_per_handler() -> None:
     }  # fmt: skip
     results = {
         "resnet50": {
-            "closed": {"nogpu": r, "batch_graph": r},
+            "closed": {"nogpu": r, "batch_graph": r, "batch": {**r, "main_thread_cpu": 0.71}},
             "open": {"nogpu/2": {"rate": 617.0, "nogpu": r}},
             "threads": {"launch": {"1": r}},
         }
     }
     text = "\n".join(compare.table(results))
     assert "| batch_graph | 1,234 | 5.00 | 12.5 | 0.40 / 1.20 / 3.00 | 98 % | 50 % | 12.0 | 0 / 0 |" in text
+    assert "| batch | 1,234 | 5.00 | 12.5 | 0.40 / 1.20 / 3.00 | 98 % (71 %) | 50 % | 12.0 | 0 / 0 |" in text
     assert "open loop at 617 req/s" in text
     assert "| 1 thread(s) |" in text
+
+
+def test_the_sampler_tells_the_main_threads_cpu_from_the_whole_servers() -> None:
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("psutil")
+    compare = load_example(SERVICE / "compare.py")
+    sampler = compare._Sampler(os.getpid(), 0.0, 0.0)
+    total0, main0 = sampler._cpu_seconds()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        deadline = time.thread_time() + 0.2
+        while time.thread_time() < deadline:  # this (main) thread's CPU, the worker's beside it
+            pass
+    finally:
+        stop.set()
+        worker.join()
+    total1, main1 = sampler._cpu_seconds()
+    assert 0 < main1 - main0 < total1 - total0
 
 
 def _free_port() -> int:
@@ -105,7 +132,7 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     np.save(ref_path, _reference())
     port = _free_port()
     cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
-    cmd += ["--wait-policy", "low_cpu"]  # the option parses and applies without a GPU
+    cmd += ["--wait-policy", "low_cpu", "--max-in-flight", "3"]  # the options parse (and apply) without a GPU
     server = subprocess.Popen([*cmd, "--reference", str(ref_path)], cwd=ROOT, env=dict(os.environ))
     try:
         _wait_until_up(server, port, 60, "the server")

@@ -8,12 +8,16 @@ servers, half ``run_in_executor``'s maximum for the unbatched ones, and
 for several processes half the no-GPU fronts' ceiling or, where lower,
 half the GPUs' own limit). Each
 row has req/s, latency, ``/health`` latency, the server's CPU (its worker
-processes included), the GPU's busy fraction, the mean batch and the number
+processes included) and its main thread's (server.py's event loop), the
+GPU's busy fraction, the mean batch and the number
 of wrong answers (every answer is checked against the model run eagerly on
 one image). ``python -m cudafut bench --only serve`` runs this and commits
 the figures; run it alone with::
 
     python examples/service/compare.py --models resnet50 --seconds 5 [--open] [--quick]
+
+``--server-args`` passes options to every server.py, e.g. the batcher's
+pipeline (``--server-args="--max-batch 64 --max-in-flight 4"``).
 
 Needs a GPU, torchvision and the ``service`` extra (``pip install -e
 '.[service]'``: aiohttp, psutil, uvloop); LitServe where installed
@@ -28,6 +32,7 @@ import functools
 import json
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -147,27 +152,32 @@ def serving(
 
 
 class _Sampler:
-    """The server's CPU time (its children included) and the GPU's busy
-    fraction over a window of wall time."""
+    """The server's CPU time (its children included), its main thread's,
+    and the GPU's busy fraction over a window of wall time."""
 
     def __init__(self, pid: int, start: float, end: float) -> None:
         self.pid, self.start, self.end = pid, start, end
         self.cpu: float | None = None
+        self.main_cpu: float | None = None
         self.gpu: float | None = None
         self.stats: tuple[dict[str, Any], dict[str, Any]] | None = None
         self.port = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _cpu_seconds(self) -> float:
+    def _cpu_seconds(self) -> tuple[float, float]:
+        """The CPU seconds of the server with its children, and of its main
+        thread alone (on Linux a process's main thread has its pid)."""
         import psutil
 
         proc = psutil.Process(self.pid)
-        total = 0.0
+        total = main = 0.0
         for p in [proc, *proc.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
                 total += t.user + t.system
-        return total
+        with contextlib.suppress(psutil.Error):
+            main = sum(t.user_time + t.system_time for t in proc.threads() if t.id == self.pid)
+        return total, main
 
     def _run(self) -> None:
         nvml: Any = None
@@ -179,14 +189,16 @@ class _Sampler:
         except Exception:  # noqa: BLE001 - no NVML: no GPU figure
             nvml = None
         time.sleep(max(0.0, self.start - time.time()))
-        cpu0 = self._cpu_seconds()
+        cpu0, main0 = self._cpu_seconds()
         stats0 = _stats(self.port)
         busy: list[float] = []
         while time.time() < self.end:
             if nvml is not None:
                 busy.append(nvml[0].nvmlDeviceGetUtilizationRates(nvml[1]).gpu / 100.0)
             time.sleep(0.1)
-        self.cpu = (self._cpu_seconds() - cpu0) / (self.end - self.start)
+        cpu1, main1 = self._cpu_seconds()
+        self.cpu = (cpu1 - cpu0) / (self.end - self.start)
+        self.main_cpu = (main1 - main0) / (self.end - self.start)
         self.stats = (stats0, _stats(self.port))
         self.gpu = float(np.mean(busy)) if busy else None
 
@@ -203,8 +215,9 @@ def _stats(port: int) -> dict[str, Any]:
 def measure(
     proc: subprocess.Popen[bytes], port: int, ref_path: str, *, seconds: float, warmup: float, **load: Any
 ) -> dict[str, Any]:
-    """One load run against the server ``proc`` on ``port``, with its CPU,
-    the GPU's busy fraction and the batcher's mean batch over the window."""
+    """One load run against the server ``proc`` on ``port``, with its CPU
+    (and its main thread's), the GPU's busy fraction and the batcher's mean
+    batch over the window."""
     start = time.time() + 2.0
     sampler = _Sampler(proc.pid, start + warmup, start + warmup + seconds)
     sampler.port = port
@@ -212,6 +225,7 @@ def measure(
     out = run_load(port, reference=ref_path, seconds=seconds, warmup=warmup, start=start, **load)
     sampler.thread.join(timeout=60)
     out["server_cpu"] = None if sampler.cpu is None else round(sampler.cpu, 3)
+    out["main_thread_cpu"] = None if sampler.main_cpu is None else round(sampler.main_cpu, 3)
     out["gpu_busy"] = None if sampler.gpu is None else round(sampler.gpu, 3)
     mean_batch = None
     if sampler.stats is not None:
@@ -266,11 +280,13 @@ def compare(
     fronts: int = 4,
     devices: int = 1,
     gpu_procs: int = 1,
+    server_args: tuple[str, ...] = (),
     step: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
     """Every model and mode, closed loop (and open loop); see the module.
     ``threads``: launcher thread counts to also try with ``launch`` and
-    ``batch_graph`` (closed loop, the first model)."""
+    ``batch_graph`` (closed loop, the first model). ``server_args``: more
+    options for every server.py."""
     if any(m.startswith("litserve") for m in modes) and not has_litserve():
         modes = tuple(m for m in modes if not m.startswith("litserve"))
         step("LitServe is not installed: its rows are skipped")
@@ -294,7 +310,15 @@ def compare(
                 port = _free_port()
                 log = Path(tmp) / f"{model}-{mode}.log"
                 with serving(
-                    model, mode, port, ref_path, log, fronts=fronts, devices=devices, gpu_procs=gpu_procs
+                    model,
+                    mode,
+                    port,
+                    ref_path,
+                    log,
+                    extra=server_args,
+                    fronts=fronts,
+                    devices=devices,
+                    gpu_procs=gpu_procs,
                 ) as proc:
                     try:
                         r = run(proc, port, clients=clients)
@@ -327,7 +351,7 @@ def compare(
             if "nogpu" in row["closed"] and len(row["closed"]) > 1:
                 port = _free_port()
                 log = Path(tmp) / f"{model}-nogpu-again.log"
-                with serving(model, "nogpu", port, ref_path, log) as proc:
+                with serving(model, "nogpu", port, ref_path, log, extra=server_args) as proc:
                     r = run(proc, port, clients=clients)
                 row["again"] = {"nogpu": r}
                 step(f"{model} nogpu closed again, after the others: {_line(r)}")
@@ -336,7 +360,7 @@ def compare(
                     for n in threads:
                         port = _free_port()
                         log = Path(tmp) / f"{model}-{mode}-{n}.log"
-                        with serving(model, mode, port, ref_path, log, threads=n) as proc:
+                        with serving(model, mode, port, ref_path, log, threads=n, extra=server_args) as proc:
                             r = run(proc, port, clients=clients)
                         row["threads"].setdefault(mode, {})[str(n)] = r
                         step(f"{model} {mode} with {n} launcher threads: {_line(r)}")
@@ -346,8 +370,8 @@ def compare(
 def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['rps']} req/s, p50 {r['p50_ms']} p99 {r['p99_ms']} ms, /health p99 {r['health']['p99_ms']} ms, "
-        f"cpu {r['server_cpu']}, gpu {r['gpu_busy']}, batch {r['mean_batch']}, wrong {r['wrong']}, "
-        f"errors {r['errors']}"
+        f"cpu {r['server_cpu']} (main thread {r.get('main_thread_cpu')}), gpu {r['gpu_busy']}, "
+        f"batch {r['mean_batch']}, wrong {r['wrong']}, errors {r['errors']}"
     )
 
 
@@ -355,8 +379,8 @@ def table(results: dict[str, Any]) -> list[str]:
     """Markdown tables of :func:`compare`'s results."""
     lines: list[str] = []
     head = (
-        "| handler | req/s | p50 ms | p99 ms | /health p50 / p99 / max ms | server CPU | GPU busy "
-        "| mean batch | wrong / errors |"
+        "| handler | req/s | p50 ms | p99 ms | /health p50 / p99 / max ms | server CPU (main thread) "
+        "| GPU busy | mean batch | wrong / errors |"
     )
     rule = "|---|---|---|---|---|---|---|---|---|"
 
@@ -368,7 +392,8 @@ def table(results: dict[str, Any]) -> list[str]:
             _num(r["p50_ms"]),
             _num(r["p99_ms"]),
             f"{_num(h['p50_ms'])} / {_num(h['p99_ms'])} / {_num(h['max_ms'])}",
-            _pct(r["server_cpu"]),
+            _pct(r["server_cpu"])
+            + ("" if r.get("main_thread_cpu") is None else f" ({_pct(r['main_thread_cpu'])})"),
             _pct(r["gpu_busy"]),
             "" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
             f"{r['wrong']} / {r['errors']}",
@@ -422,6 +447,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--open", action="store_true", help="also measure open loop")
     parser.add_argument("--quick", action="store_true", help="1 s per run, 2 load processes (a smoke run)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more options for every server.py, one string (e.g. '--max-batch 64 --max-in-flight 4')",
+    )
     args = parser.parse_args(argv)
     from cudafut._cli.selfcheck import require_gpu
 
@@ -439,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
         fronts=args.fronts,
         devices=args.devices,
         gpu_procs=args.gpu_procs,
+        server_args=tuple(shlex.split(args.server_args)),
     )
     print("\n".join(table(results)))
     if args.json:

@@ -29,6 +29,9 @@ Run it (from the repository root, on a machine with a GPU and torchvision;
 ``--wait-policy`` picks how the loop's waiter polls (a preset of
 :func:`cudafut.set_wait_policy`, or ``notify`` for CUDA notices), to see
 what the waiter's spins cost a loop that also serves HTTP.
+``--max-batch`` and ``--max-in-flight`` size the batch modes' pipeline:
+when every batch is full (``GET /stats``: ``mean_batch``) and the GPU has
+room, more batches in flight serve more (docs/serving.md, ``Batcher``).
 
 It prints ``READY <port>`` once the model is warm (and, in the modes that
 launch, each launcher thread has run it once: :func:`cudafut.warm_launchers`);
@@ -71,6 +74,7 @@ def make_compute(
     *,
     max_batch: int = 32,
     max_delay_s: float = 0.002,
+    max_in_flight: int = 2,
 ) -> tuple[Compute, Any]:
     """The handler's computation for ``mode``, and the batcher (or None)."""
     if mode == "nogpu":
@@ -140,6 +144,7 @@ def make_compute(
             served.answer_graphed if graphs else served.answer,
             max_batch=max_batch,
             max_delay_s=max_delay_s,
+            max_in_flight=max_in_flight,
             buckets=BUCKETS if graphs else None,
         )
 
@@ -191,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference", help="nogpu: the reference logits (.npy, from compare.py)")
     parser.add_argument("--max-batch", type=int, default=32, help="batch modes: the largest batch")
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batch modes: the longest wait")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=2, help="batch modes: most batches not yet answered"
+    )
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the event loop")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
     parser.add_argument(
@@ -222,7 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     elif ref is None:
         parser.error("--mode nogpu needs --reference")
     compute, batcher = make_compute(
-        args.mode, served, ref, max_batch=args.max_batch, max_delay_s=args.max_delay_ms / 1e3
+        args.mode,
+        served,
+        ref,
+        max_batch=args.max_batch,
+        max_delay_s=args.max_delay_ms / 1e3,
+        max_in_flight=args.max_in_flight,
     )
     app = make_app(compute, batcher)
     loop = None
