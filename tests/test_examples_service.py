@@ -69,6 +69,9 @@ def test_the_comparison_table_has_a_row_per_handler() -> None:
     assert "| batch_graph | 1,234 | 5.00 | 12.5 | 0.40 / 1.20 / 3.00 | 98 % | 50 % | 12.0 | 0 / 0 |" in text
     assert "| batch | 1,234 | 5.00 | 12.5 | 0.40 / 1.20 / 3.00 | 98 % (71 %) | 50 % | 12.0 | 0 / 0 |" in text
     assert "open loop at 617 req/s" in text
+    # the main thread's CPU is the loop's only in server.py's one process
+    assert compare._one_loop("batch_graph") and compare._one_loop("nogpu")
+    assert not any(map(compare._one_loop, ("litserve", "fronts", "nogpu_fronts", "litserve_fronts")))
     assert "| 1 thread(s) |" in text
 
 
@@ -132,7 +135,12 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     np.save(ref_path, _reference())
     port = _free_port()
     cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
-    cmd += ["--wait-policy", "low_cpu", "--max-in-flight", "3"]  # the options parse (and apply) without a GPU
+    cmd += [
+        "--wait-policy",
+        "low_cpu",
+        "--max-in-flight",
+        "3",
+    ]  # they parse without a GPU (the policy also applies)
     server = subprocess.Popen([*cmd, "--reference", str(ref_path)], cwd=ROOT, env=dict(os.environ))
     try:
         _wait_until_up(server, port, 60, "the server")
@@ -141,6 +149,21 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
         assert out["health"]["p50_ms"] is not None
         out = _load(port, ref_path, "--rate", "200")  # open loop
         assert out["mode"] == "open" and out["requests"] > 0 and out["wrong"] == 0
+        # compare.py's measurement of it (in a process of its own: load.py's
+        # clients are spawned and import it by name): the server's CPU, and
+        # its main thread's (its event loop) only where asked
+        script = (
+            "import json, sys, types; sys.path.insert(0, sys.argv[1]); import compare; "
+            "proc = types.SimpleNamespace(pid=int(sys.argv[2])); "
+            "print(json.dumps([compare.measure(proc, int(sys.argv[3]), sys.argv[4], seconds=0.5, warmup=0.2, "
+            "procs=1, clients=2, one_loop=one) for one in (True, False)]))"
+        )
+        cmd = [sys.executable, "-c", script, str(SERVICE), str(server.pid), str(port), str(ref_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+        for r, one_loop in zip(json.loads(proc.stdout.strip().splitlines()[-1]), (True, False), strict=True):
+            assert r["requests"] > 0 and r["wrong"] == 0 and r["server_cpu"] > 0
+            assert (r["main_thread_cpu"] is not None) is one_loop
         # answers checked against another reference are caught
         np.save(ref_path, _reference() + 1.0)
         assert _load(port, ref_path, "--clients", "2")["wrong"] > 0

@@ -8,16 +8,17 @@ servers, half ``run_in_executor``'s maximum for the unbatched ones, and
 for several processes half the no-GPU fronts' ceiling or, where lower,
 half the GPUs' own limit). Each
 row has req/s, latency, ``/health`` latency, the server's CPU (its worker
-processes included) and its main thread's (server.py's event loop), the
-GPU's busy fraction, the mean batch and the number
+processes included) and, for server.py, its main thread's (the event
+loop), the GPU's busy fraction, the mean batch and the number
 of wrong answers (every answer is checked against the model run eagerly on
 one image). ``python -m cudafut bench --only serve`` runs this and commits
 the figures; run it alone with::
 
     python examples/service/compare.py --models resnet50 --seconds 5 [--open] [--quick]
 
-``--server-args`` passes options to every server.py, e.g. the batcher's
-pipeline (``--server-args="--max-batch 64 --max-in-flight 4"``).
+``--server-args`` passes options to every server.py (not to LitServe's
+or multiproc.py's servers), e.g. the batcher's pipeline
+(``--server-args="--max-batch 64 --max-in-flight 4"``).
 
 Needs a GPU, torchvision and the ``service`` extra (``pip install -e
 '.[service]'``: aiohttp, psutil, uvloop); LitServe where installed
@@ -213,11 +214,19 @@ def _stats(port: int) -> dict[str, Any]:
 
 
 def measure(
-    proc: subprocess.Popen[bytes], port: int, ref_path: str, *, seconds: float, warmup: float, **load: Any
+    proc: subprocess.Popen[bytes],
+    port: int,
+    ref_path: str,
+    *,
+    seconds: float,
+    warmup: float,
+    one_loop: bool = True,
+    **load: Any,
 ) -> dict[str, Any]:
-    """One load run against the server ``proc`` on ``port``, with its CPU
-    (and its main thread's), the GPU's busy fraction and the batcher's mean
-    batch over the window."""
+    """One load run against the server ``proc`` on ``port``, with its CPU,
+    the GPU's busy fraction and the batcher's mean batch over the window;
+    with ``one_loop`` (a server.py: its main thread runs the event loop)
+    also its main thread's CPU."""
     start = time.time() + 2.0
     sampler = _Sampler(proc.pid, start + warmup, start + warmup + seconds)
     sampler.port = port
@@ -225,7 +234,8 @@ def measure(
     out = run_load(port, reference=ref_path, seconds=seconds, warmup=warmup, start=start, **load)
     sampler.thread.join(timeout=60)
     out["server_cpu"] = None if sampler.cpu is None else round(sampler.cpu, 3)
-    out["main_thread_cpu"] = None if sampler.main_cpu is None else round(sampler.main_cpu, 3)
+    main = sampler.main_cpu if one_loop else None  # elsewhere the main thread only supervises
+    out["main_thread_cpu"] = None if main is None else round(main, 3)
     out["gpu_busy"] = None if sampler.gpu is None else round(sampler.gpu, 3)
     mean_batch = None
     if sampler.stats is not None:
@@ -321,7 +331,7 @@ def compare(
                     gpu_procs=gpu_procs,
                 ) as proc:
                     try:
-                        r = run(proc, port, clients=clients)
+                        r = run(proc, port, clients=clients, one_loop=_one_loop(mode))
                     except BaseException:  # the server's own account of what went wrong, then the error
                         step(f"{model} {mode}: the load failed; the server's log ends:\n{_tail(log)}")
                         raise
@@ -342,7 +352,7 @@ def compare(
                                 # Half what the GPUs can do, not more: a rate
                                 # beyond them measures only a growing queue.
                                 rate, label = round(gpus / 2, 1), "GPU limit/2"
-                            r = run(proc, port, clients=0, rate=rate)
+                            r = run(proc, port, clients=0, rate=rate, one_loop=_one_loop(mode))
                             row["open"].setdefault(label, {"rate": rate})[mode] = r
                             step(f"{model} {mode} open at {rate}/s: {_line(r)}")
             # The no-GPU ceiling again, after the other handlers: within one
@@ -365,6 +375,12 @@ def compare(
                         row["threads"].setdefault(mode, {})[str(n)] = r
                         step(f"{model} {mode} with {n} launcher threads: {_line(r)}")
     return results
+
+
+def _one_loop(mode: str) -> bool:
+    """Whether ``mode``'s server is server.py: one process whose main thread
+    runs the event loop (LitServe's and multiproc.py's supervise others)."""
+    return mode in MODES and mode != "litserve"
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -450,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--server-args",
         default="",
-        help="more options for every server.py, one string (e.g. '--max-batch 64 --max-in-flight 4')",
+        help="more options for every server.py (not LitServe's or multiproc.py's), one string, "
+        "e.g. '--max-batch 64 --max-in-flight 4'",
     )
     args = parser.parse_args(argv)
     from cudafut._cli.selfcheck import require_gpu

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=32, help="batch modes: the largest batch")
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batch modes: the longest wait")
     parser.add_argument(
-        "--max-in-flight", type=int, default=2, help="batch modes: most batches not yet answered"
+        "--max-in-flight", type=int, default=2, help="batch modes: the most batches running at once"
     )
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the event loop")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
