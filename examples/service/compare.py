@@ -384,9 +384,10 @@ def _one_loop(mode: str) -> bool:
 
 
 def _line(r: dict[str, Any]) -> str:
+    main = "" if r.get("main_thread_cpu") is None else f" (main thread {r['main_thread_cpu']})"
     return (
         f"{r['rps']} req/s, p50 {r['p50_ms']} p99 {r['p99_ms']} ms, /health p99 {r['health']['p99_ms']} ms, "
-        f"cpu {r['server_cpu']} (main thread {r.get('main_thread_cpu')}), gpu {r['gpu_busy']}, "
+        f"cpu {r['server_cpu']}{main}, gpu {r['gpu_busy']}, "
         f"batch {r['mean_batch']}, wrong {r['wrong']}, errors {r['errors']}"
     )
 
