@@ -169,12 +169,8 @@ def test_the_load_generator_checks_every_answer_of_the_no_gpu_server(tmp_path: P
     np.save(ref_path, _reference())
     port = _free_port()
     cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
-    cmd += [
-        "--wait-policy",
-        "low_cpu",
-        "--max-in-flight",
-        "3",
-    ]  # they parse without a GPU (the policy also applies)
+    # These parse without a GPU (the policy also applies).
+    cmd += ["--wait-policy", "low_cpu", "--max-in-flight", "3"]
     server = subprocess.Popen([*cmd, "--reference", str(ref_path)], cwd=ROOT, env=dict(os.environ))
     try:
         _wait_until_up(server, port, 60, "the server")
