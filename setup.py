@@ -1,10 +1,10 @@
-"""Builds cudafut's hot-path modules as C extensions, compiled by Cython from
-their own ``.py`` source (the list is ``MODULES`` in cudafut/_compiled.py).
+"""Builds cudafut's native core: ``cudafut/_core.pyx`` (Cython) and
+``cudafut/_waker.c`` (the list is ``MODULES`` in cudafut/_compiled.py).
 
 The extensions are optional: with ``CUDAFUT_NO_EXTENSIONS=1``, without
-Cython, or where the C compiler fails, the package installs as pure Python
-(a warning says so) and works the same, only slower. Everything else about
-the package is in pyproject.toml.
+Cython, or where the C compiler fails, the package installs the pure-Python
+core (a warning says so) and works the same, only slower. Everything else
+about the package is in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -19,17 +19,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 
-#: Cython's settings. Annotations stay hints, as in pure Python (with
-#: annotation_typing a parameter annotated ``float`` would refuse ``None``
-#: and an ``int`` one a NumPy integer): the compiled module behaves exactly
-#: as its source does.
-DIRECTIVES = {
-    "language_level": 3,
-    "annotation_typing": False,
-    "binding": True,
-    "embedsignature": False,
-    "always_allow_keywords": True,
-}
+#: Cython's settings (each .pyx may set more in its first line).
+DIRECTIVES = {"language_level": 3}
 
 
 def modules() -> tuple[str, ...]:
@@ -55,10 +46,11 @@ def extensions() -> list[Extension]:
     except ImportError:
         warn("Cython is not installed")
         return []
-    exts = [Extension(name, [name.replace(".", "/") + ".py"]) for name in modules()]
+    exts = [
+        Extension(name, [name.replace(".", "/") + ".pyx"], libraries=["dl", "pthread"]) for name in modules()
+    ]
     compiled: list[Extension] = cythonize(exts, compiler_directives=DIRECTIVES, quiet=True)
-    # The native notice threads (plain C: no Python fallback of the same
-    # logic; without it the waiter uses CUDA host functions).
+    # The native notice threads (plain C).
     compiled.append(Extension("cudafut._waker", ["cudafut/_waker.c"], libraries=["dl", "pthread"]))
     return compiled
 

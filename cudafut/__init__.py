@@ -19,11 +19,6 @@ docs/performance.md for the CPU measured.
 :class:`CudaUnavailableError` if CUDA cannot be used.
 """
 
-# First: CUDAFUT_PURE=1 must choose the .py sources before any is imported.
-from . import _compiled
-
-_compiled.install()
-
 from ._batcher import Batcher as Batcher
 from ._batcher import BatcherStatistics as BatcherStatistics
 from ._bridges import from_torch as from_torch

@@ -9,11 +9,10 @@ Costs (measured with CuPy 14.2, see docs/performance.md): an event record is
 under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 0.4 µs and releases the GIL.
 
-Compiled with the core (cudafut/_compiled.py), as plain Python: a compiled
-module still reads its globals from its dictionary at each call, so
-:func:`swap` rebinding them reaches every caller, this module's own
-functions included. This module must therefore get no ``.pxd`` and no
-``cpdef`` function: those would bind calls at compile time, past a swap.
+The native core (cudafut/_core.pyx) makes the event calls of its records
+from C where it can, and comes here for the rest; each record asks the
+backend that made it through :class:`RecordCalls`, so that the fake's
+records never reach CUDA.
 """
 
 from __future__ import annotations
@@ -544,6 +543,12 @@ def event_query(event: int) -> int:
     Non-blocking, holds the GIL (CuPy does not release it here).
     """
     return int(_rt.eventQuery(event))
+
+
+def event_error(code: int, device: int) -> CudaError:
+    """The :class:`CudaError` of an event that reported ``code`` (a runtime
+    ``cudaError_t``) on ``device``."""
+    return cuda_error(code, device)
 
 
 def stream_wait(stream: int, event: int, device: int) -> None:
@@ -1385,6 +1390,45 @@ def _unswap(restores: list[Callable[[], None]], saved: dict[str, Any], count: in
         globals().update(saved)
         _count = count
         _swapped = None
+
+
+class RecordCalls:
+    """What an event record asks of the backend that made it: its status,
+    a stream's wait on it, the error of a status, and whether the backend
+    can still be used.
+
+    A record keeps the object of its backend for as long as it lives, so
+    that a record of :mod:`cudafut.testing`'s fake asks the fake, never
+    CUDA, even after the fake is removed. :data:`CUDA` is CUDA's (this
+    module's functions); the fake's backend is its own.
+    """
+
+    __slots__ = ()
+
+    # This module's functions looked up at each call, as the core's calls do
+    # (a test may replace one).
+    def event_query(self, event: int) -> int:
+        return event_query(event)
+
+    def stream_wait(self, stream: int, event: int, device: int) -> None:
+        stream_wait(stream, event, device)
+
+    def event_error(self, code: int, device: int) -> CudaError:
+        return event_error(code, device)
+
+    def ended(self) -> str | None:
+        """Why this backend can no longer be used, or None (CUDA: never)."""
+        return None
+
+
+#: The record calls of CUDA (see :class:`RecordCalls`).
+CUDA: Final = RecordCalls()
+
+
+def record_calls() -> Any:
+    """The record calls of the backend installed now: :data:`CUDA`, or
+    :mod:`cudafut.testing`'s fake."""
+    return CUDA if _swapped is None else _swapped[0]
 
 
 if TYPE_CHECKING:  # mypy: this module's functions implement the interface

@@ -16,9 +16,9 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from . import _cuda, _pools
+from . import _compiled, _cuda, _pools
 from ._errors import CudaError
 
 # Per stream, the numbers handed out (next() on an itertools.count is one C
@@ -43,14 +43,20 @@ class EventRecord:
     """A CUDA event recorded on a stream, and what is known of its status.
 
     ``status`` is ``None`` while the work may be pending, ``0`` once it is
-    complete, or the CUDA error code the event reported.
+    complete, or the CUDA error code the event reported. ``calls`` is the
+    backend that made it (:class:`cudafut._cuda.RecordCalls`: CUDA or
+    :mod:`cudafut.testing`'s fake), which it asks for as long as it lives;
+    ``pool``, the event pool its handle returns to when it is garbage
+    (``None``: it owns no pooled event).
     """
 
     __slots__ = (
+        "calls",
         "confirm",
         "device",
         "failure",
         "handle",
+        "pool",
         "seen",
         "seq",
         "status",
@@ -59,8 +65,20 @@ class EventRecord:
         "t",
     )
 
+    #: Whether a newer record of the stream seen complete answers for this
+    #: one without a query: never in this twin (the native core's watermark).
+    ordered: ClassVar[bool] = False
+
     def __init__(
-        self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
+        self,
+        handle: int,
+        device: int,
+        stream: int,
+        stream_key: tuple[int, ...],
+        seq: int,
+        t: float,
+        calls: Any = None,
+        pool: Any = None,
     ) -> None:
         self.handle = handle
         self.device = device
@@ -78,16 +96,23 @@ class EventRecord:
         #: Asked once the event completes: an error means the work did not
         #: succeed after all (an NCCL kernel that an abort ended early).
         self.confirm: Callable[[], CudaError | None] | None = None
+        self.calls: Any = _cuda.CUDA if calls is None else calls
+        self.pool: Any = pool
 
     def query(self) -> int | None:
         """Non-blocking: the status, asking CUDA only while it is unknown."""
         status = self.status
         if status is None:
-            raw = _cuda.event_query(self.handle)
+            raw = self.calls.event_query(self.handle)
             if raw != _cuda.NOT_READY and self.failure is None:
                 return self.settle(raw)
             return self.status
         return status
+
+    def known(self) -> int | None:
+        """The status if it is known without asking CUDA, else None: never
+        a driver call (finalizers ask this; the watcher thread asks CUDA)."""
+        return self.status
 
     def settle(self, raw: int) -> int | None:
         """Take ``raw``, the event's final status (0 or an error code), once
@@ -107,7 +132,7 @@ class EventRecord:
         error :meth:`fail_with` gave it)."""
         status = self.status
         if status:
-            return self.failure or _cuda.cuda_error(status, self.device)
+            return self.failure or self.calls.event_error(status, self.device)
         return None
 
     def fail_with(self, error: Exception) -> None:
@@ -122,44 +147,46 @@ class EventRecord:
     def wait_on(self, stream: int, device: int) -> None:
         """Make ``stream`` wait for this record, unless it is known complete."""
         if self.status is None:
-            _cuda.stream_wait(stream, self.handle, device)
+            self.calls.stream_wait(stream, self.handle, device)
 
     def ended(self) -> str | None:
         """Why this record's backend can no longer be used, or None: a
-        record of :mod:`cudafut.testing`'s fake GPU once the fake has ended
+        record of :mod:`cudafut.testing`'s fake once the fake has ended
         says so (asked only when a call on its future failed for want of
         CUDA, to name the real cause)."""
-        return None
+        return self.calls.ended()  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         state = {None: "pending", 0: "complete", FAILED: "failed"}.get(self.status, f"error {self.status}")
         return f"<EventRecord device={self.device} stream={self.stream:#x} seq={self.seq} {state}>"
 
     def __del__(self) -> None:
-        # Not contextlib.suppress: it costs a µs, and this runs for every record.
-        try:  # noqa: SIM105
-            _pools.events.release(self.device, self.handle)
-        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at shutdown)
-            pass
+        pool = self.pool
+        if pool is not None:
+            # Not contextlib.suppress: it costs a µs, and this runs for every record.
+            try:  # noqa: SIM105
+                pool.release(self.device, self.handle)
+            except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at shutdown)
+                pass
 
 
-#: What record() makes: EventRecord, or the record type of cudafut.testing's
-#: fake (its records ask the fake, never CUDA, even after it is removed).
-_record_type: type[EventRecord] = EventRecord
+#: The record calls of the backend installed (:func:`cudafut._cuda.record_calls`),
+#: kept here for record(): CUDA's, or those of cudafut.testing's fake.
+_calls: Any = _cuda.CUDA
 
 
-def _swap_record_type(backend: Any) -> Callable[[], None]:
-    global _record_type
-    saved, _record_type = _record_type, backend.record_type
+def _swap_calls(backend: Any) -> Callable[[], None]:
+    global _calls
+    saved, _calls = _calls, backend
 
     def restore() -> None:
-        global _record_type
-        _record_type = saved
+        global _calls
+        _calls = saved
 
     return restore
 
 
-_cuda.on_swap(_swap_record_type)
+_cuda.on_swap(_swap_calls)
 
 
 def _stream_key(stream: int, device: int) -> tuple[int, ...]:
@@ -168,32 +195,38 @@ def _stream_key(stream: int, device: int) -> tuple[int, ...]:
     return (device, stream)
 
 
-def record(stream: int, device: int, confirm: Callable[[], CudaError | None] | None = None) -> EventRecord:
+def record(
+    stream: int, device: int, confirm: Callable[[], CudaError | None] | None = None, owner: object = None
+) -> EventRecord:
     """Record a pooled event on ``stream`` of ``device`` (host: < 2 µs).
 
     ``confirm``, if given, is called (in the polling thread) when the event
     is first seen complete; an error it returns fails the record instead.
+    ``owner``: the stream object whose handle ``stream`` is, if the caller
+    has it (the native core's watermark needs it; this twin has none).
     """
-    handle = _pools.events.acquire(device)
+    pool = _pools.events
+    handle = pool.acquire(device)
     key = (device, stream) if stream != 2 else _stream_key(stream, device)
     try:
         _cuda.event_record(handle, stream, device)
     except BaseException:
-        _pools.events.release(device, handle)
+        pool.release(device, handle)
         raise
     counter = _counters.get(key)
     if counter is None:
         counter = _counters.setdefault(key, itertools.count(1))  # one count, whichever thread wins
     seq = next(counter)
     _sequence[key] = seq
-    rec = _record_type(handle, device, stream, key, seq, time.perf_counter())
+    rec = EventRecord(handle, device, stream, key, seq, time.perf_counter(), _calls, pool)
     rec.confirm = confirm
     return rec
 
 
 def record_current(device: int) -> EventRecord:
     """Record on the calling thread's current stream of ``device``."""
-    return record(int(_cuda.current_stream(device).ptr), device)
+    stream = _cuda.current_stream(device)
+    return record(int(stream.ptr), device, None, stream)
 
 
 def is_newest(rec: EventRecord) -> bool:
@@ -213,3 +246,19 @@ def first_error(records: tuple[EventRecord, ...]) -> Exception | None:
         if rec.status:
             return rec.error()
     return None
+
+
+# The native twin (cudafut/_core.pyx) replaces this module's records where it
+# was built, as CPython's _asyncio replaces asyncio.futures.Future: the
+# classes and functions above stay the reference (CUDAFUT_PURE=1).
+# record_current() stays Python in both cores: it calls this module's
+# record(), which tests and the mutation check replace.
+_native = _compiled.native()
+if _native is not None:
+    _native.bind(_pools, is_newest)
+    globals().update(
+        EventRecord=_native.EventRecord,
+        record=_native.record,
+        is_newest=_native.is_newest,
+        first_error=_native.first_error,
+    )

@@ -1073,11 +1073,13 @@ class CudaFuture(Generic[T]):
         elif state is _SET:
             # Other streams may still read these buffers; freeing them now
             # would let the memory pool hand them out again (docs/design.md,
-            # hazard 5). A query (under 2 µs) spares the watcher thread work
-            # already done; records known complete (an awaited future's)
-            # need not even that.
+            # hazard 5). Records known complete (an awaited future's, or
+            # answered by their stream's watermark) need no CUDA call; for
+            # the others a query (under 2 µs) spares the watcher thread work
+            # already done (handing every dropped future to it, unasked,
+            # kept it busy enough to slow the caller's thread twofold).
             for rec in self._records:
-                if rec.status is None:
+                if rec.known() is None:
                     break
             else:
                 return
@@ -1350,7 +1352,7 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
     else:
         ptr, device = _cuda.stream_handle(stream)
         order_foreign(value, lambda _d: (ptr, device))
-        records = (_events.record(ptr, device),)
+        records = (_events.record(ptr, device, None, stream),)
     return set_future(value, records, keep, "record")
 
 

@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, overload
 
-from . import _cuda, _events, _lifetimes, _torch
+from . import _cuda, _events, _lifetimes, _pools, _torch
 from ._events import EventRecord
 from ._future import (
     CudaFuture,
@@ -143,6 +143,8 @@ class _Launchers:
         # (and hanging every later launch on the device).
         with _cuda.on_device(device):
             self.streams = [_cuda.new_stream(device, 0) for _ in range(threads)]
+        for stream in self.streams:
+            _pools.keep_stream(stream, device)
         self.threads = [
             threading.Thread(
                 target=_serve,

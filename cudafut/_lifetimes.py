@@ -48,6 +48,10 @@ class Record(Protocol):
         """The status (0 done, an error code), or None while pending."""
         ...
 
+    def known(self) -> int | None:
+        """The status if known without asking CUDA, else None."""
+        ...
+
 
 class Keeper(Protocol):
     """What watches the records of :func:`hold` (the watcher thread)."""
@@ -99,7 +103,7 @@ def keep_until(records: Sequence[Record], obj: object) -> bool:
     each), then :func:`hold`. Raises what a query raises (``CudaError``, or
     ``CudaUnavailableError`` in a forked child): the caller decides.
     """
-    pending = [r for r in records if r.query() is None]
+    pending = [r for r in records if r.known() is None and r.query() is None]
     if pending:
         hold(pending, obj)
         return True

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from . import _cuda
+from . import _compiled, _cuda
 
 #: Accepted values of the ``priority`` argument, and the CUDA priority asked
 #: for.  CUDA clamps the number into the device's range, so -1024 means "the
@@ -96,6 +96,7 @@ class EventPool:
         self._count_lock = threading.RLock()
         self._created: dict[int, int] = {}
         self._destroyed: dict[int, int] = {}
+        self._closed = False
 
     def acquire(self, device: int) -> int:
         try:
@@ -108,6 +109,8 @@ class EventPool:
             return handle
 
     def release(self, device: int, handle: int) -> None:
+        if self._closed:
+            return
         try:
             free = self._free[device]
         except KeyError:
@@ -118,6 +121,11 @@ class EventPool:
             _cuda.event_destroy(handle)
             with self._count_lock:
                 self._destroyed[device] = self._destroyed.get(device, 0) + 1
+
+    def close(self) -> None:
+        """Take no handle back from now on (the pool of a backend that has
+        ended: cudafut.testing's fake, whose records may outlive it)."""
+        self._closed = True
 
     def counts(self) -> tuple[dict[int, int], dict[int, int]]:
         """Per device: (free handles, handles in use)."""
@@ -163,6 +171,7 @@ class StreamPool:
         with self._lock:
             while len(streams) <= i:
                 stream = _cuda.new_stream(device, priority)
+                keep_stream(stream, device)
                 self._owned[int(stream.ptr)] = (stream, priority)
                 streams.append(stream)
             return streams[i]
@@ -211,6 +220,7 @@ class TaskStreamPool:
                 self._leases[int(stream.ptr)] += 1
                 return stream
         stream = _cuda.new_stream(device, 0)
+        keep_stream(stream, device)
         with self._lock:
             self._streams[device].append(stream)
             self._leases[int(stream.ptr)] = 1
@@ -247,6 +257,18 @@ class TaskStreamPool:
                 for device, streams in self._streams.items()
             }
 
+
+def keep_stream(stream: Any, device: int) -> None:
+    """Say that ``stream``, made by cudafut and kept for the process's life,
+    never gives its handle to another stream (the native core may then
+    answer for its older records from its newest one known complete)."""
+
+
+# The native twins (cudafut/_core.pyx) where they were built: the event pool
+# in C arrays, and the streams' state that keep_stream marks.
+_native = _compiled.native()
+if _native is not None:
+    globals().update(EventPool=_native.EventPool, keep_stream=_native.keep_stream)
 
 # Not Final: cudafut.testing's fake CUDA gets pools of its own (_swap_pools).
 events = EventPool()

@@ -183,9 +183,15 @@ class Watchlist:
                     if record.query() is None:
                         record.seen = now
                         break
-                    if first and self._learn:  # later ones completed unseen: they teach nothing
-                        predictor.observe(record, now)
+                    if first:
+                        if self._learn:  # later ones completed unseen: they teach nothing
+                            predictor.observe(record, now)
                         first = False
+                        if record.ordered and n - i > 2:
+                            # Ask the newest: if it is complete, the native
+                            # core's watermark answers every older one from
+                            # memory, without a driver query each.
+                            watches[n - 1].record.query()
                     watch.callback = None
                     self._live -= 1
                     fired.append((callback, record))

@@ -49,7 +49,7 @@ from typing import Any, Final
 
 from . import _checks, _cuda, _pools
 from ._errors import CudaError, CudaUnavailableError
-from ._events import FAILED, EventRecord
+from ._events import FAILED
 from ._future import CudaFuture, records_of, when_set
 from ._log import logger
 
@@ -195,14 +195,16 @@ class _Backend:
         self._local = threading.local()
         self._numbers = itertools.count()
         self._handles = itertools.count(-1, -1)  # negative: never a real event's
-        # handle -> event, from event_record() until its record takes it.
+        # handle -> the event it was last recorded as (a handle is pooled:
+        # one entry per handle the fake made), and when a wait first found
+        # it pending (monotonic; for the hint).
         self._recorded: dict[int, _Event] = {}
+        self._asked: dict[int, float] = {}
         # (device, stream handle) -> [newest event, events it waits for since].
         self._streams: dict[tuple[int, int], list[Any]] = {}
         self._pending: dict[int, _Event] = {}  # by number
         self._defaults = [FakeStream(self, d, 0) for d in range(devices)]
         self._made: dict[int, FakeStream] = {s.ptr: s for s in self._defaults}
-        self.record_type = _record_type(self)
         # Notices (close_after): file descriptors to close when their event
         # completes; and those of failed events, which CUDA never closes.
         self._notices: list[tuple[_Event, int]] = []
@@ -305,9 +307,39 @@ class _Backend:
                 self._pending[ev.number] = ev
             state[0], state[1] = ev, []
             self._recorded[event] = ev
+            self._asked.pop(event, None)
 
     def stream_wait(self, stream: int, event: int, device: int) -> None:
-        pass  # an event of no fake record (real CUDA's, a test's): nothing to order
+        ev = self._recorded.get(event)
+        if ev is not None:  # else an event of no fake record (a test's): nothing to order
+            self.wait(stream, device, ev)
+
+    # -- the record calls (cudafut._cuda.RecordCalls): what the fake's event
+    # records ask it, for as long as they live --
+
+    def event_query(self, event: int) -> int:
+        ev = self._recorded.get(event)
+        if ev is None:  # recorded without event_record() (a test's): nothing to wait for
+            return 0
+        raw = ev.status
+        if raw is None:
+            if not self.hinted:  # still pending: hint past hint_after_s
+                now = time.monotonic()
+                since = self._asked.setdefault(event, now)
+                if since != now:
+                    self.still_pending(since, now)
+            return _cuda.NOT_READY
+        return raw
+
+    def event_error(self, code: int, device: int) -> CudaError:
+        return _fake_error(code, device)
+
+    def ended(self) -> str | None:
+        return None if self.active else _ENDED_FUTURE
+
+    def event_of(self, handle: int) -> _Event | None:
+        """The event ``handle`` was last recorded as (None: not by this fake)."""
+        return self._recorded.get(handle)
 
     def notice_stream(self, device: int) -> int:
         return 0  # the fake's notices need no stream
@@ -315,7 +347,7 @@ class _Backend:
     def close_after(self, record: Any, fd: int, stream: int) -> None:
         # As CUDA's host function: ``fd`` is closed when the record's event
         # completes (in the thread that completes it), never if it fails.
-        ev: _Event | None = getattr(record, "event", None)
+        ev = self._recorded.get(record.handle) if getattr(record, "calls", None) is self else None
         with self._lock:
             if ev is not None and ev.status is None:
                 self._notices.append((ev, fd))
@@ -413,14 +445,6 @@ class _Backend:
 
     # -- events --
 
-    def take(self, handle: int) -> _Event:
-        with self._lock:
-            ev = self._recorded.pop(handle, None)
-        if ev is None:  # recorded without event_record(): nothing to wait for
-            ev = _Event(-1, ())
-            ev.status = 0
-        return ev
-
     def wait(self, stream: int, device: int, ev: _Event) -> None:
         with self._lock:
             if ev.status is None:
@@ -476,61 +500,11 @@ class _Backend:
             logger.warning(_STILL_PENDING, waited)
 
 
-def _record_type(backend: _Backend) -> type[EventRecord]:
-    """The record type of one fake: its records ask it, never CUDA, for as
-    long as they live (after the fake is removed too)."""
-
-    class FakeEventRecord(EventRecord):
-        __slots__ = ("asked", "event")
-
-        def __init__(
-            self, handle: int, device: int, stream: int, stream_key: tuple[int, ...], seq: int, t: float
-        ) -> None:
-            super().__init__(handle, device, stream, stream_key, seq, t)
-            self.event = backend.take(handle)
-            self.asked = 0.0  # when first found pending (monotonic; 0: never)
-
-        def query(self) -> int | None:
-            if self.status is None:
-                raw = self.event.status
-                if raw is not None and self.failure is None:
-                    return self.settle(raw)
-                if raw is None and not backend.hinted:  # still pending: hint past hint_after_s
-                    now = time.monotonic()
-                    if not self.asked:
-                        self.asked = now
-                    else:
-                        backend.still_pending(self.asked, now)
-            return self.status
-
-        def error(self) -> Exception | None:
-            status = self.status
-            if status:
-                return self.failure or _fake_error(status, self.device)
-            return None
-
-        def wait_on(self, stream: int, device: int) -> None:
-            if self.status is None:
-                backend.wait(stream, device, self.event)
-
-        def ended(self) -> str | None:
-            return None if backend.active else _ENDED_FUTURE
-
-        def __del__(self) -> None:
-            pool = backend.pool
-            if backend.active and pool is not None:  # never into real CUDA's pool
-                try:  # noqa: SIM105 - as EventRecord.__del__
-                    pool.release(self.device, self.handle)
-                except Exception:  # noqa: BLE001 - a destructor must not raise
-                    pass
-
-    return FakeEventRecord
-
-
 def _events_of(backend: _Backend, future: object) -> list[_Event]:
     if not isinstance(future, CudaFuture):
         raise TypeError(f"expected a CudaFuture, not {type(future).__name__}")
-    return [r.event for r in records_of(future) if isinstance(r, backend.record_type)]  # type: ignore[attr-defined]
+    events = (backend.event_of(r.handle) for r in records_of(future) if r.calls is backend)
+    return [ev for ev in events if ev is not None]
 
 
 class FakeCuda:
@@ -717,7 +691,8 @@ def fake_cuda(
         yield FakeCuda(backend)
     finally:
         backend.complete_all()
-        backend.active = False  # the fake's records no longer go back to its pool
+        backend.active = False
+        backend.pool.close()  # the fake's records no longer go back to its pool
         try:
             restore()
         finally:

@@ -13,7 +13,19 @@ import asyncio
 from typing import Any
 
 import cudafut
-from cudafut import _cuda, _events, _future, _lifetimes, _loops, _pools, _shared, _tasks, _tracked, _values
+from cudafut import (
+    _compiled,
+    _cuda,
+    _events,
+    _future,
+    _lifetimes,
+    _loops,
+    _pools,
+    _shared,
+    _tasks,
+    _tracked,
+    _values,
+)
 from cudafut._future import _SET, CudaFuture
 
 _idle: dict[int, Any] = {}
@@ -90,7 +102,7 @@ _settle = _future._settle
 
 def _settle_recorded_early(fut, fn, args, kwargs, streams, keep):
     real = _events.record
-    _events.record = lambda stream, device, confirm=None: _idle_record(device)
+    _events.record = lambda stream, device, confirm=None, owner=None: _idle_record(device)
     try:
         _settle(fut, fn, args, kwargs, streams, keep)
     finally:
@@ -108,7 +120,7 @@ def _tracked_no_wait(rec: _events.EventRecord, stream: int, device: int) -> int:
 def _tracked_exit_recorded_early(leave: Any) -> Any:
     def mutated(self: Any, *exc: Any) -> None:
         real = _events.record
-        _events.record = lambda stream, device, confirm=None: _idle_record(device)
+        _events.record = lambda stream, device, confirm=None, owner=None: _idle_record(device)
         try:
             leave(self, *exc)
         finally:
@@ -168,7 +180,7 @@ def _share_event_unordered(pending: list[_events.EventRecord]) -> tuple[int, int
 
 MUTATIONS = {
     # every cudaStreamWaitEvent becomes a no-op
-    "stream_wait": lambda: setattr(_cuda, "stream_wait", _no_stream_wait),
+    "stream_wait": lambda: _both("stream_wait", _cuda, "stream_wait", _no_stream_wait),
     # wait(): the caller's current stream no longer waits on the events
     "wait_stream_wait": lambda: setattr(CudaFuture, "wait", _wait_without_stream_wait),
     # then(): the child's pool stream no longer waits on the parent
@@ -183,10 +195,9 @@ MUTATIONS = {
     "record_record": lambda: _patch_record(_record_recorded_early),
     # then() / submit(): the child's events no longer follow fn's work
     "settle_record": lambda: setattr(_future, "_settle", _settle_recorded_early),
-    # every event query reports "complete" at once (await, result(), done()).
-    # Through the seam: compiled, EventRecord is an extension type, whose
-    # methods cannot be replaced (cudafut/_events.pxd).
-    "query": lambda: setattr(_cuda, "event_query", _always_complete),
+    # every event query reports "complete" at once (await, result(), done()):
+    # through the seam, and in the native core, whose records ask CUDA from C
+    "query": lambda: _both("query", _cuda, "event_query", _always_complete),
     # an await among others (asyncio) returns without waiting for its record
     "await_one": lambda: setattr(_loops._AsyncioAwait, "__next__", _await_one_at_once),
     # then() children and submit() futures stop keeping their inputs alive
@@ -217,6 +228,15 @@ MUTATIONS = {
     # the producing process: tests/shared_worker.py applies it there too)
     "share_event": lambda: setattr(_shared, "_event_after", _share_event_unordered),
 }
+
+
+def _both(name: str, module: Any, attr: str, mutated: Any) -> None:
+    """A mutation of the seam, and the same in the native core, whose
+    records call CUDA from C."""
+    setattr(module, attr, mutated)
+    native = _compiled.native()
+    if native is not None:
+        native._mutate(name)
 
 
 def apply(name: str) -> None:

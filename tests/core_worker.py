@@ -1,6 +1,6 @@
 """A worker for tests/test_cores.py: runs sequences of operations on
 cudafut's fake GPU and prints what a user would observe, one JSON line per
-sequence. Started twice, with and without ``CUDAFUT_PURE=1``: the compiled
+sequence. Started twice, with and without ``CUDAFUT_PURE=1``: the native
 and the pure core must print the same lines.
 
 Input, one JSON line per sequence: a list of ``[op, a, b]`` (see ``run``).

@@ -2,7 +2,8 @@
 
 ``benchmarks/calls.py`` counts, on cudafut.testing's fake GPU, the Python
 calls cudafut makes per operation and the objects each pending await keeps
-for the garbage collector. The counts are deterministic, so this holds them
+for the garbage collector. The counts are nearly deterministic (the
+watcher thread's share varies by a fraction of a call), so this holds them
 under budgets: today's counts (Python 3.11-3.13 agree within a call or two).
 A change that adds work to the hot path fails here; if the work is wanted,
 measure its cost on a GPU (``python -m cudafut bench --only host --only
@@ -21,27 +22,28 @@ import pytest
 from benchmarks import calls
 from cudafut import _compiled
 
-#: cudafut's own Python calls per operation, at most.
+#: cudafut's own Python calls per operation, at most: (native core, pure
+#: core). The native core's event records make no Python call of their own.
 CALL_BUDGETS = {
-    ("single", "record(x, stream=s)"): 23,
-    ("single", "result() of done work"): 13,
-    ("single", "then() per link, on done work"): 44,
-    ("single", "await of done work"): 11,
-    # Raised from 10 and 45 by the one-object await (_loops._AsyncioAwait):
-    # on the pure core its methods are Python calls where an asyncio
-    # future's were C ones, yet 10,000 awaits cost less host CPU against
-    # plain asyncio, on both cores (docs/performance.md, "step three").
-    # Python 3.12 counts these two higher than 3.11 under pytest.
-    ("concurrent", "cudafut await (record on a stream, completed in bulk)"): 49,
+    # A dropped pending future hands its value to the watcher thread (no
+    # query in a finalizer): the counts vary by a fraction with its timing.
+    ("single", "record(x, stream=s)"): (23, 27),
+    ("single", "result() of done work"): (13, 14),
+    ("single", "then() per link, on done work"): (39, 50),
+    ("single", "await of done work"): (11, 11),
+    # Python 3.12 counts this one a call or two higher than 3.11 under pytest.
+    ("concurrent", "cudafut await (record on a stream, completed in bulk)"): (44, 53),
 }
 
 #: Objects tracked by the garbage collector per pending await, over what a
-#: plain asyncio future's await keeps (its task, coroutine, future...): the
-#: future, its event record and their tuples, and the one object that does
-#: an asyncio await among others (``_loops._AsyncioAwait``). Both cores
-#: alike: that path runs no generator, whose locals a compiled core would
-#: keep in a closure object of their own. (Before it: 12 more, 14 compiled.)
-GC_OBJECTS_OVER_PLAIN = 6.2
+#: plain asyncio future's await keeps (its task, coroutine, future...):
+#: (native core, pure core). The future, its records' tuple and the one
+#: object that does an asyncio await among others
+#: (``_loops._AsyncioAwait``); on the pure core, the event record and its
+#: stream key too (the native core's records are not tracked).
+GC_OBJECTS_OVER_PLAIN = (4.2, 6.2)
+
+NATIVE = _compiled.native() is not None
 
 PLAIN = "peer: plain asyncio futures, set in bulk"
 CONCURRENT = "cudafut await (record on a stream, completed in bulk)"
@@ -57,7 +59,7 @@ def test_cudafut_calls_per_operation_stay_within_budget(
     counts: dict[str, Any], part: str, operation: str
 ) -> None:
     got = counts[part][operation]["cudafut calls"]
-    budget = CALL_BUDGETS[part, operation]
+    budget = CALL_BUDGETS[part, operation][0 if NATIVE else 1]
     assert got <= budget, (
         f"{operation}: {got} cudafut calls per operation, over its budget of {budget}: measure the "
         "added work on a GPU and raise the budget in tests/test_calls.py if it is wanted"
@@ -67,7 +69,7 @@ def test_cudafut_calls_per_operation_stay_within_budget(
 def test_a_pending_await_keeps_few_objects_for_the_collector(counts: dict[str, Any]) -> None:
     mine = counts["concurrent"][CONCURRENT]["gc objects per pending await"]
     plain = counts["concurrent"][PLAIN]["gc objects per pending await"]
-    assert mine - plain <= GC_OBJECTS_OVER_PLAIN, (mine, plain)
+    assert mine - plain <= GC_OBJECTS_OVER_PLAIN[0 if NATIVE else 1], (mine, plain)
 
 
 def test_the_plain_asyncio_peer_makes_no_cudafut_call(counts: dict[str, Any]) -> None:
@@ -75,10 +77,7 @@ def test_the_plain_asyncio_peer_makes_no_cudafut_call(counts: dict[str, Any]) ->
     assert counts["concurrent"][PLAIN]["cudafut calls"] == 0
     assert counts["single"]["peer: asyncio future create + set + await"]["cudafut calls"] == 0
     mine = counts["concurrent"][CONCURRENT]
-    if _compiled.compiled_modules():  # no frame of cudafut's runs on this path: its C calls show
-        assert mine["all calls"] > counts["concurrent"][PLAIN]["all calls"]
-    else:
-        assert mine["cudafut calls"] > 0
+    assert mine["cudafut calls"] > 0
 
 
 def test_the_markdown_has_a_row_per_operation(counts: dict[str, Any]) -> None:

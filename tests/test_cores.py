@@ -1,4 +1,4 @@
-"""The compiled and the pure-Python core do the same (cudafut/_compiled.py):
+"""The native and the pure-Python core do the same (cudafut/_compiled.py):
 hypothesis drives random sequences of operations (record, set, fail,
 cancel, then, gather, callbacks, result, await, the fake GPU completing its
 work) through two worker processes, one per core, on cudafut.testing's fake
@@ -94,5 +94,5 @@ def test_the_workers_run_the_cores_they_say(workers: tuple[_Worker, _Worker]) ->
     compiled, pure = workers
     assert pure.core.startswith("pure")
     if compiled.core.startswith("pure"):
-        pytest.skip(f"no compiled core here ({compiled.core}): both workers ran the pure core")
-    assert compiled.core in ("compiled", "mixed")
+        pytest.skip(f"no native core here ({compiled.core}): both workers ran the pure core")
+    assert compiled.core == "native"

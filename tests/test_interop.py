@@ -205,7 +205,7 @@ class FakeCuda:
         stack = self.entered.get(device)
         return stack[-1] if stack else types.SimpleNamespace(ptr=self.cupy_current[device])
 
-    def record(self, stream: int, device: int, confirm: object = None) -> Rec:
+    def record(self, stream: int, device: int, confirm: object = None, owner: object = None) -> Rec:
         rec = Rec(stream, 1, device)
         self.records.append(rec)
         self.log.append(("record", stream, device))

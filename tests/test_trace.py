@@ -102,7 +102,7 @@ class FakeGpu:
         self.timing = _Timing()
         self.streams = _StreamPool()
 
-    def record(self, stream: int, device: int, confirm: object = None) -> FakeRecord:
+    def record(self, stream: int, device: int, confirm: object = None, owner: object = None) -> FakeRecord:
         key = (device, stream)
         self.sequence[key] = seq = self.sequence.get(key, 0) + 1
         rec = FakeRecord(stream, seq, device)

@@ -73,7 +73,7 @@ class FakeCuda:
         self.check_unlocked()
         return self.local.stream
 
-    def record(self, stream: int, device: int, confirm: Any = None) -> FakeRecord:
+    def record(self, stream: int, device: int, confirm: Any = None, owner: Any = None) -> FakeRecord:
         self.check_unlocked()
         rec = FakeRecord(stream, device=device)
         self.records.append(rec)

@@ -1,0 +1,112 @@
+"""The native core's event records on a real device (cudafut/_core.pyx):
+CUDA called from C reports pending work as pending; a stream's watermark
+answers for older records only once a newer one has really completed; the
+numbers of records made by several threads on one stream follow the
+stream's order (or the watermark would report unfinished work done); the
+default streams go through the runtime where the fast path cannot name
+their device. Each holds on the pure core too, where it applies."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+
+from cudafut import _compiled, _cuda, _events, _pools
+from tests.kernels import Gate, gated_fill, spin_fill
+
+pytestmark = pytest.mark.gpu
+
+NATIVE = _compiled.native()
+
+
+def _truly_done(rec: Any) -> bool:
+    """What the runtime (CuPy) says of the record's event, past any answer
+    cudafut keeps."""
+    return _cuda.event_query(rec.handle) == 0
+
+
+def test_a_record_behind_unfinished_work_is_pending_and_older_ones_wait_for_a_newer_one(cp: Any) -> None:
+    stream = _pools.streams.get(0, 0)  # cudafut's own: ordered
+    x = cp.zeros(1024, dtype=cp.float32)
+    with stream:
+        spin_fill(x, 1, 0.01)  # the module loaded before the gate closes
+    stream.synchronize()
+    with Gate() as gate:
+        with stream:
+            gated_fill(x, 7, gate)
+        older = _events.record(int(stream.ptr), 0)
+        with stream:
+            spin_fill(x, 8, 0.01)
+        newer = _events.record(int(stream.ptr), 0)
+        assert older.query() is None and newer.query() is None
+        assert not _truly_done(older)
+    stream.synchronize()
+    assert not gate.timed_out
+    counts = NATIVE.counts() if NATIVE is not None else None
+    assert newer.query() == 0
+    assert older.query() == 0 and _truly_done(older)
+    if NATIVE is not None:
+        queried, answered = NATIVE.counts()
+        assert counts is not None and (queried, answered) == (counts[0] + 1, counts[1] + 1)
+    assert float(x[0]) == 8.0
+
+
+def test_records_of_several_threads_on_one_stream_are_numbered_in_the_streams_order(cp: Any) -> None:
+    stream = _pools.streams.get(0, 0)
+    out = cp.zeros(256, dtype=cp.float32)
+    with stream:
+        spin_fill(out, 0, 0.001)
+    stream.synchronize()
+    records: list[Any] = []
+    lock = threading.Lock()
+    start = threading.Barrier(4)
+
+    def produce(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = []
+        cp.cuda.Device(0).use()
+        start.wait()
+        for _ in range(150):
+            with stream:
+                spin_fill(out, 1, rng.uniform(0.0, 0.05))
+            mine.append(_events.record(int(stream.ptr), 0))
+        with lock:
+            records.extend(mine)
+
+    threads = [threading.Thread(target=produce, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records.sort(key=lambda r: r.seq)
+    assert len({r.seq for r in records}) == len(records) == 600
+    # Newest first, while the stream still works: a record the core calls
+    # complete must be complete, whichever record answered for it.
+    wrong = []
+    while not all(r.status == 0 for r in records):
+        for rec in reversed(records):
+            if rec.query() == 0 and not _truly_done(rec):
+                wrong.append(rec.seq)
+    stream.synchronize()
+    assert not wrong, f"reported complete before their work: {wrong[:10]}"
+
+
+@pytest.mark.parametrize("special", [0, 2], ids=["legacy default stream", "per-thread stream"])
+def test_the_default_streams_are_recorded_on_from_a_fresh_thread(cp: Any, special: int) -> None:
+    got: list[Any] = []
+
+    def fresh() -> None:
+        try:
+            rec = _events.record(special, 0)
+            cp.cuda.runtime.deviceSynchronize()
+            got.append(rec.query())
+        except BaseException as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    assert got == [0]
