@@ -266,6 +266,11 @@ def measure(
         if batches:
             mean_batch = round((after.get("items", 0) - before.get("items", 0)) / batches, 2)
     out["mean_batch"] = mean_batch
+    if sampler.stats is not None and all("gc_collections" in s for s in sampler.stats):
+        # Collections of each generation in the window (server.py's /stats).
+        before, after = sampler.stats
+        counts = zip(before["gc_collections"], after["gc_collections"], strict=True)
+        out["gc_collections"] = [b - a for a, b in counts]
     if pauses is not None:
         out["gc"] = pause_summary(read_pauses(pauses, sampler.start, sampler.end))
     return out
