@@ -59,7 +59,7 @@ def tracked(top: int = 8) -> dict[str, Any]:
 
 
 def imports(with_torch: bool) -> dict[str, Any]:
-    out = {"after_imports": tracked()}
+    out: dict[str, Any] = {"after_imports": tracked()}
     if with_torch:
         import torch
 
