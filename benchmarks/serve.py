@@ -18,7 +18,12 @@ Two parts:
   answer checked against the model run eagerly on one image. The no-GPU
   ceiling runs again after the other handlers (it has been seen to rise
   within a run), and the targets take the higher of its two runs. Also
-  the launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``.
+  the launcher thread count (1, 2, 4) for ``launch`` and ``batch_graph``,
+  and open loop at a fixed rate (``CUDAFUT_BENCH_SERVE_RATES``,
+  space-separated req/s; 4,000 unless set, ``""`` for none) for ``nogpu``
+  and ``batch_graph``. Every row reports the server's garbage collections
+  of 5 ms or more in its window (examples/service/pauses.py): how many,
+  the longest, and the longest itself (generation, objects tracked).
 
 - ``processes`` (with ``CUDAFUT_BENCH_SERVE_DEVICES``, e.g. ``"1 2 4"``):
   examples/service/multiproc.py for ResNet-50 on each number of GPUs the
@@ -65,6 +70,24 @@ def _modes() -> tuple[str, ...] | None:
     """The handlers to run (``CUDAFUT_BENCH_SERVE_MODES``), None for all."""
     names = os.environ.get("CUDAFUT_BENCH_SERVE_MODES", "").split()
     return tuple(names) or None
+
+
+#: The fixed open-loop rate(s) unless CUDAFUT_BENCH_SERVE_RATES says otherwise (req/s).
+RATES = (4000.0,)
+
+
+def _rates() -> tuple[float, ...]:
+    """Fixed open-loop rates (``CUDAFUT_BENCH_SERVE_RATES``; :data:`RATES` unset)."""
+    text = os.environ.get("CUDAFUT_BENCH_SERVE_RATES")
+    if text is None:
+        return RATES
+    try:
+        rates = tuple(float(r) for r in text.split())
+    except ValueError:
+        rates = (0.0,)
+    if any(r <= 0 for r in rates):
+        raise ValueError(f"CUDAFUT_BENCH_SERVE_RATES must be request rates such as '4000', not {text!r}")
+    return rates
 
 
 def _whole() -> bool:
@@ -127,9 +150,9 @@ def _compare_module() -> Any:
 
 def steps(quick: bool) -> int:
     n_models = len(_models())
-    per_model = 9 + 6  # closed rows + open rows
+    per_model = 9 + 6 + 2 * len(_rates())  # closed rows + open rows + fixed-rate rows
     if _modes() is not None:
-        per_model = len(_modes() or ()) + 4
+        per_model = len(_modes() or ()) + 4 + 2 * len(_rates())
     return n_models * per_model + (5 + 2 * len(THREADS) if _whole() else 0)
 
 
@@ -328,6 +351,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
         seconds=2.0 if quick else 5.0,
         warmup=0.5 if quick else 1.0,
         open_loop=True,
+        open_rates=_rates(),
         threads=THREADS if _whole() else (),
         step=progress.step,
     )
@@ -377,6 +401,7 @@ def _targets(result: dict[str, Any]) -> list[str]:
                     f"- {model}, open loop at {group['rate']:,.0f}/s: {mode} /health p99 {dh:+.1f} ms over "
                     f"no-GPU (target <= 1 ms), request p99 {dp:+.1f} ms (target <= 10 ms for batch_graph)"
                 )
+            lines += _pause_targets(model, group)
     lines += _process_targets(result.get("processes") or {})
     launch = result.get("launch")
     if launch:
@@ -405,6 +430,24 @@ def _targets(result: dict[str, Any]) -> list[str]:
                 f"warm_launchers() itself {s['prepare_s']} s, loop stall {s['prepare_max_stall_ms']} ms"
             )
     return [*lines, ""]
+
+
+def _pause_targets(model: str, group: dict[str, Any]) -> list[str]:
+    """Issue 47's open-loop targets for ``batch_graph``: request p99, the
+    longest ``/health`` probe and the longest garbage collection, where the
+    run recorded collections (``gc``)."""
+    r = group.get("batch_graph")
+    if r is None or "gc" not in r:
+        return []
+    g = r["gc"]
+    longest = "none over 5 ms" if g["longest_ms"] is None else f"longest {g['longest_ms']} ms"
+    gen = "" if g["longest"] is None else f", generation {g['longest']['generation']}"
+    tracked = "" if g["longest"] is None else f", {g['longest']['tracked']:,} objects tracked"
+    return [
+        f"- {model}, open loop at {group['rate']:,.0f}/s: batch_graph request p99 {r['p99_ms']} ms "
+        f"(target <= 25), /health max {r['health']['max_ms']} ms (target <= 10), garbage collections "
+        f"of 5 ms or more: {g['count']}, {longest}{gen}{tracked} (target: none over 10 ms)"
+    ]
 
 
 def _process_targets(processes: dict[str, Any]) -> list[str]:

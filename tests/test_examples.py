@@ -38,7 +38,7 @@ def load_example(path: Path) -> ModuleType:
         return module
     finally:
         sys.path[:] = saved_path
-        for name in ("toy_model", "model", "models", "batcher", "load"):
+        for name in ("toy_model", "model", "models", "batcher", "load", "pauses"):
             if name not in saved_modules:
                 sys.modules.pop(name, None)
 

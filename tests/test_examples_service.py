@@ -303,6 +303,9 @@ def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_pa
         _wait_until_up(server, port, 120, "the service")
         out = _load(port, ref_path, "--clients", "8")
         assert out["requests"] > 0 and out["wrong"] == 0 and out["errors"] == 0, out
+        # A front froze what its imports and warm-up left before it was ready (docs/serving.md).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=30) as resp:
+            assert json.loads(resp.read())["gc_frozen"] > 10_000
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -18,7 +18,15 @@ the figures; run it alone with::
 
 ``--server-args`` passes options to every server.py (not to LitServe's
 or multiproc.py's servers), e.g. the batcher's pipeline
-(``--server-args="--max-batch 64 --max-in-flight 4"``).
+(``--server-args="--max-batch 64 --max-in-flight 4"``), or
+``--server-args=--no-gc-freeze`` to see the garbage collector's pauses.
+
+``--open-rate R`` (with ``--open``) also runs the open loop of ``nogpu``
+and ``batch_graph`` (and the several-process modes) at ``R`` requests a
+second. Every row reports the garbage collections of 5 ms or more in the
+server's processes during its window (pauses.py: the servers append them
+to a file that this script names in ``CUDAFUT_GC_PAUSES``): how many, and
+the longest.
 
 Needs a GPU, torchvision and the ``service`` extra (``pip install -e
 '.[service]'``: aiohttp, psutil, uvloop); LitServe where installed
@@ -58,6 +66,9 @@ except ImportError as exc:  # one line that says what to install, not a tracebac
     sys.exit(missing("compare.py", exc.name or "aiohttp", exc))
 
 from load import run_load
+from pauses import ENV as PAUSES_ENV
+from pauses import read as read_pauses
+from pauses import summary as pause_summary
 
 HERE = Path(__file__).resolve().parent
 
@@ -129,7 +140,9 @@ def serving(
     else:
         cmd = [sys.executable, str(HERE / "server.py"), "--model", model, "--mode", mode, "--port", str(port)]
         cmd += ["--reference", ref_path, *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The server's processes append their long garbage collections here
+    # (pauses.py): measure() reads those of its window.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{PAUSES_ENV: str(pauses_file(log))})
     if threads is not None:
         env["CUDAFUT_LAUNCH_THREADS"] = str(threads)
     with open(log, "wb") as out:
@@ -204,6 +217,12 @@ class _Sampler:
         self.gpu = float(np.mean(busy)) if busy else None
 
 
+def pauses_file(log: Path) -> Path:
+    """Where :func:`serving`'s server, logging to ``log``, records its
+    garbage collections of 5 ms or more (one JSON line each)."""
+    return log.with_name(log.name + ".gc.jsonl")
+
+
 def _tail(log: Path, chars: int = 4000) -> str:
     return log.read_text(errors="replace")[-chars:]
 
@@ -221,12 +240,15 @@ def measure(
     seconds: float,
     warmup: float,
     one_loop: bool = True,
+    pauses: Path | None = None,
     **load: Any,
 ) -> dict[str, Any]:
     """One load run against the server ``proc`` on ``port``, with its CPU,
     the GPU's busy fraction and the batcher's mean batch over the window;
     with ``one_loop`` (a server.py: its main thread runs the event loop)
-    also its main thread's CPU."""
+    also its main thread's CPU; with ``pauses`` (the file its processes
+    record long garbage collections in: :func:`pauses_file`) those that
+    started in the window (``gc``: :func:`pauses.summary`)."""
     start = time.time() + 2.0
     sampler = _Sampler(proc.pid, start + warmup, start + warmup + seconds)
     sampler.port = port
@@ -244,6 +266,13 @@ def measure(
         if batches:
             mean_batch = round((after.get("items", 0) - before.get("items", 0)) / batches, 2)
     out["mean_batch"] = mean_batch
+    if sampler.stats is not None and all("gc_collections" in s for s in sampler.stats):
+        # Collections of each generation in the window (server.py's /stats).
+        before, after = sampler.stats
+        counts = zip(before["gc_collections"], after["gc_collections"], strict=True)
+        out["gc_collections"] = [b - a for a, b in counts]
+    if pauses is not None:
+        out["gc"] = pause_summary(read_pauses(pauses, sampler.start, sampler.end))
     return out
 
 
@@ -284,6 +313,7 @@ def compare(
     seconds: float = 5.0,
     warmup: float = 1.0,
     open_loop: bool = True,
+    open_rates: tuple[float, ...] = (),
     threads: tuple[int, ...] = (),
     clients: int = 64,
     procs: int = 4,
@@ -294,6 +324,8 @@ def compare(
     step: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
     """Every model and mode, closed loop (and open loop); see the module.
+    ``open_rates``: fixed rates (req/s) at which the open loop of
+    ``nogpu``, ``batch_graph`` and the several-process modes also runs.
     ``threads``: launcher thread counts to also try with ``launch`` and
     ``batch_graph`` (closed loop, the first model). ``server_args``: more
     options for every server.py."""
@@ -330,8 +362,9 @@ def compare(
                     devices=devices,
                     gpu_procs=gpu_procs,
                 ) as proc:
+                    gc_file = pauses_file(log)
                     try:
-                        r = run(proc, port, clients=clients, one_loop=_one_loop(mode))
+                        r = run(proc, port, clients=clients, one_loop=_one_loop(mode), pauses=gc_file)
                     except BaseException:  # the server's own account of what went wrong, then the error
                         step(f"{model} {mode}: the load failed; the server's log ends:\n{_tail(log)}")
                         raise
@@ -352,9 +385,18 @@ def compare(
                                 # Half what the GPUs can do, not more: a rate
                                 # beyond them measures only a growing queue.
                                 rate, label = round(gpus / 2, 1), "GPU limit/2"
-                            r = run(proc, port, clients=0, rate=rate, one_loop=_one_loop(mode))
+                            r = run(
+                                proc, port, clients=0, rate=rate, one_loop=_one_loop(mode), pauses=gc_file
+                            )
                             row["open"].setdefault(label, {"rate": rate})[mode] = r
                             step(f"{model} {mode} open at {rate}/s: {_line(r)}")
+                        if mode in OPEN_BATCHED + OPEN_FRONTS:
+                            for rate in open_rates:
+                                r = run(
+                                    proc, port, clients=0, rate=rate, one_loop=_one_loop(mode), pauses=gc_file
+                                )
+                                row["open"].setdefault(f"{rate:g}/s", {"rate": rate})[mode] = r
+                                step(f"{model} {mode} open at {rate:g}/s: {_line(r)}")
             # The no-GPU ceiling again, after the other handlers: within one
             # call it was seen to rise from run to run (10,365 to 16,461
             # req/s), so a ratio to its first run alone could flatter them.
@@ -362,7 +404,7 @@ def compare(
                 port = _free_port()
                 log = Path(tmp) / f"{model}-nogpu-again.log"
                 with serving(model, "nogpu", port, ref_path, log, extra=server_args) as proc:
-                    r = run(proc, port, clients=clients)
+                    r = run(proc, port, clients=clients, pauses=pauses_file(log))
                 row["again"] = {"nogpu": r}
                 step(f"{model} nogpu closed again, after the others: {_line(r)}")
             if threads and model == models[0]:
@@ -371,7 +413,7 @@ def compare(
                         port = _free_port()
                         log = Path(tmp) / f"{model}-{mode}-{n}.log"
                         with serving(model, mode, port, ref_path, log, threads=n, extra=server_args) as proc:
-                            r = run(proc, port, clients=clients)
+                            r = run(proc, port, clients=clients, pauses=pauses_file(log))
                         row["threads"].setdefault(mode, {})[str(n)] = r
                         step(f"{model} {mode} with {n} launcher threads: {_line(r)}")
     return results
@@ -386,14 +428,23 @@ def _one_loop(mode: str) -> bool:
 def _line(r: dict[str, Any]) -> str:
     main = "" if r.get("main_thread_cpu") is None else f" (main thread {r['main_thread_cpu']})"
     return (
-        f"{r['rps']} req/s, p50 {r['p50_ms']} p99 {r['p99_ms']} ms, /health p99 {r['health']['p99_ms']} ms, "
-        f"cpu {r['server_cpu']}{main}, gpu {r['gpu_busy']}, "
-        f"batch {r['mean_batch']}, wrong {r['wrong']}, errors {r['errors']}"
+        f"{r['rps']} req/s, p50 {r['p50_ms']} p99 {r['p99_ms']} ms, /health p99 {r['health']['p99_ms']} "
+        f"max {r['health']['max_ms']} ms, cpu {r['server_cpu']}{main}, gpu {r['gpu_busy']}, "
+        f"batch {r['mean_batch']}, wrong {r['wrong']}, errors {r['errors']}{_gc_text(r)}"
     )
 
 
+def _gc_text(r: dict[str, Any]) -> str:
+    g = r.get("gc")
+    if g is None:
+        return ""
+    longest = "" if g["longest_ms"] is None else f", longest {g['longest_ms']} ms"
+    return f", gc pauses >= 5 ms: {g['count']}{longest}"
+
+
 def table(results: dict[str, Any]) -> list[str]:
-    """Markdown tables of :func:`compare`'s results."""
+    """Markdown tables of :func:`compare`'s results. A table whose rows
+    recorded garbage collections (``gc``) has a column for them."""
     lines: list[str] = []
     head = (
         "| handler | req/s | p50 ms | p99 ms | /health p50 / p99 / max ms | server CPU (main thread) "
@@ -401,7 +452,7 @@ def table(results: dict[str, Any]) -> list[str]:
     )
     rule = "|---|---|---|---|---|---|---|---|---|"
 
-    def row(name: str, r: dict[str, Any]) -> str:
+    def row(name: str, r: dict[str, Any], gc_column: bool) -> str:
         h = r["health"]
         cells = [
             name,
@@ -415,26 +466,37 @@ def table(results: dict[str, Any]) -> list[str]:
             "" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
             f"{r['wrong']} / {r['errors']}",
         ]
+        if gc_column:
+            g = r.get("gc")
+            cells.append("-" if g is None else f"{g['count']} / {_num(g['longest_ms'])}")
         return "| " + " | ".join(cells) + " |"
+
+    def block(title: str, rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        gc_column = any("gc" in r for _, r in rows)
+        top = (
+            [head + " GC pauses >= 5 ms: count / longest ms |", rule + "---|"] if gc_column else [head, rule]
+        )
+        return [title, "", *top, *(row(name, r, gc_column) for name, r in rows), ""]
 
     for model, m in results.items():
         if not isinstance(m, dict) or "closed" not in m:
             continue
         clients = sorted({r.get("clients", 64) for r in m["closed"].values()})
-        lines += [f"**{model}, closed loop** ({'/'.join(map(str, clients))} clients):", "", head, rule]
-        lines += [row(mode, r) for mode, r in m["closed"].items()]
-        lines += [row(f"{mode} (again, after the others)", r) for mode, r in m.get("again", {}).items()]
-        lines.append("")
+        rows = list(m["closed"].items())
+        rows += [(f"{mode} (again, after the others)", r) for mode, r in m.get("again", {}).items()]
+        lines += block(f"**{model}, closed loop** ({'/'.join(map(str, clients))} clients):", rows)
         for base, group in m["open"].items():
-            why = "half the GPUs' own limit" if base == "GPU limit/2" else f"{base} of the closed loop"
-            lines += [f"**{model}, open loop at {group['rate']:,.0f} req/s** ({why}):", ""]
-            lines += [head, rule]
-            lines += [row(mode, r) for mode, r in group.items() if mode != "rate"]
-            lines.append("")
+            if base == "GPU limit/2":
+                why = "half the GPUs' own limit"
+            elif base.endswith("/s"):
+                why = "a fixed rate"
+            else:
+                why = f"{base} of the closed loop"
+            title = f"**{model}, open loop at {group['rate']:,.0f} req/s** ({why}):"
+            lines += block(title, [(mode, r) for mode, r in group.items() if mode != "rate"])
         for mode, by_threads in m["threads"].items():
-            lines += [f"**{model}, {mode}, launcher threads** (closed loop):", "", head, rule]
-            lines += [row(f"{n} thread(s)", r) for n, r in by_threads.items()]
-            lines.append("")
+            rows = [(f"{n} thread(s)", r) for n, r in by_threads.items()]
+            lines += block(f"**{model}, {mode}, launcher threads** (closed loop):", rows)
     return lines
 
 
@@ -462,6 +524,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--open", action="store_true", help="also measure open loop")
+    parser.add_argument(
+        "--open-rate",
+        type=float,
+        action="append",
+        default=[],
+        metavar="R",
+        help="with --open: also at R req/s (nogpu, batch_graph and the several-process modes); repeatable",
+    )
     parser.add_argument("--quick", action="store_true", help="1 s per run, 2 load processes (a smoke run)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
@@ -482,6 +552,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds=seconds,
         warmup=0.5 if args.quick else 1.0,
         open_loop=args.open,
+        open_rates=tuple(args.open_rate),
         procs=procs,
         clients=args.clients,
         fronts=args.fronts,

@@ -27,6 +27,11 @@ REFERENCE.npy`` runs the fronts alone, answering from the reference table
 without a GPU (a NumPy model on cudafut's fake GPU, whose futures cross
 processes once their work is done). If any process ends, the service stops,
 saying which.
+
+Each process freezes what its imports and warm-up left (``gc.collect()``
+then ``gc.freeze()``, as server.py does; ``--no-gc-freeze`` to compare)
+before it says it is ready, and with ``CUDAFUT_GC_PAUSES=FILE`` appends its
+collections of 5 ms or more to ``FILE`` (pauses.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection
@@ -51,6 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
 from models import BAD_REQUEST, BUCKETS, MODELS, image_index, missing, top_of
+from pauses import record_from_env
 
 import cudafut
 
@@ -74,19 +81,36 @@ def _or_exit(what: str) -> Iterator[None]:
         os._exit(1)
 
 
+def _freeze_warm_objects() -> None:
+    """Move what imports and warm-up left to the collector's permanent
+    generation, where full collections no longer walk it (docs/serving.md,
+    "Garbage-collection pauses"). Collected first: garbage frozen would
+    never be freed. Once, before serving: not per request."""
+    gc.collect()
+    gc.freeze()
+
+
 def gpu_main(
-    device: int, model: str, conns: list[Any], max_batch: int, max_delay_s: float, ready: Any
+    device: int,
+    model: str,
+    conns: list[Any],
+    max_batch: int,
+    max_delay_s: float,
+    ready: Any,
+    freeze: bool = True,
 ) -> None:
     """A GPU process: requests ``(id, k)`` in lists from each front's pipe,
     answers ``(ids, future)`` in lists back down the same pipe (see
-    :func:`_gpu_loop`)."""
+    :func:`_gpu_loop`). With ``freeze``, what warm-up left is frozen before
+    ``ready`` is set."""
+    record_from_env()
     if model == TOY:  # no GPU: the fake GPU, whose futures cross once done
         from ray_serve import Toy
 
         from cudafut.testing import fake_cuda
 
         with fake_cuda(auto_complete=True):
-            asyncio.run(_gpu_loop(Toy().answer, conns, max_batch, max_delay_s, ready))
+            asyncio.run(_gpu_loop(Toy().answer, conns, max_batch, max_delay_s, ready, freeze))
         return
     import torch
     from models import Served
@@ -97,7 +121,7 @@ def gpu_main(
     # Each launcher thread's first model call is slow and holds the GIL in
     # part (docs/serving.md, "Cold launcher threads"): pay it before ready.
     cudafut.warm_launchers(served.answer_on_gpu, [0], device=device).result()
-    asyncio.run(_gpu_loop(served.answer_on_gpu, conns, max_batch, max_delay_s, ready))
+    asyncio.run(_gpu_loop(served.answer_on_gpu, conns, max_batch, max_delay_s, ready, freeze))
 
 
 def _read_on_loop(
@@ -219,7 +243,12 @@ class _Outbox:
 
 
 async def _gpu_loop(
-    run_batch: Callable[[list[int]], Any], conns: list[Any], max_batch: int, max_delay_s: float, ready: Any
+    run_batch: Callable[[list[int]], Any],
+    conns: list[Any],
+    max_batch: int,
+    max_delay_s: float,
+    ready: Any,
+    freeze: bool = True,
 ) -> None:
     """Requests ``(id, k)`` in lists from each front's pipe; answers back
     down the same pipe, in lists of ``(ids, future)``: one future per batch
@@ -280,6 +309,8 @@ async def _gpu_loop(
     )
     async with batcher:
         _read_on_loop(loop, conns, take, stopped.set)  # a front that has gone stops this process
+        if freeze:  # the model, its graphs, the batcher and the launchers live as long as this process
+            _freeze_warm_objects()
         ready.set()
         await stopped.wait()
 
@@ -291,13 +322,21 @@ def _failed(fut: cudafut.CudaFuture[Any]) -> bool:
 
 
 def front_main(
-    port: int, conns: list[Any], reference: str | None, warm: list[int], ready: Any, serving: Any
+    port: int,
+    conns: list[Any],
+    reference: str | None,
+    warm: list[int],
+    ready: Any,
+    serving: Any,
+    freeze: bool = True,
 ) -> None:
     """A front process: HTTP on ``port`` (shared), requests to the GPU
     processes. ``/health`` answers 503 until ``serving`` is set (every
     process of the service ready): a front listens before the GPU processes
     have captured their graphs, and a load balancer must not send it
-    requests meanwhile."""
+    requests meanwhile. With ``freeze``, what its imports and warm-up left
+    (PyTorch's, where it receives GPU futures) is frozen before ``ready``."""
+    record_from_env()
     try:
         from aiohttp import web
     except ImportError as exc:  # one line that says what to install, not a traceback
@@ -365,7 +404,7 @@ def front_main(
         return web.Response(text="ok")
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({**counts, "pid": os.getpid()})
+        return web.json_response({**counts, "pid": os.getpid(), "gc_frozen": gc.get_freeze_count()})
 
     if answers is None and warm:
         # The first future received from each device would otherwise import
@@ -394,6 +433,8 @@ def front_main(
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", port, reuse_port=True)
         await site.start()
+        if freeze:
+            _freeze_warm_objects()
         ready.set()
         await asyncio.Event().wait()
 
@@ -426,6 +467,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-delay-ms", type=float, default=2.0)
     parser.add_argument("--nogpu", metavar="REFERENCE", help="answer from this reference table, no GPU")
     parser.add_argument("--reference", help="ignored (compare.py passes it to every server)")
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="do not freeze what each process's imports and warm-up left (gc.freeze()): to compare",
+    )
     args = parser.parse_args(argv)
     if args.fronts < 1:
         parser.error("--fronts must be at least 1")
@@ -443,7 +489,15 @@ def main(argv: list[str] | None = None) -> None:
         children.append(
             ctx.Process(
                 target=gpu_main,
-                args=(device, args.model, conns, args.max_batch, args.max_delay_ms / 1e3, ready),
+                args=(
+                    device,
+                    args.model,
+                    conns,
+                    args.max_batch,
+                    args.max_delay_ms / 1e3,
+                    ready,
+                    not args.no_gc_freeze,
+                ),
                 name=f"gpu{g}-device{device}",
             )
         )
@@ -455,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         children.append(
             ctx.Process(
                 target=front_main,
-                args=(args.port, conns, args.nogpu, warm, ready, serving),
+                args=(args.port, conns, args.nogpu, warm, ready, serving, not args.no_gc_freeze),
                 name=f"front-{f}",
             )
         )

@@ -37,12 +37,24 @@ It prints ``READY <port>`` once the model is warm (and, in the modes that
 launch, each launcher thread has run it once: :func:`cudafut.warm_launchers`);
 load it with load.py, or
 compare the modes (and LitServe) with compare.py.
+
+Before ``READY`` it also moves every object left by imports, model load and
+warm-up to the collector's permanent generation (``gc.collect()`` then
+``gc.freeze()``): a full collection then no longer walks them, which took
+over 100 ms a time with PyTorch loaded (docs/serving.md, "Garbage-collection
+pauses"). ``--no-gc-freeze`` leaves them, for comparison. ``GET
+/stats?objects=10`` adds the tracked objects and their 10 commonest types
+(it walks them all: for measuring, not for a health check); with
+``CUDAFUT_GC_PAUSES=FILE`` every collection of 5 ms or more is appended to
+``FILE`` (pauses.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import gc
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -55,6 +67,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
 from models import BAD_REQUEST, BUCKETS, MODELS, Served, image_index, missing, require_model_packages, top_of
+from pauses import record_from_env
 
 import cudafut
 
@@ -175,6 +188,10 @@ def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | None) -> web
         if batcher is not None:
             s = batcher.statistics()
             out.update(batches=s.batches, items=s.items, mean_batch=round(s.mean_batch, 2), padded=s.padded)
+        top = request.query.get("objects", "0")
+        if not top.isdigit():
+            raise web.HTTPBadRequest(text="objects= takes how many of the commonest types to list, e.g. 10")
+        out.update(gc_stats(int(top)))
         return web.json_response(out)
 
     if batcher is not None:
@@ -188,7 +205,26 @@ def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | None) -> web
     return app
 
 
+def gc_stats(top: int = 0) -> dict[str, Any]:
+    """The collector's state for ``/stats``: the objects frozen
+    (``gc_frozen``) and each generation's collections so far; with ``top``,
+    also the tracked objects not frozen (``gc_tracked``) and the ``top``
+    commonest of their types (``gc_types``), which walks every one of them
+    (tens of ms for 300,000, with the loop's thread held)."""
+    out: dict[str, Any] = {
+        "gc_frozen": gc.get_freeze_count(),
+        "gc_collections": [g["collections"] for g in gc.get_stats()],
+    }
+    if top > 0:
+        objects = gc.get_objects()
+        out["gc_tracked"] = len(objects)
+        out["gc_types"] = collections.Counter(type(o).__name__ for o in objects).most_common(top)
+        del objects
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
+    record_from_env()  # CUDAFUT_GC_PAUSES=FILE: the benchmark reads the long collections there
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="resnet50")
     parser.add_argument("--mode", choices=MODES, default="batch_graph")
@@ -206,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=("balanced", "low_latency", "low_cpu", "notify"),
         default="balanced",
         help="how the loop's waiter polls (cudafut.set_wait_policy; notify: WaitPolicy(notify=True))",
+    )
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="do not freeze the objects left by model load and warm-up (gc.freeze()): to compare",
     )
     args = parser.parse_args(argv)
     if args.switch_interval_ms:
@@ -243,6 +284,12 @@ def main(argv: list[str] | None = None) -> None:
         import uvloop
 
         loop = uvloop.new_event_loop()
+    if not args.no_gc_freeze:
+        # What imports, model load and warm-up left lives as long as the
+        # process: frozen, full collections stop walking it. Collected first:
+        # garbage frozen would never be freed (once, here: not per request).
+        gc.collect()
+        gc.freeze()
     print(f"READY {args.port}", flush=True)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, loop=loop)
 
