@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
-from . import _cuda, _loops, _torch
+from . import _checks, _cuda, _loops, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import (
@@ -198,10 +198,6 @@ def _check_count(name: str, value: object) -> int:
     return int(value)
 
 
-def _is_async(fn: object) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
-
-
 class Batcher(Generic[In, Out]):
     """Gather concurrent requests into batches, one ``run_batch`` call each.
 
@@ -356,7 +352,7 @@ class Batcher(Generic[In, Out]):
             raise TypeError(f"device must be a CUDA device ordinal (an int) or None, not {device!r}")
         self.device = device
         self.run_batch = run_batch
-        self._async = _is_async(run_batch)
+        self._async = _checks.is_async_callable(run_batch)
         self._queue = collections.deque()
         self._rt = None
         self._nursery_cm = None
