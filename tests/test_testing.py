@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import threading
 import warnings
 from typing import Any
@@ -425,6 +426,42 @@ def test_cudafut_testing_without_its_import_says_to_import_it() -> None:
     assert "add `import cudafut.testing` beside `import cudafut`" in lines[0]
     assert "add `import cudafut.distributed` beside `import cudafut`" in lines[1]
     assert lines[2:] == ["module 'cudafut' has no attribute 'no_such_name'", "fake_cuda"]
+
+
+def test_the_documented_pytest_configuration_silences_pytest_asyncios_warning(
+    pytester: pytest.Pytester,
+) -> None:
+    # docs/testing.md's pyproject.toml snippet, in a user's project that
+    # installed cudafut[test] (pytest-asyncio with it): no deprecation warning
+    # about the unset loop scope, where the same project without it has one.
+    pytest.importorskip("pytest_asyncio")
+    docs = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    [snippet] = re.findall(r"^```toml\n(.*?)^```", docs, re.S | re.M)
+    assert "asyncio_default_fixture_loop_scope" in snippet
+    pytester.makepyfile(
+        """
+        import numpy as np
+        import pytest
+
+        import cudafut
+        import cudafut.testing
+
+
+        @pytest.mark.asyncio
+        async def test_handler(fake_cuda: cudafut.testing.FakeCuda) -> None:
+            fake_cuda.auto_complete = True
+            assert (await cudafut.record(np.arange(3))).tolist() == [0, 1, 2]
+        """
+    )
+    warning = "*PytestDeprecationWarning*asyncio_default_fixture_loop_scope*is unset*"
+    unset = pytester.runpytest_subprocess("-p", "no:cacheprovider")  # a warning at configure time
+    unset.assert_outcomes(passed=1)
+    unset.stderr.fnmatch_lines([warning])
+    pytester.makepyprojecttoml(snippet)
+    configured = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error")
+    configured.assert_outcomes(passed=1)
+    configured.stderr.no_fnmatch_line(warning)
+    configured.stdout.no_fnmatch_line(warning)
 
 
 def test_import_needs_no_cupy() -> None:
