@@ -584,25 +584,16 @@ class Batcher(Generic[In, Out]):
     def _check_loop(self, call: str) -> None:
         """Raise unless the running loop is the one that started the batcher."""
         rt = self._rt
-        if isinstance(rt, _Asyncio) or self._token is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            if rt is not None and loop is rt.loop:
-                return
-        else:
-            trio = sys.modules["trio"]
-            try:
-                token = trio.lowlevel.current_trio_token()
-            except RuntimeError:
-                token = None
-            if token is self._token:
-                return
-        raise InvalidStateError(
-            f"Batcher.{call} must run on the event loop that started the Batcher (its thread), "
-            "not another loop or thread"
-        )
+        library = _loops.current_library()
+        if isinstance(rt, _Asyncio):
+            ok = library is asyncio and asyncio.get_running_loop() is rt.loop
+        else:  # trio: the run whose token start() kept
+            ok = library not in (None, asyncio) and library.lowlevel.current_trio_token() is self._token
+        if not ok:
+            raise InvalidStateError(
+                f"Batcher.{call} must run on the event loop that started the Batcher (its thread), "
+                "not another loop or thread"
+            )
 
     async def _serve_trio(self, trio: Any) -> None:
         """The trio system task of a batcher that :meth:`start` started: a
