@@ -19,6 +19,8 @@ docs/performance.md for the CPU measured.
 :class:`CudaUnavailableError` if CUDA cannot be used.
 """
 
+import typing as _typing
+
 from ._batcher import Batcher as Batcher
 from ._batcher import BatcherStatistics as BatcherStatistics
 from ._bridges import from_torch as from_torch
@@ -127,3 +129,22 @@ for _name in __all__:
     if getattr(_obj, "__module__", "").startswith("cudafut."):
         _obj.__module__ = "cudafut"
 del _name, _obj
+
+
+#: Submodules that ``import cudafut`` leaves out (the fake GPU, NCCL
+#: collectives): each is imported by name, so that cudafut's import stays
+#: light. Looked up here only when the attribute is missing.
+_SUBMODULES = ("testing", "distributed")
+
+
+if not _typing.TYPE_CHECKING:  # a typed __getattr__ would let type checkers take any cudafut.<name>
+
+    def __getattr__(name: str) -> object:
+        # PEP 562: called only for names the module lacks; a newcomer writing
+        # `cudafut.testing.fake_cuda()` after `import cudafut` learns the fix.
+        if name in _SUBMODULES:
+            raise AttributeError(
+                f"module 'cudafut' has no attribute {name!r} until it is imported: add "
+                f"`import cudafut.{name}` beside `import cudafut` (`import cudafut` does not import it)"
+            )
+        raise AttributeError(f"module 'cudafut' has no attribute {name!r}")

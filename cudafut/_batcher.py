@@ -11,17 +11,19 @@ model, with figures.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import contextlib
 import dataclasses
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
-from . import _cuda, _loops, _torch
+from . import _checks, _cuda, _loops, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import (
@@ -49,6 +51,12 @@ _IDLE: Final = 0  # running, not waiting
 _WANT_ITEM: Final = 1  # the queue is empty
 _WANT_FULL: Final = 2  # a batch is forming: wake when it is full
 _WANT_SLOT: Final = 3  # max_in_flight batches run: wake when one ends
+
+# How a Batcher was started: by an `async with` block, or by start() (closed
+# by aclose(), for a framework's start-up and shutdown hooks).
+_NOT_STARTED: Final = 0
+_IN_BLOCK: Final = 1
+_BY_START: Final = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +206,6 @@ def _check_count(name: str, value: object) -> int:
     return int(value)
 
 
-def _is_async(fn: object) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
-
-
 class Batcher(Generic[In, Out]):
     """Gather concurrent requests into batches, one ``run_batch`` call each.
 
@@ -242,6 +246,9 @@ class Batcher(Generic[In, Out]):
     later, its result is dropped. Leaving the ``async with`` block runs what
     is queued and waits for the running batches; leaving it with an
     exception fails the queued requests with :class:`InvalidStateError`.
+    Where a framework starts and stops the service in two hooks (aiohttp's
+    ``on_startup`` and ``on_cleanup``), :meth:`start` and :meth:`aclose` do
+    what entering and leaving the block do, from any tasks of the loop.
 
     Costs on the loop, per request: a future, a queue append and, when the
     batch former waits for requests, its wake-up; per batch: one task and
@@ -279,6 +286,10 @@ class Batcher(Generic[In, Out]):
     _broken: BaseException | None
     _rt: Any
     _nursery_cm: Any
+    _mode: int
+    _token: Any
+    _started: Any
+    _done: Any
     _want: int
     _closing: bool
     _closed: bool
@@ -356,10 +367,14 @@ class Batcher(Generic[In, Out]):
             raise TypeError(f"device must be a CUDA device ordinal (an int) or None, not {device!r}")
         self.device = device
         self.run_batch = run_batch
-        self._async = _is_async(run_batch)
+        self._async = _checks.is_async_callable(run_batch)
         self._queue = collections.deque()
         self._rt = None
         self._nursery_cm = None
+        self._mode = _NOT_STARTED
+        self._token = None
+        self._started = None
+        self._done = None
         self._want = _IDLE
         self._closing = False
         self._closed = False
@@ -431,7 +446,8 @@ class Batcher(Generic[In, Out]):
                     "this Batcher's batch-forming task ended; create a new Batcher"
                 ) from self._broken
             raise InvalidStateError(
-                "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`"
+                "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`, "
+                "or between `await b.start()` and `await b.aclose()`"
             )
         if isinstance(rt, _Asyncio):
             try:
@@ -462,19 +478,169 @@ class Batcher(Generic[In, Out]):
 
     # -- lifetime -------------------------------------------------------------
 
+    async def start(self) -> Batcher[In, Out]:
+        """Start forming batches on the running loop; return the batcher.
+
+        For a service whose start-up and shutdown are two hooks rather than
+        one block: aiohttp's ``on_startup`` and ``on_cleanup``, Starlette's
+        or FastAPI's ``on_startup``/``on_shutdown`` (a lifespan, being one
+        block, can use ``async with`` as well)::
+
+            async def on_startup(app):
+                app["batcher"] = await cudafut.Batcher(run_batch).start()
+
+            async def on_cleanup(app):
+                await app["batcher"].aclose()
+
+        :meth:`submit` works from then on, in any task of this loop, until
+        :meth:`aclose`. Idempotent: a second call (from any task of the
+        same loop) returns the batcher, started once. The batch former
+        belongs to the loop, not to the calling task: on asyncio it is a task
+        of the loop; on trio, a system task (trio ends it with the run, so a
+        batcher never closed does not keep the run alive).
+
+        Cost: on asyncio, one task created, and the call returns at once; on
+        trio, one system task, and the call waits one scheduling round for
+        it to start. Blocks neither the thread nor the loop; touches no
+        GPU.
+
+        Raises:
+            InvalidStateError: the batcher was closed (by :meth:`aclose`
+                or by leaving its ``async with`` block: a Batcher runs once),
+                runs in an ``async with`` block, or was started on another
+                loop or thread.
+            RuntimeError: no asyncio, uvloop or trio loop runs in this
+                thread.
+        """
+        if self._mode == _IN_BLOCK:
+            raise InvalidStateError(
+                "this Batcher runs in an `async with` block, which starts and closes it: do not "
+                "also call start()"
+            )
+        if self._closing or self._closed:
+            raise InvalidStateError(
+                "this Batcher was closed (by aclose() or its `async with` block): a Batcher runs "
+                "once; create a new one"
+            )
+        if self._mode == _BY_START:
+            self._check_loop("start()")
+            if self._started is not None:  # trio: another task's start() waits for the former
+                await self._started.wait()
+            return self
+        library = _loops.current_library()
+        if library is None:
+            raise RuntimeError(
+                "Batcher.start() needs a running asyncio, uvloop or trio loop in this thread: await it "
+                "in a coroutine (a framework's start-up hook)"
+            )
+        self._mode = _BY_START
+        if library is asyncio:
+            self._start_asyncio()
+            return self
+        trio = library
+        self._token = trio.lowlevel.current_trio_token()
+        self._started = started = trio.Event()
+        self._done = trio.Event()
+        trio.lowlevel.spawn_system_task(self._serve_trio, trio, name="cudafut.Batcher")
+        await started.wait()
+        return self
+
+    async def aclose(self) -> None:
+        """Close a batcher that :meth:`start` started: run what is queued,
+        wait for the batches running, and stop forming batches.
+
+        Afterwards :meth:`submit` raises :class:`InvalidStateError`, as it
+        does after an ``async with`` block. Idempotent: a second call (or
+        a call from another task while one closes it) waits for the same
+        close and returns; on a batcher never started it only marks it
+        closed.
+
+        Cost: the wait for the queued and running batches (their GPU work
+        included), without blocking the loop; then nothing. Call it on the
+        loop that started the batcher.
+
+        Raises:
+            InvalidStateError: the batcher runs in an ``async with`` block
+                (leaving the block closes it), or was started on another
+                loop or thread.
+        """
+        if self._mode == _IN_BLOCK:
+            raise InvalidStateError("this Batcher runs in an `async with` block: leaving the block closes it")
+        if self._mode == _NOT_STARTED:
+            self._closing = self._closed = True
+            return
+        self._check_loop("aclose()")
+        if self._done is None:  # asyncio: what leaving a block without an exception does
+            await self.__aexit__(None, None, None)
+            return
+        if self._started is not None:  # a start() still waits for the former to start
+            await self._started.wait()
+        self._closing = True
+        rt = self._rt
+        if rt is not None:
+            rt.wake()
+        await self._done.wait()
+
+    def _check_loop(self, call: str) -> None:
+        """Raise unless the running loop is the one that started the batcher."""
+        rt = self._rt
+        library = _loops.current_library()
+        if isinstance(rt, _Asyncio):
+            ok = library is asyncio and asyncio.get_running_loop() is rt.loop
+        else:  # trio: the run whose token start() kept
+            ok = library not in (None, asyncio) and library.lowlevel.current_trio_token() is self._token
+        if not ok:
+            raise InvalidStateError(
+                f"Batcher.{call} must run on the event loop that started the Batcher (its thread), "
+                "not another loop or thread"
+            )
+
+    async def _serve_trio(self, trio: Any) -> None:
+        """The trio system task of a batcher that :meth:`start` started: a
+        nursery for the former and its batches, open until they end."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._rt = _Trio(trio, nursery)
+                nursery.start_soon(self._form)
+                self._started.set()
+                self._started = None
+        except BaseException as exc:
+            if _only_cancellations(exc):
+                raise  # the run ends: trio cancels its system tasks
+            # Raised from a system task, it would crash the whole run.
+            self._broken = exc
+            logger.error("cudafut: a Batcher's batch-forming task ended", exc_info=exc)
+        finally:
+            self._closing = True
+            self._closed = True
+            self._fail_queued()
+            self._done.set()
+            if self._started is not None:  # it failed before it started
+                self._started.set()
+                self._started = None
+
+    def _start_asyncio(self) -> None:
+        rt = _Asyncio(asyncio.get_running_loop())
+        self._rt = rt
+        rt.spawn(self._form)
+        for task in rt.tasks:  # the former: if it ends early, nothing may hang
+            task.add_done_callback(self._former_ended)
+
     async def __aenter__(self) -> Batcher[In, Out]:
-        if self._rt is not None or self._closed:
+        if self._rt is not None or self._closing or self._closed:
+            if self._mode == _BY_START and not self._closing:
+                raise InvalidStateError(
+                    "this Batcher was started with start(): close it with aclose(), not an `async with` block"
+                )
             raise InvalidStateError("a Batcher runs once: create a new one")
         library = _loops.current_library()
         if library is asyncio:
-            rt = _Asyncio(asyncio.get_running_loop())
-            self._rt = rt
-            rt.spawn(self._form)
-            for task in rt.tasks:  # the former: if it ends early, nothing may hang
-                task.add_done_callback(self._former_ended)
+            self._mode = _IN_BLOCK
+            self._start_asyncio()
             return self
         if library is None:
             raise RuntimeError("cudafut.Batcher needs a running asyncio, uvloop or trio loop")
+        self._mode = _IN_BLOCK
         trio = library
         self._nursery_cm = trio.open_nursery()
         nursery = await self._nursery_cm.__aenter__()
@@ -648,6 +814,22 @@ class Batcher(Generic[In, Out]):
             self._in_flight -= 1
             if self._want == _WANT_SLOT:
                 self._rt.wake()
+
+
+def _only_cancellations(exc: BaseException) -> bool:
+    """Whether ``exc`` is a cancellation, or a group (Python 3.11's, or the
+    ``exceptiongroup`` backport's that trio uses on 3.10) of nothing else."""
+    groups = tuple(
+        group
+        for group in (
+            getattr(builtins, "BaseExceptionGroup", None),
+            getattr(sys.modules.get("exceptiongroup"), "BaseExceptionGroup", None),
+        )
+        if group is not None
+    )
+    if groups and isinstance(exc, groups):
+        return all(_only_cancellations(e) for e in exc.exceptions)
+    return _loops.is_cancellation(exc)
 
 
 def _fail_slot(slot: Any, exc: BaseException) -> None:

@@ -1,4 +1,5 @@
-"""Argument checks that several modules share: timeouts and other seconds.
+"""Argument checks that several modules share: timeouts and other seconds,
+and the refusal of coroutine functions where no event loop would run them.
 
 One rule for every number of seconds cudafut takes: any real number
 (``int``, ``float``, NumPy scalars, ``fractions.Fraction``, anything
@@ -10,11 +11,14 @@ limit: threads cannot wait longer than that anyway.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
 import threading
+import types
 from typing import Final
 
-__all__ = ["NO_LIMIT", "real_number", "timeout_seconds"]
+__all__ = ["NO_LIMIT", "is_async_callable", "not_async", "real_number", "timeout_seconds"]
 
 #: The longest a thread can wait (``threading`` refuses more with
 #: ``OverflowError``): timeouts at or beyond it mean "no limit".
@@ -67,3 +71,46 @@ def timeout_seconds(timeout: object, what: str = "timeout", *, positive: bool = 
     if timeout >= NO_LIMIT:  # type: ignore[operator]  # numbers.Real declares no comparison with float
         return NO_LIMIT
     return float(timeout)
+
+
+#: Callables that :func:`inspect.iscoroutinefunction` judges alone: no
+#: ``__call__`` of theirs to look at (a class's makes an instance). The
+#: common case, a function, then costs one isinstance more, not a lookup.
+_NOT_ASYNC_IF_NOT_ABOVE: Final = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
+
+
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` makes a coroutine: a coroutine function
+    (``async def``), a bound method or a :func:`functools.partial` of one
+    (partials of partials included), or an object whose ``__call__`` is one.
+    A class is not (calling it makes an instance, whatever its
+    ``__call__``). Costs well under a µs for a function, about one for other
+    callables; ``fn`` is not called."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    if isinstance(fn, _NOT_ASYNC_IF_NOT_ABOVE):
+        return False
+    # An instance's __call__, looked up as Python calls it (on the type).
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 - callable() cannot tell async
+    return inspect.iscoroutinefunction(call)
+
+
+def not_async(fn: object, call: str, where: str, instead: str) -> None:
+    """Refuse ``fn`` where it would make a coroutine that nothing awaits.
+
+    ``call`` names the refusing call (``"then()"``), ``where`` says where it
+    runs ``fn``, ``instead`` what to do. The one
+    check behind :meth:`CudaFuture.then`, :func:`cudafut.submit`,
+    :func:`cudafut.launch` and :func:`cudafut.warm_launchers`: called before
+    they enqueue anything. Costs what :func:`is_async_callable` costs.
+
+    Raises:
+        TypeError: ``fn`` is async (see :func:`is_async_callable`).
+    """
+    if is_async_callable(fn):
+        raise TypeError(
+            f"{call} runs fn {where}: no event loop would await the coroutine it returns. {fn!r} "
+            f"is a coroutine function (async def). {instead}"
+        )

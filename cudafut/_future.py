@@ -97,6 +97,19 @@ def _check_callable(fn: object, what: str) -> None:
         raise TypeError(f"{what} needs a callable, not {fn!r}")
 
 
+#: What then() says to do instead of a coroutine function.
+_THEN_INSTEAD: Final = (
+    "Pass a plain function (def) that enqueues the GPU work, or await the future and then the "
+    "coroutine on your loop: `value = await fut; result = await fn(value)`"
+)
+
+#: What submit() says to do instead of a coroutine function.
+_SUBMIT_INSTEAD: Final = (
+    "Pass a plain function (def) that enqueues the GPU work and returns its value, and await "
+    "async code on your loop itself (a cudafut.Batcher's run_batch may be async)"
+)
+
+
 class CudaFuture(Generic[T]):
     """The value of GPU work that has been enqueued and may not have run yet.
 
@@ -553,13 +566,22 @@ class CudaFuture(Generic[T]):
         Returns:
             The child future.
 
+        ``fn`` must be a plain function: it runs in a thread's own call,
+        where no event loop awaits what it returns. A coroutine function
+        (``async def``, a :func:`functools.partial` of one, or an object whose
+        ``__call__`` is one) is refused at the call, before anything is
+        chained.
+
         Raises:
-            TypeError: ``fn`` is not callable.
+            TypeError: ``fn`` is not callable, or is a coroutine function.
             ValueError: ``priority`` is neither ``"normal"`` nor ``"high"``.
             KeyboardInterrupt: (or ``SystemExit``) this future is set and
                 ``fn``, run at once, raised it; the child failed with it.
         """
         _check_callable(fn, "then()")
+        _checks.not_async(
+            fn, "then()", "in the thread that sets this future (at once if it is set)", _THEN_INSTEAD
+        )
         prio = _pools.check_priority(priority)
         if _cuda.forked:  # a flag test, without a call
             _cuda.check_usable()
@@ -1388,8 +1410,19 @@ def submit(
     stored in the future. The future keeps ``args`` and ``kwargs`` alive until
     its events complete. Host cost: ``fn`` plus a few µs; the GPU is not
     synchronised.
+
+    ``fn`` must be a plain function: a coroutine function (``async def``,
+    a :func:`functools.partial` of one, or an object whose ``__call__`` is
+    one) is refused before anything is enqueued.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or is a coroutine function, or
+            ``device`` is not an int.
+        ValueError: ``device`` is out of range, or ``priority`` is neither
+            ``"normal"`` nor ``"high"``.
     """
     _check_callable(fn, "submit()")
+    _checks.not_async(fn, "submit()", "at once, in the calling thread", _SUBMIT_INSTEAD)
     prio = _pools.check_priority(priority)
     if _cuda.forked:  # a flag test, without a call
         _cuda.check_usable()

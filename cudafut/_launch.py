@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, overload
 
-from . import _cuda, _events, _lifetimes, _pools, _torch
+from . import _checks, _cuda, _events, _lifetimes, _pools, _torch
 from ._events import EventRecord
 from ._future import (
     CudaFuture,
@@ -261,12 +261,13 @@ def _pass_on(launchers: _Launchers, warm: _Warm, index: int) -> None:
         warm.cond.wait_for(lambda: len(warm.left) < waiting, _HAND_OVER_S)
 
 
-#: launch()'s refusal of a coroutine function, or of an awaitable ``fn`` returned.
-_ASYNC_FN: Final = (
-    "launch() runs fn on a launcher thread, which has no event loop to run a coroutine: {fn!r} is "
-    "a coroutine function (async def). Make it a plain function (def) that enqueues the GPU work, "
-    "or await the coroutine on your loop itself (cudafut.Batcher takes an async run_batch)"
+#: What launch() and warm_launchers() say to do instead of a coroutine function.
+_INSTEAD_OF_ASYNC: Final = (
+    "Make it a plain function (def) that enqueues the GPU work, or await the coroutine on your "
+    "loop itself (cudafut.Batcher takes an async run_batch)"
 )
+
+#: launch()'s refusal of an awaitable ``fn`` returned.
 
 
 _AWAITABLE: Final = (
@@ -363,8 +364,7 @@ def launch(
     """
     if not callable(fn):
         raise TypeError(f"launch() needs a callable, not {fn!r}")
-    if inspect.iscoroutinefunction(fn):
-        raise TypeError(_ASYNC_FN.format(fn=fn))
+    _checks.not_async(fn, "launch()", "on a launcher thread", _INSTEAD_OF_ASYNC)
     _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     return enqueue(fn, args, kwargs, dev, _torch.current_records(dev))
@@ -415,8 +415,7 @@ def warm_launchers(
     """
     if not callable(fn):
         raise TypeError(f"warm_launchers() needs a callable, not {fn!r}")
-    if inspect.iscoroutinefunction(fn):
-        raise TypeError(_ASYNC_FN.format(fn=fn).replace("launch()", "warm_launchers()", 1))
+    _checks.not_async(fn, "warm_launchers()", "on the launcher threads", _INSTEAD_OF_ASYNC)
     _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
     launchers = _launchers[dev] if dev < len(_launchers) else None

@@ -21,7 +21,9 @@ only after the earlier events of its stream and the events its stream was
 made to wait for (completing a ``then()`` child completes its parent), but
 nothing runs: no kernel, no copy engine, no timing. Work your callbacks
 enqueue with CuPy is not faked (CuPy is never imported; CuPy refusing the
-NumPy array a callback got is a :class:`TypeError` that says so). Calls that
+NumPy array a callback got is a :class:`TypeError` that says so, and so is
+CuPy failing in a callback for want of CUDA, on a machine without a
+driver, before it looks at the array). Calls that
 need CuPy's runtime (pinned memory, :func:`cudafut.own_stream`,
 ``cudafut.distributed``) raise :class:`cudafut.CudaUnavailableError`; calls
 that take GPU memory only (:class:`cudafut.Tracked`,
@@ -116,6 +118,31 @@ def _cupy_refused_numpy(exc: TypeError) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and "cupy" in tb.tb_frame.f_code.co_filename
+
+
+#: CUDA's statuses (runtime and driver API alike) for "no usable CUDA here":
+#: not initialised, insufficient driver, no device, driver mismatch, a
+#: compat package the device does not take.
+_NO_CUDA_STATUSES: Final = frozenset({3, 35, 100, 803, 804})
+
+_CUPY_WITHOUT_CUDA = (
+    "a callback called CuPy, which needs CUDA, and CUDA cannot be used on this machine ({error}). "
+    "cudafut.testing's fake GPU does not fake CuPy: under it, values are NumPy arrays, and so are "
+    "the arrays handed to then(), submit() and launch() callbacks (on a machine with a GPU, CuPy "
+    "refuses them with a TypeError as this does). Write the code under test so that it takes the "
+    "array module (numpy in tests, cupy in production), or test this part on a GPU (docs/testing.md)"
+)
+
+
+def _cupy_without_cuda(exc: Exception) -> bool:
+    """Whether ``exc`` is CuPy's error for a machine without usable CUDA
+    (``cudaErrorInsufficientDriver`` where no driver is installed): CuPy
+    raises it, before it looks at the arguments' types, from most functions
+    (``cp.sqrt``, ``cp.tanh``, ``cp.asarray``, ``cp.zeros``). Told by the
+    class's module and its status, without importing CuPy."""
+    if not type(exc).__module__.startswith(("cupy_backends.", "cupy.")):
+        return False
+    return getattr(exc, "status", None) in _NO_CUDA_STATUSES
 
 
 #: The hint a wait on work the fake keeps pending gives (once per fake).
@@ -275,6 +302,13 @@ class _Backend:
                 except TypeError as exc:
                     if _cupy_refused_numpy(exc):
                         raise TypeError(_CUPY_ON_NUMPY) from exc
+                    raise
+                except Exception as exc:
+                    # The same TypeError on a machine without a driver as on
+                    # one with a GPU, where CuPy refuses the NumPy array: a
+                    # test's outcome must not depend on the CI machine.
+                    if _cupy_without_cuda(exc):
+                        raise TypeError(_CUPY_WITHOUT_CUDA.format(error=exc)) from exc
                     raise
         finally:
             for stream in reversed(entered):

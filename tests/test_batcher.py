@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import testing
+from cudafut import _batcher, testing
 from tests.fakes import FakeRecord, set_future
 
 pytestmark = pytest.mark.anyio
@@ -582,3 +582,143 @@ async def test_submit_future_outside_the_batcher_is_refused() -> None:
     batcher = cudafut.Batcher(run_batch, max_batch=4)
     with pytest.raises(cudafut.InvalidStateError, match="not running"):
         batcher.submit_future(1)
+
+
+# -- start() / aclose(): a framework's start-up and shutdown hooks ---------------------------
+
+
+async def _double(items: list[int]) -> list[int]:
+    await anyio.sleep(0)
+    return [x * 2 for x in items]
+
+
+async def _until_queued(batcher: cudafut.Batcher[Any, Any], n: int) -> None:
+    while batcher.statistics().queued < n:
+        await anyio.sleep(0)
+
+
+async def test_start_and_aclose_from_different_tasks_as_a_frameworks_hooks_do() -> None:
+    batcher = cudafut.Batcher(_double, max_batch=8, max_delay_s=60)
+    async with anyio.create_task_group() as hook:  # the start-up hook: a task that ends
+        hook.start_soon(batcher.start)
+    results: list[int] = []
+
+    async def request(i: int) -> None:
+        results.append(await batcher.submit(i))
+
+    async with anyio.create_task_group() as requests:
+        for i in range(5):
+            requests.start_soon(request, i)
+        # A batch waits 60 s for more requests: only the close runs them.
+        await _until_queued(batcher, 5)
+        async with anyio.create_task_group() as hook:  # the shutdown hook, another task
+            hook.start_soon(batcher.aclose)
+    assert sorted(results) == [0, 2, 4, 6, 8]
+    assert batcher.statistics().batches == 1
+    with pytest.raises(cudafut.InvalidStateError, match="not running"):
+        await batcher.submit(1)
+
+
+async def test_start_and_aclose_are_idempotent() -> None:
+    batcher = cudafut.Batcher(_double, max_batch=8, max_delay_s=0)
+    async with anyio.create_task_group() as tg:  # concurrent starts: one former
+        for _ in range(3):
+            tg.start_soon(batcher.start)
+    assert await batcher.start() is batcher
+    assert await batcher.submit(3) == 6
+    if isinstance(batcher._rt, _batcher._Asyncio):  # one batch former, started once
+        assert [getattr(t.get_coro(), "__name__", None) for t in batcher._rt.tasks].count("_form") == 1
+    async with anyio.create_task_group() as tg:  # concurrent closes: one close
+        for _ in range(3):
+            tg.start_soon(batcher.aclose)
+    await batcher.aclose()
+    with pytest.raises(cudafut.InvalidStateError, match="runs once"):
+        await batcher.start()
+    with pytest.raises(cudafut.InvalidStateError, match="runs once"):
+        async with batcher:
+            pass
+
+
+async def test_aclose_of_a_batcher_never_started_closes_it() -> None:
+    batcher = cudafut.Batcher(_double)
+    await batcher.aclose()
+    await batcher.aclose()
+    with pytest.raises(cudafut.InvalidStateError, match="runs once"):
+        await batcher.start()
+
+
+async def test_start_and_a_with_block_do_not_mix() -> None:
+    started = await cudafut.Batcher(_double).start()
+    with pytest.raises(cudafut.InvalidStateError, match=r"started with start\(\).*aclose"):
+        async with started:
+            pass
+    await started.aclose()
+    async with cudafut.Batcher(_double) as in_block:
+        with pytest.raises(cudafut.InvalidStateError, match="async with"):
+            await in_block.start()
+        with pytest.raises(cudafut.InvalidStateError, match="leaving the block closes it"):
+            await in_block.aclose()
+        assert await in_block.submit(2) == 4
+
+
+def test_start_outside_a_running_loop_says_what_it_needs() -> None:
+    coro = cudafut.Batcher(_double).start()
+    with pytest.raises(RuntimeError, match=r"start\(\) needs a running asyncio, uvloop or trio loop"):
+        coro.send(None)
+    coro.close()
+
+
+@pytest.mark.parametrize("call", ["start", "aclose"])
+def test_start_and_aclose_on_another_loops_thread_are_refused(call: str) -> None:
+    async def main() -> None:
+        batcher = await cudafut.Batcher(_double, max_delay_s=0).start()
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            try:
+                asyncio.run(getattr(batcher, call)())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        await asyncio.to_thread(thread.join)
+        assert len(errors) == 1 and isinstance(errors[0], cudafut.InvalidStateError), errors
+        assert "event loop that started the Batcher" in str(errors[0])
+        assert await batcher.submit(5) == 10  # still running, on its own loop
+        await batcher.aclose()
+
+    asyncio.run(main())
+
+
+def test_on_trio_a_started_batcher_never_closed_does_not_keep_the_run_alive() -> None:
+    import trio
+
+    async def main() -> cudafut.Batcher[int, int]:
+        batcher = await cudafut.Batcher(_double, max_delay_s=0).start()
+        assert await batcher.submit(4) == 8
+        return batcher  # no aclose(): trio cancels the system task with the run
+
+    batcher = trio.run(main)
+    with pytest.raises(cudafut.InvalidStateError):  # and it counts as closed
+        trio.run(batcher.submit, 1)
+
+
+def test_on_trio_aclose_from_another_run_is_refused() -> None:
+    import trio
+
+    async def main() -> None:
+        batcher = await cudafut.Batcher(_double, max_delay_s=0).start()
+        errors: list[BaseException] = []
+
+        def other_run() -> None:
+            try:
+                trio.run(batcher.aclose)
+            except BaseException as exc:
+                errors.append(exc)
+
+        await trio.to_thread.run_sync(other_run)
+        assert len(errors) == 1 and isinstance(errors[0], cudafut.InvalidStateError), errors
+        await batcher.aclose()
+
+    trio.run(main)

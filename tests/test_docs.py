@@ -218,6 +218,26 @@ def test_the_api_reference_has_every_public_name() -> None:
     assert cudafut.distributed.__all__, "cudafut.distributed should export its API"
 
 
+#: The line of docs/serving.md's runnable example (a Batcher over CuPy).
+SERVING_EXAMPLE = "async with cudafut.Batcher(run_batch, max_batch=32, max_delay_s=0.002) as batcher:"
+
+
+def test_the_serving_example_runs_on_the_fake_gpu_with_numpy_in_cupys_place() -> None:
+    # What docs/serving.md says of its runnable example: under the fake GPU it
+    # runs as written with `import numpy as cp`, since every CuPy call it makes
+    # is NumPy's too (CuPy itself needs CUDA, which the fake does not fake).
+    path = ROOT / "docs" / "serving.md"
+    [code] = [code for code in fences(path) if SERVING_EXAMPLE in map(str.strip, code.splitlines())]
+    assert "import cupy as cp\n" in code
+    # The fake for the whole run (kept referenced: a collected context manager ends it).
+    prelude = (
+        "import cudafut.testing\n_fake = cudafut.testing.fake_cuda(auto_complete=True)\n_fake.__enter__()\n"
+    )
+    proc = run_python(prelude + code.replace("import cupy as cp\n", "import numpy as cp\n"), CUDAFUT_PURE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "100 True True"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("code", "known"), examples())
 def test_example_runs(code: str, known: Known | None) -> None:

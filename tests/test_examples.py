@@ -1,6 +1,7 @@
 """The examples' logic without a GPU: examples/trio_app.py end to end on
-cudafut.testing's fake GPU with a NumPy model, the toy model's NumPy
-reference, a notebook awaiting on its kernel's loop, and every example's
+cudafut.testing's fake GPU with a NumPy model, examples/service_hooks.py
+(a Batcher started and closed by aiohttp's hooks) under ``--fake``, the toy
+model's NumPy reference, a notebook awaiting on its kernel's loop, and every example's
 ``--help``. cudafut.Batcher's own rules are tested in tests/test_batcher.py;
 examples/service/ in tests/test_examples_service.py.
 tests/test_gpu_examples.py runs the examples themselves on a GPU."""
@@ -172,6 +173,7 @@ print([await f async for f in cudafut.as_completed(futs)])
         ("pipeline.py", "cupy"),
         ("trio_app.py", "trio"),
         ("service/server.py", "aiohttp"),
+        ("service_hooks.py", "aiohttp"),
         ("service/load.py", "aiohttp"),
         ("service/compare.py", "aiohttp,psutil"),  # Ray Serve brings aiohttp without psutil
         ("service/litserve_server.py", "litserve"),
@@ -191,3 +193,20 @@ def test_every_example_explains_itself(script: str, needs: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout
+
+
+def test_service_hooks_serves_and_closes_its_batcher_with_the_app_on_the_fake_gpu() -> None:
+    # aiohttp's on_startup starts the Batcher, on_cleanup closes it: every
+    # answer is checked against NumPy, and a submit after the cleanup is refused.
+    pytest.importorskip("aiohttp")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "service_hooks.py"), "--fake", "--requests", "64"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "results checked: all; the Batcher closed with the app" in proc.stdout, proc.stdout
+    assert "64 requests in" in proc.stdout

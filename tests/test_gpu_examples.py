@@ -1,6 +1,7 @@
 """The examples run as a user runs them, with ``--quick``, and check their own
 results: the copy/compute pipeline (examples/pipeline.py, traced too),
-cudafut.Batcher under trio (examples/trio_app.py), and the notebook
+cudafut.Batcher under trio (examples/trio_app.py), a Batcher started and
+closed by aiohttp's hooks (examples/service_hooks.py), and the notebook
 (examples/notebook.ipynb, executed by nbclient); examples/service/ in
 tests/test_gpu_examples_service.py. No timing is asserted: only that each
 exits 0 having printed its ``results checked`` line, or, for the notebook,
@@ -50,6 +51,14 @@ def test_pipeline_quick_traced(tmp_path: Path) -> None:
     assert "chunks/s" in proc.stdout and "docs/render_trace.py" in proc.stdout, _explain(proc)
     events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
     assert any(e["ph"] == "X" and e["cat"] == "gpu" for e in events)
+
+
+@pytest.mark.timeout(300)
+def test_service_hooks_on_a_gpu() -> None:
+    pytest.importorskip("aiohttp")
+    proc = run_example("service_hooks.py", timeout=280)
+    assert proc.returncode == 0, _explain(proc)
+    assert "results checked: all; the Batcher closed with the app" in proc.stdout, _explain(proc)
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import threading
 import warnings
 from typing import Any
@@ -253,6 +254,71 @@ def test_cupy_in_a_callback_says_the_fake_hands_it_numpy(fake_cuda: testing.Fake
         cudafut.record(np.ones(2)).then(other).result(timeout=10)
 
 
+class CUDARuntimeError(RuntimeError):
+    """As CuPy's ``cupy_backends.cuda.api.runtime.CUDARuntimeError``: what
+    most of CuPy's functions raise on a machine without a driver, before they
+    look at their arguments."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        super().__init__(f"cudaError {status}")
+
+
+CUDARuntimeError.__module__ = "cupy_backends.cuda.api.runtime"
+
+
+@pytest.mark.parametrize(
+    ("status", "translated"),
+    [(35, True), (100, True), (3, True), (700, False), (2, False)],
+)
+def test_cupy_without_a_driver_in_a_callback_is_the_same_type_error(
+    fake_cuda: testing.FakeCuda, status: int, translated: bool
+) -> None:
+    fake_cuda.auto_complete = True
+    error = CUDARuntimeError(status)
+
+    def no_driver(v: np.ndarray[Any, Any]) -> Any:
+        raise error
+
+    for fut in (
+        cudafut.record(np.ones(2)).then(no_driver),
+        cudafut.submit(no_driver, np.ones(2)),
+        cudafut.launch(no_driver, np.ones(2)),
+    ):
+        if translated:  # no usable CUDA: the TypeError a machine with a GPU gives, and why
+            with pytest.raises(TypeError, match=r"CUDA cannot be used on this machine.*NumPy arrays"):
+                fut.result(timeout=10)
+        else:  # any other CuPy error is the callback's own, as it is
+            with pytest.raises(CUDARuntimeError) as info:
+                fut.result(timeout=10)
+            assert info.value is error
+            continue
+        assert isinstance(fut.exception(), TypeError)
+        assert fut.exception().__cause__ is error  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["sqrt", "tanh", "stack"])
+def test_real_cupy_on_a_numpy_array_in_a_callback_fails_with_the_documented_type_error(
+    fake_cuda: testing.FakeCuda, name: str
+) -> None:
+    # What docs/testing.md promises, on any machine: with a GPU CuPy refuses
+    # the NumPy array itself; without a driver it fails before looking.
+    cp = pytest.importorskip("cupy")
+    fake_cuda.auto_complete = True
+    fn = getattr(cp, name)
+
+    def call(v: np.ndarray[Any, Any]) -> Any:
+        return fn([v, v]) if name == "stack" else fn(v)
+
+    for fut in (
+        cudafut.record(np.ones(2)).then(call),
+        cudafut.submit(call, np.ones(2)),
+        cudafut.launch(call, np.ones(2)),
+    ):
+        with pytest.raises(TypeError, match=r"values are NumPy arrays.*array module"):
+            fut.result(timeout=10)
+
+
 def test_the_fake_is_removed_on_exit() -> None:
     real = (_cuda.current_device, _pools.events, _pools.streams)
     with testing.fake_cuda() as fake:
@@ -339,6 +405,63 @@ def test_a_fake_that_ended_refuses_its_calls() -> None:
 def test_fake_cuda_checks_its_arguments(devices: Any) -> None:
     with pytest.raises((TypeError, ValueError)), testing.fake_cuda(devices=devices):
         pass
+
+
+def test_cudafut_testing_without_its_import_says_to_import_it() -> None:
+    # A subprocess: in pytest, cudafut's plugin has imported cudafut.testing.
+    proc = run_python(
+        """
+        import cudafut
+        for name in ("testing", "distributed", "no_such_name"):
+            try:
+                getattr(cudafut, name)
+            except AttributeError as exc:
+                print(exc)
+        import cudafut.testing
+        print(cudafut.testing.fake_cuda.__name__)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "add `import cudafut.testing` beside `import cudafut`" in lines[0]
+    assert "add `import cudafut.distributed` beside `import cudafut`" in lines[1]
+    assert lines[2:] == ["module 'cudafut' has no attribute 'no_such_name'", "fake_cuda"]
+
+
+def test_the_documented_pytest_configuration_silences_pytest_asyncios_warning(
+    pytester: pytest.Pytester,
+) -> None:
+    # docs/testing.md's pyproject.toml snippet, in a user's project that
+    # installed cudafut[test] (pytest-asyncio with it): no deprecation warning
+    # about the unset loop scope, where the same project without it has one.
+    pytest.importorskip("pytest_asyncio")
+    docs = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    [snippet] = re.findall(r"^```toml\n(.*?)^```", docs, re.S | re.M)
+    assert "asyncio_default_fixture_loop_scope" in snippet
+    pytester.makepyfile(
+        """
+        import numpy as np
+        import pytest
+
+        import cudafut
+        import cudafut.testing
+
+
+        @pytest.mark.asyncio
+        async def test_handler(fake_cuda: cudafut.testing.FakeCuda) -> None:
+            fake_cuda.auto_complete = True
+            assert (await cudafut.record(np.arange(3))).tolist() == [0, 1, 2]
+        """
+    )
+    warning = "*PytestDeprecationWarning*asyncio_default_fixture_loop_scope*is unset*"
+    unset = pytester.runpytest_subprocess("-p", "no:cacheprovider")  # a warning at configure time
+    unset.assert_outcomes(passed=1)
+    unset.stderr.fnmatch_lines([warning])
+    pytester.makepyprojecttoml(snippet)
+    configured = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error")
+    configured.assert_outcomes(passed=1)
+    configured.stderr.no_fnmatch_line(warning)
+    configured.stdout.no_fnmatch_line(warning)
 
 
 def test_import_needs_no_cupy() -> None:
