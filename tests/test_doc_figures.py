@@ -64,14 +64,12 @@ DOCSTRING_CODE = re.compile(r"``.*?``|`[^`]*`", re.S)
 #: comes from (a marker's text: ``FILE.json PATH``, ``;`` between the numbers
 #: of a range). The docstring names the results file too, for its reader.
 DOCSTRING_FIGURES: dict[tuple[str, str], str] = {
-    (
-        "cudafut/_launch.py",
-        "6.3 µs",
-    ): "bench-h200-serve-resnet50-78d1b4a.json serve > launch > caller > launch > p50_us",
-    (
-        "cudafut/_launch.py",
-        "150 µs",
-    ): "bench-h200-serve-resnet50-78d1b4a.json serve > launch > caller > launch > p99_us",
+    ("cudafut/_launch.py", "11 µs"): (
+        "bench-h200-stalls-f62b117.json serve > launch > caller > launch > p50_us"
+    ),
+    ("cudafut/_launch.py", "237 µs"): (
+        "bench-h200-stalls-f62b117.json serve > launch > caller > launch > p99_us"
+    ),
     (
         "cudafut/_launch.py",
         "8.4 µs",
@@ -80,8 +78,7 @@ DOCSTRING_FIGURES: dict[tuple[str, str], str] = {
         "cudafut/_launch.py",
         "168 µs",
     ): "bench-h100-serve-resnet50-ea06cc5.json serve > launch > caller > launch > p99_us",
-    ("cudafut/_trace/api.py", "6.8-9.5 µs"): (
-        "bench-h200-hostcost-78d1b4a.json tracing > create + set + await > extra_us; "
+    ("cudafut/_trace/api.py", "9.5 µs"): (
         "bench-h200-hostcost-034bc04.json tracing > create + set + await > extra_us"
     ),
 }
