@@ -41,7 +41,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .common import Result, section
+from .common import SECTIONS, Result, section
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -89,10 +89,8 @@ LEGACY: dict[str, dict[str, Any]] = {
         "date": "2026-11-27 (2)",
     },
     "serve-h200x1-739b050.json": {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-11-27"},
-    # Two alternated repetitions of each setting; the second of each is kept.
-    "serve-pipeline-h200-default-1.json": {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-11-28 (1)"},
+    # The second of two alternated repetitions of each setting (git has the first).
     "serve-pipeline-h200-default-2.json": {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-11-28 (2)"},
-    "serve-pipeline-h200-tuned-1.json": {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-11-28 (1)"},
     "serve-pipeline-h200-tuned-2.json": {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-11-28 (2)"},
 }
 
@@ -577,8 +575,11 @@ def superseded(all_runs: list[Run]) -> list[Path]:
     for path in sorted(RESULTS.iterdir()):
         if path == INDEX or path.name in kept:
             continue
-        if path.suffix in (".md", ".png") and any(
-            path.stem == s or path.stem.startswith(s + "-") for s in stems
+        # A run's report and plots: <stem>.md and <stem>-<section>.png.
+        if path.suffix == ".md" and path.stem in stems:
+            continue
+        if path.suffix == ".png" and any(
+            path.stem == s or path.stem.removeprefix(s + "-") in SECTIONS for s in stems
         ):
             continue
         out.append(path)
