@@ -339,10 +339,9 @@ def launch(
 
     Cost on the calling thread: an event recorded on the caller's stream (two
     with PyTorch's stream beside CuPy's), a future and a queue put: with
-    1,000 launches in flight, 6.3 µs at the median and 150 µs at the 99th
-    percentile on an H200 (bench-h200-serve-resnet50-78d1b4a.json,
-    2026-11-25), 8.4 µs and 168 µs on an H100
-    (bench-h100-serve-resnet50-ea06cc5.json, the same day); the GIL is
+    1,000 launches in flight, 11 µs at the median and 237 µs at the 99th
+    percentile on an H200 (bench-h200-stalls-f62b117.json), 8.4 µs and
+    168 µs on an H100 (bench-h100-serve-resnet50-ea06cc5.json); the GIL is
     shared with the launcher threads (docs/serving.md). It blocks neither the thread nor the GPU. The first
     launch on a device also creates its launcher threads and their streams.
 

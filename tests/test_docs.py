@@ -76,8 +76,8 @@ KNOWN = [
         "[ 1  2  5 10 17 26 37 50 65 82]",
     ),
     Known(
-        "readme-policy",
-        "README.md",
+        "performance-policy",
+        "docs/performance.md",
         'cudafut.set_wait_policy("balanced")  # the default',
         lambda out: out == _balanced(),
         "the balanced policy's repr",

@@ -1,4 +1,4 @@
-"""Check the figures the documentation quotes against the committed results.
+"""Check the single figures some pages quote against the committed results.
 
 From the repository root, without a GPU (nor CuPy)::
 
@@ -9,12 +9,14 @@ From the repository root, without a GPU (nor CuPy)::
 ``tests/test_doc_figures.py`` runs the check, so a figure that no longer says
 what its results file says fails the CPU suite. The markup is HTML comments,
 invisible on GitHub and on the site; a figure without one is not checked.
+Whole benchmarks are shown as generated tables instead
+(``python -m benchmarks.support.tables``), which need no markers.
 
 **One figure.** Put ``<!-- fig: FILE.json PATH -->`` after it: the last
 number before the comment is checked against the value at ``PATH`` in
 ``benchmarks/results/FILE.json``::
 
-    on 20 ms jobs it wakes 117 µs<!-- fig: bench-h200-waiter-c-wake.json
+    on 20 ms jobs it wakes 136 µs<!-- fig: bench-h200-waker-07ea09f.json
     wake > 20.0 > await (balanced) > extra_p50_us --> after the floor
 
 ``PATH`` is the JSON's keys, separated by `` > ``; each may be the whole key
