@@ -466,15 +466,22 @@ def table(results: dict[str, Any]) -> list[str]:
             "" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
             f"{r['wrong']} / {r['errors']}",
         ]
-        if gc_column:
+        if gc_column:  # before the answers' check, which stays the last column
             g = r.get("gc")
-            cells.append("-" if g is None else f"{g['count']} / {_num(g['longest_ms'])}")
+            cells.insert(-1, "-" if g is None else f"{g['count']} / {_num(g['longest_ms'])}")
         return "| " + " | ".join(cells) + " |"
 
     def block(title: str, rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
         gc_column = any("gc" in r for _, r in rows)
         top = (
-            [head + " GC pauses >= 5 ms: count / longest ms |", rule + "---|"] if gc_column else [head, rule]
+            [
+                head.replace(
+                    "| wrong / errors |", "| GC pauses >= 5 ms: count / longest ms | wrong / errors |"
+                ),
+                rule + "---|",
+            ]
+            if gc_column
+            else [head, rule]
         )
         return [title, "", *top, *(row(name, r, gc_column) for name, r in rows), ""]
 
