@@ -66,8 +66,8 @@ LEGACY: dict[str, dict[str, Any]] = {
     "calls-fake.json": {
         "gpu": "no GPU (the fake)",
         "cpu_count": None,
-        "date": "2026-11-25",
-        "producer": "python -m benchmarks.calls",
+        "date": "2026-11-29",
+        "producer": "python -m benchmarks.calls (the native core)",
     },
     "reliability-h100-soak.json": {"gpu": "NVIDIA H100 80GB HBM3", "cpu_count": 16, "date": "2026-11-25"},
     "reliability-h200.json": {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-11-21"},
