@@ -19,15 +19,22 @@ where this extension was not built). What differs is the cost:
   runtime), which set up the device's context or raise the
   :class:`~cudafut.CudaError` with the runtime's code and name.
 - Per stream, records are numbered under a C mutex held across
-  ``cuEventRecord``, so the numbers follow the stream's order exactly; the
-  highest number seen complete (the watermark) then answers for every older
-  record of that stream with a memory load instead of a driver call. It is
-  used only on streams whose handle cannot be reused while their records
-  live: the special handles (0, 1, 2) and the streams cudafut's own pools
-  made (:func:`keep_stream`); on a user's stream (which may be destroyed,
-  and its handle given to a new stream) every record is queried.
-- Records and stream states are not tracked by the cyclic garbage collector
-  (``@cython.no_gc``): a record refers to nothing that refers back to it.
+  ``cuEventRecord``, so the numbers follow the stream's order; a record
+  made through the runtime instead (no context in this thread yet, another
+  device's default stream, the fake) is enqueued outside the mutex, so it
+  vouches only for the records numbered before its enqueue began (its
+  ``floor``). The highest floor seen complete (the watermark) answers for
+  every record of that stream numbered up to it with a memory load instead
+  of a driver call. It is used only on streams whose handle cannot be
+  reused while their records live: the special handles (0, 1, 2; the
+  per-thread stream per thread, never per thread ident, which is reused),
+  the streams cudafut's own pools made (:func:`keep_stream`), and a stream
+  whose object (a CuPy or PyTorch ``Stream``, which owns its handle) the
+  caller names while it lives; on any other stream every record is queried.
+- Records are not tracked by the cyclic garbage collector while they hold
+  nothing that could refer back to them; one given a ``confirm`` or a
+  failure (an exception, whose traceback can hold the future that holds the
+  record) is tracked from then on. Stream states are never tracked.
 
 Under :mod:`cudafut.testing`'s fake GPU the same types are used; their
 calls go through the fake's record calls (``_cuda.RecordCalls``), and the
@@ -37,9 +44,18 @@ pool is the fake's.
 cimport cython
 from cpython.object cimport PyObject
 from cpython.weakref cimport PyWeakref_GetObject
+
+from cudafut import _lifetimes
+
+
+cdef extern from "Python.h":
+    void PyObject_GC_Track(object op)
+    void PyObject_GC_UnTrack(object op)
+    int PyObject_GC_IsTracked(object op)
 from libc.stdlib cimport free, realloc
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
+import itertools
 import sys
 import threading
 import weakref
@@ -66,13 +82,11 @@ cdef extern from "<pthread.h>" nogil:
 ctypedef int (*cu_event_record_t)(void *event, void *stream) noexcept nogil
 ctypedef int (*cu_event_query_t)(void *event) noexcept nogil
 ctypedef int (*cu_stream_wait_event_t)(void *stream, void *event, unsigned int flags) noexcept nogil
-ctypedef int (*cu_event_destroy_t)(void *event) noexcept nogil
 ctypedef int (*cu_ctx_get_device_t)(int *device) noexcept nogil
 
 cdef cu_event_record_t cu_event_record = NULL
 cdef cu_event_query_t cu_event_query = NULL
 cdef cu_stream_wait_event_t cu_stream_wait_event = NULL
-cdef cu_event_destroy_t cu_event_destroy = NULL
 cdef cu_ctx_get_device_t cu_ctx_get_device = NULL
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
 # then goes through _cuda's functions).
@@ -125,8 +139,7 @@ cdef enum:
 
 
 cdef int _load_driver() noexcept:
-    global _driver, cu_event_record, cu_event_query, cu_stream_wait_event, cu_event_destroy
-    global cu_ctx_get_device
+    global _driver, cu_event_record, cu_event_query, cu_stream_wait_event, cu_ctx_get_device
     cdef void *lib = dlopen(b"libcuda.so.1", RTLD_NOW | RTLD_NOLOAD)
     if lib == NULL:
         lib = dlopen(b"libcuda.so.1", RTLD_NOW)
@@ -136,10 +149,9 @@ cdef int _load_driver() noexcept:
     cu_event_record = <cu_event_record_t>dlsym(lib, b"cuEventRecord")
     cu_event_query = <cu_event_query_t>dlsym(lib, b"cuEventQuery")
     cu_stream_wait_event = <cu_stream_wait_event_t>dlsym(lib, b"cuStreamWaitEvent")
-    cu_event_destroy = <cu_event_destroy_t>dlsym(lib, b"cuEventDestroy_v2")
     cu_ctx_get_device = <cu_ctx_get_device_t>dlsym(lib, b"cuCtxGetDevice")
     if (cu_event_record == NULL or cu_event_query == NULL or cu_stream_wait_event == NULL
-            or cu_event_destroy == NULL or cu_ctx_get_device == NULL):
+            or cu_ctx_get_device == NULL):
         _driver = -1
     else:
         _driver = 1
@@ -220,18 +232,42 @@ cdef dict _by_handle = {}
 cdef dict _by_key = {}
 
 
+# Per thread: its per-thread streams' states, by device (a thread ident is
+# reused once its thread ends; this goes with the thread), and the numbers
+# that name them in stream keys.
+_local = threading.local()
+_thread_numbers = itertools.count(1)
+
+
+cdef inline bint _owns_handle(object owner):
+    """Whether ``owner`` owns its stream handle for its whole life (CuPy's
+    and PyTorch's ``Stream``, the fake's streams), unlike a wrapper of a
+    handle made elsewhere (``ExternalStream``, a ``__cuda_stream__`` view),
+    which may outlive the stream it names."""
+    return type(owner).__name__ in ("Stream", "FakeStream")
+
+
 cdef _Stream _stream_of(long long stream, long long device, object owner):
     cdef _Stream state
     cdef object key
+    cdef object mine
+    cdef dict states
     if stream > 2:
         state = <_Stream>_by_handle.get(stream)
-        if state is not None and state.device == device and (state.owned() or (owner is None and not state.ordered)):
-            return state
-        # New, another device's, or owned by a stream object that is gone:
-        # a state of its own, ordered if the caller names the stream object.
+        if state is not None and state.device == device:
+            if owner is None:
+                if state.owned() or not state.ordered:
+                    return state
+            elif state.owned():
+                mine = state.owner() if state.weak else state.owner
+                if mine is owner or not state.weak:  # a pool's stream: the handle is its
+                    return state
+        # New, another device's, owned by a stream object that is gone, or
+        # named by another object: a state of its own, ordered if the caller
+        # names an object that owns the handle.
         key = (device, stream)
         state = _Stream(key, device)
-        if owner is not None:
+        if owner is not None and _owns_handle(owner):
             try:
                 state.owner = weakref.ref(owner)
             except TypeError:  # no weak reference to it: never ordered
@@ -241,14 +277,23 @@ cdef _Stream _stream_of(long long stream, long long device, object owner):
                 state.ordered = True
         _by_handle[stream] = state
         return state
-    if stream == 2:  # cudaStreamPerThread is one stream per thread
-        key = (device, stream, threading.get_ident())
-    else:
-        key = (device, stream)
+    if stream == 2:  # cudaStreamPerThread: one stream per thread and device
+        try:
+            states = _local.states
+        except AttributeError:
+            states = _local.states = {}
+            _local.number = next(_thread_numbers)
+        state = <_Stream>states.get(device)
+        if state is None:
+            state = _Stream((device, stream, _local.number), device)
+            state.ordered = True
+            states[device] = state
+        return state
+    key = (device, stream)
     state = <_Stream>_by_key.get(key)
     if state is None:
         state = _Stream(key, device)
-        state.ordered = True  # a special handle names the same stream for ever
+        state.ordered = True  # the legacy default stream is one stream for ever
         state = <_Stream>_by_key.setdefault(key, state)
     return state
 
@@ -268,13 +313,13 @@ def keep_stream(stream, long long device):
 
 
 def _swap_streams(backend):
-    global _by_handle, _by_key, _calls
-    saved = (_by_handle, _by_key, _calls)
-    _by_handle, _by_key, _calls = {}, {}, backend
+    global _by_handle, _by_key, _calls, _local
+    saved = (_by_handle, _by_key, _calls, _local)
+    _by_handle, _by_key, _calls, _local = {}, {}, backend, threading.local()
 
     def restore():
-        global _by_handle, _by_key, _calls
-        _by_handle, _by_key, _calls = saved
+        global _by_handle, _by_key, _calls, _local
+        _by_handle, _by_key, _calls, _local = saved
 
     return restore
 
@@ -282,10 +327,20 @@ def _swap_streams(backend):
 _cuda.on_swap(_swap_streams)
 
 
+def _after_fork():
+    # The child has no CUDA (every call goes through _cuda, which says so),
+    # and a parent's thread may have held a stream's mutex at the fork.
+    global _driver, _by_handle, _by_key, _local
+    _driver = -1
+    _by_handle, _by_key, _local = {}, {}, threading.local()
+
+
+_lifetimes.at_fork_in_child(_after_fork)
+
+
 # -- records ---------------------------------------------------------------------
 
 
-@cython.no_gc
 @cython.freelist(1024)
 cdef class EventRecord:
     """A CUDA event recorded on a stream, and what is known of its status.
@@ -306,11 +361,16 @@ cdef class EventRecord:
     cdef bint _known
     cdef public double t
     cdef public double seen
-    cdef public object failure
-    cdef public object confirm
+    cdef object _failure
+    cdef object _confirm
     cdef public object calls
     cdef public object pool
     cdef _Stream state  # None: made by __init__, outside record()
+    # The highest number of its stream that this record's completion proves
+    # complete: its own on the fast path; on the runtime's path, the newest
+    # number before its enqueue began (records numbered later may have been
+    # enqueued before it).
+    cdef long long floor
 
     def __init__(self, long long handle, long long device, long long stream, stream_key, long long seq,
                  double t, calls=None, pool=None):
@@ -322,6 +382,30 @@ cdef class EventRecord:
         self.t = t
         self.calls = _CUDA_CALLS if calls is None else calls
         self.pool = pool
+
+    @property
+    def failure(self):
+        """An error decided on the host for the work behind this record
+        (see :meth:`fail_with`), or None."""
+        return self._failure
+
+    @failure.setter
+    def failure(self, value):
+        if value is not None and not PyObject_GC_IsTracked(self):  # its traceback may hold this record
+            PyObject_GC_Track(self)
+        self._failure = value
+
+    @property
+    def confirm(self):
+        """Asked once the event completes: an error means the work did not
+        succeed after all (an NCCL kernel that an abort ended early)."""
+        return self._confirm
+
+    @confirm.setter
+    def confirm(self, value):
+        if value is not None and not PyObject_GC_IsTracked(self):  # it may refer back to this record
+            PyObject_GC_Track(self)
+        self._confirm = value
 
     @property
     def ordered(self):
@@ -371,7 +455,7 @@ cdef class EventRecord:
         else:
             _queried += 1
             raw = self.calls.event_query(self.handle)
-        if raw != NOT_READY and self.failure is None:
+        if raw != NOT_READY and self._failure is None:
             return self.settle(raw)
         return self.status
 
@@ -381,8 +465,11 @@ cdef class EventRecord:
         cdef _Stream state
         if not self._known:
             state = self.state
-            if state is not None and state.ordered and self.seq <= state.done and self.failure is None:
-                return self.settle(0)
+            if (state is not None and state.ordered and self.seq <= state.done and self._failure is None
+                    and self._confirm is None):  # a confirm runs in the polling thread, never here
+                self._status = 0
+                self._known = True
+                return 0
             return None
         return self._status
 
@@ -391,25 +478,27 @@ cdef class EventRecord:
         the event is no longer pending; a ``confirm`` that finds an error
         fails the record instead. Returns the status kept."""
         cdef _Stream state
-        confirm = self.confirm
+        confirm = self._confirm
         if raw == 0 and confirm is not None:
             error = confirm()
             if error is not None:
                 self.fail_with(error)
                 return self.status
+            if self._known:  # failed from the host meanwhile: that is final
+                return self._status
         self._status = raw
         self._known = True
         if raw == 0:
             state = self.state
-            if state is not None and self.seq > state.done:
-                state.done = self.seq
+            if state is not None and self.floor > state.done:
+                state.done = self.floor
         return raw
 
     def error(self):
         """The :class:`CudaError` this record reported, if any (or the
         error :meth:`fail_with` gave it)."""
         if self._known and self._status:
-            return self.failure or self.calls.event_error(self._status, self.device)
+            return self._failure or self.calls.event_error(self._status, self.device)
         return None
 
     def fail_with(self, error):
@@ -418,7 +507,7 @@ cdef class EventRecord:
         event reports later. For work that can never complete (a collective
         whose peer died), so that nobody waits on it for ever."""
         if not self._known:  # complete already: the work did finish
-            self.failure = error
+            self.failure = error  # tracked by the collector from now on
             self._status = C_FAILED
             self._known = True
 
@@ -476,6 +565,8 @@ def record(long long stream, long long device, confirm=None, owner=None):
     cdef int rc = -1
     cdef int current = -1
     cdef long long seq
+    cdef long long floor
+    cdef long long before
     cdef bint fast = _calls is _CUDA_CALLS and (_driver == 1 or (_driver == 0 and _load_driver() == 1))
     cdef void *e
     cdef void *s = <void *>stream
@@ -494,11 +585,18 @@ def record(long long stream, long long device, confirm=None, owner=None):
                 rc = cu_event_record(e, s)
             if rc == 0:
                 state.newest += 1
-                seq = state.newest
+                seq = floor = state.newest
             pthread_mutex_unlock(&state.lock)
     if rc != 0:
         # The runtime's path: another device's default stream, no context in
-        # this thread yet, an error to raise with its name, or the fake.
+        # this thread yet, an error to raise with its name, or the fake. Not
+        # under the mutex (the runtime's call releases the GIL, and a
+        # finalizer may record on this stream meanwhile): this record then
+        # vouches only for those numbered before its enqueue began.
+        with nogil:
+            pthread_mutex_lock(&state.lock)
+            before = state.newest
+            pthread_mutex_unlock(&state.lock)
         try:
             _cuda.event_record(handle, stream, device)
         except BaseException:
@@ -509,6 +607,7 @@ def record(long long stream, long long device, confirm=None, owner=None):
             state.newest += 1
             seq = state.newest
             pthread_mutex_unlock(&state.lock)
+        floor = before
     rec = EventRecord.__new__(EventRecord)
     rec.handle = handle
     rec.device = device
@@ -519,8 +618,11 @@ def record(long long stream, long long device, confirm=None, owner=None):
     rec.calls = _calls
     rec.pool = pool
     rec.state = state
+    rec.floor = floor
     if confirm is not None:
-        rec.confirm = confirm
+        rec._confirm = confirm  # may refer back to the record: the collector sees it
+    else:
+        PyObject_GC_UnTrack(rec)
     return rec
 
 

@@ -124,6 +124,8 @@ class EventRecord:
             if error is not None:
                 self.fail_with(error)
                 return self.status
+            if self.status is not None:  # failed from the host meanwhile: that is final
+                return self.status
         self.status = raw
         return raw
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _compiled, _events, _pools, testing
+from cudafut import _compiled, _cuda, _events, _pools, testing
 from cudafut._future import records_of
 
 NATIVE = _compiled.native()
@@ -87,14 +88,14 @@ def test_a_newer_record_seen_complete_answers_for_the_older_ones_of_a_pool_strea
     assert NATIVE.counts() == (queried + 1, answered + 3)
 
 
-class _StreamObject:
-    """Stands for a user's stream object (the fake keeps its own streams for
-    ever; a CuPy stream destroys its handle when it is garbage)."""
+class Stream:
+    """Stands for a user's CuPy stream, which owns its handle and destroys
+    it when it is garbage (the fake keeps its own streams for ever)."""
 
 
 @native_only
 def test_a_users_stream_is_ordered_while_its_object_lives(fake_cuda: testing.FakeCuda) -> None:
-    owner = _StreamObject()
+    owner = Stream()
     named = [_events.record(0x5555, 0, None, owner) for _ in range(2)]  # as record(x, stream=s) does
     by_handle = _events.record(0x5555, 0)  # the handle alone, while the object lives: the same stream
     assert all(r.ordered for r in (*named, by_handle))
@@ -137,6 +138,116 @@ def test_a_finalizer_asks_cuda_nothing_of_records_a_newer_one_answered(
     del futs
     gc.collect()
     assert askers == []
+
+
+@native_only
+def test_another_object_naming_a_handle_starts_a_stream_of_its_own(fake_cuda: testing.FakeCuda) -> None:
+    # A wrapper kept alive after its stream was destroyed (an ExternalStream)
+    # must not lend the old stream's watermark to a new stream on that handle.
+    old_owner, new_owner = Stream(), Stream()
+    old = _events.record(0x6666, 0, None, old_owner)
+    new = _events.record(0x6666, 0, None, new_owner)
+    assert new.seq == 1 and new.stream_key == old.stream_key
+    new.settle(0)
+    assert old.known() is None
+    fake_cuda.complete_all()
+
+
+@native_only
+def test_a_wrapper_of_a_handle_made_elsewhere_is_not_trusted(fake_cuda: testing.FakeCuda) -> None:
+    class ExternalStream:
+        pass
+
+    owner = ExternalStream()
+    assert not _events.record(0x6667, 0, None, owner).ordered
+    fake_cuda.complete_all()
+
+
+def test_a_record_enqueued_outside_the_streams_lock_vouches_only_for_those_numbered_before(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runtime's path (the fake's always) enqueues before it numbers: a
+    # record made in between (a finalizer, another thread) is numbered lower
+    # though it follows in the stream. The first's completion must not
+    # answer for it.
+    stream = _pools.streams.get(0, 0)
+    ptr, real = int(stream.ptr), _cuda.event_record
+    inner: list[Any] = []
+
+    def record_then_another(event: int, on: int, device: int) -> None:
+        real(event, on, device)
+        if not inner:
+            inner.append(None)
+            inner[0] = _events.record(on, device, None, stream)
+
+    monkeypatch.setattr(_cuda, "event_record", record_then_another)
+    first = _events.record(ptr, 0, None, stream)
+    monkeypatch.setattr(_cuda, "event_record", real)
+    later = inner[0]
+    assert later.seq < first.seq  # numbered out of the stream's order
+    backend = first.calls
+    ev = backend.event_of(first.handle)
+    backend.complete([ev])
+    assert first.query() == 0
+    assert later.known() is None and later.query() is None
+    fake_cuda.complete_all()
+
+
+@native_only
+def test_a_new_thread_never_shares_an_ended_threads_per_thread_stream(fake_cuda: testing.FakeCuda) -> None:
+    made: list[Any] = []
+
+    def record_on_the_per_thread_stream() -> None:
+        made.append(_events.record(2, 0))
+
+    for _ in range(2):
+        t = threading.Thread(target=record_on_the_per_thread_stream)
+        t.start()
+        t.join()  # the next thread may get the same ident
+    old, new = made
+    assert old.stream_key != new.stream_key and new.seq == 1
+    new.settle(0)
+    assert old.known() is None
+    fake_cuda.complete_all()
+
+
+def test_a_failed_and_raised_future_is_collected(fake_cuda: testing.FakeCuda) -> None:
+    # The error's traceback holds the future, which holds the record, which
+    # holds the error: a cycle the collector must see.
+    class Value:
+        pass
+
+    refs = []
+    for _ in range(3):
+        value = Value()
+        fut = cudafut.record(value)
+        records_of(fut)[0].fail_with(RuntimeError("peer died"))
+        with pytest.raises(RuntimeError):
+            fut.result()
+        refs.append(weakref.ref(value))
+        del fut, value
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_failure_from_the_host_while_confirm_runs_is_final(fake_cuda: testing.FakeCuda) -> None:
+    rec = records_of(_record_on(_pools.streams.get(0, 0)))[0]
+    rec.confirm = lambda: rec.fail_with(RuntimeError("aborted meanwhile"))  # returns None: "fine"
+    fake_cuda.complete_all()
+    assert rec.query() == _events.FAILED
+    assert isinstance(rec.error(), RuntimeError)
+
+
+@native_only
+def test_known_never_runs_a_confirm(fake_cuda: testing.FakeCuda) -> None:
+    stream = _pools.streams.get(0, 0)
+    older, newer = (records_of(_record_on(stream))[0] for _ in range(2))
+    asked: list[bool] = []
+    older.confirm = lambda: asked.append(True)
+    fake_cuda.complete_all()
+    assert newer.query() == 0
+    assert older.known() is None and asked == []  # left to the polling thread
+    assert older.query() == 0 and asked == [True]
 
 
 def test_a_failed_record_is_not_answered_by_a_newer_one(fake_cuda: testing.FakeCuda) -> None:
