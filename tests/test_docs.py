@@ -69,13 +69,6 @@ KNOWN = [
         "[1048576.+0.j ...",
     ),
     Known(
-        "readme-set-result",
-        "README.md",
-        "fut.set_result(y)  # records an event on `stream`",
-        lambda out: out == "[ 1  2  5 10 17 26 37 50 65 82]",
-        "[ 1  2  5 10 17 26 37 50 65 82]",
-    ),
-    Known(
         "performance-policy",
         "docs/performance.md",
         'cudafut.set_wait_policy("balanced")  # the default',
