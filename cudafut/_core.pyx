@@ -158,6 +158,11 @@ cdef int _load_driver() noexcept:
     return _driver
 
 
+cdef inline bint _driver_ready() noexcept:
+    """Whether libcuda's entry points are loaded (loading them on first use)."""
+    return _driver == 1 or (_driver == 0 and _load_driver() == 1)
+
+
 cdef inline double _now() noexcept nogil:
     # time.perf_counter() is CLOCK_MONOTONIC on Linux: the waiter compares both.
     cdef timespec ts
@@ -391,8 +396,8 @@ cdef class EventRecord:
 
     @failure.setter
     def failure(self, value):
-        if value is not None and not PyObject_GC_IsTracked(self):  # its traceback may hold this record
-            PyObject_GC_Track(self)
+        if value is not None:  # its traceback may hold this record
+            self._track()
         self._failure = value
 
     @property
@@ -403,9 +408,15 @@ cdef class EventRecord:
 
     @confirm.setter
     def confirm(self, value):
-        if value is not None and not PyObject_GC_IsTracked(self):  # it may refer back to this record
-            PyObject_GC_Track(self)
+        if value is not None:  # it may refer back to this record
+            self._track()
         self._confirm = value
+
+    cdef inline void _track(self):
+        """Let the collector see this record from now on (record() leaves it
+        untracked while it holds nothing that could refer back to it)."""
+        if not PyObject_GC_IsTracked(self):
+            PyObject_GC_Track(self)
 
     @property
     def ordered(self):
@@ -428,8 +439,13 @@ cdef class EventRecord:
             self._status = value
             self._known = True
 
+    cdef inline bint _answered(self) noexcept:
+        """Whether the stream's watermark says this record is complete."""
+        cdef _Stream state = self.state
+        return state is not None and state.ordered and self.seq <= state.done
+
     cdef inline bint _fast(self) noexcept:
-        return self.calls is _CUDA_CALLS and (_driver == 1 or (_driver == 0 and _load_driver() == 1))
+        return self.calls is _CUDA_CALLS and _driver_ready()
 
     def query(self):
         """Non-blocking: the status, asking CUDA only while it is unknown."""
@@ -438,13 +454,11 @@ cdef class EventRecord:
     cdef object _query(self):
         global _queried, _answered
         cdef int raw
-        cdef _Stream state
         if self._known:
             return self._status
-        state = self.state
         if _every_query_complete:
             raw = 0
-        elif state is not None and state.ordered and self.seq <= state.done:
+        elif self._answered():
             raw = 0  # a newer record of the stream is complete: so is this one
             _answered += 1
         elif self._fast():
@@ -462,11 +476,9 @@ cdef class EventRecord:
     def known(self):
         """The status if it is known without asking CUDA (kept, or answered
         by the stream's watermark), else None: never a driver call."""
-        cdef _Stream state
         if not self._known:
-            state = self.state
-            if (state is not None and state.ordered and self.seq <= state.done and self._failure is None
-                    and self._confirm is None):  # a confirm runs in the polling thread, never here
+            if self._answered() and self._failure is None and self._confirm is None:
+                # (a confirm runs in the polling thread, never here)
                 self._status = 0
                 self._known = True
                 return 0
@@ -567,7 +579,7 @@ def record(long long stream, long long device, confirm=None, owner=None):
     cdef long long seq
     cdef long long floor
     cdef long long before
-    cdef bint fast = _calls is _CUDA_CALLS and (_driver == 1 or (_driver == 0 and _load_driver() == 1))
+    cdef bint fast = _calls is _CUDA_CALLS and _driver_ready()
     cdef void *e
     cdef void *s = <void *>stream
     if type(pool) is EventPool:
