@@ -22,6 +22,7 @@ import pytest
 from cudafut.testing import fake_cuda
 from tests.notebooks import REASON, execute_notebook, printed
 from tests.subproc import ROOT
+from tests.test_gpu_examples import run_example
 
 EXAMPLES = ROOT / "examples"
 
@@ -199,14 +200,7 @@ def test_service_hooks_serves_and_closes_its_batcher_with_the_app_on_the_fake_gp
     # aiohttp's on_startup starts the Batcher, on_cleanup closes it: every
     # answer is checked against NumPy, and a submit after the cleanup is refused.
     pytest.importorskip("aiohttp")
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "service_hooks.py"), "--fake", "--requests", "64"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=False,
-    )
+    proc = run_example("service_hooks.py", "--fake", "--requests", "64", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "results checked: all; the Batcher closed with the app" in proc.stdout, proc.stdout
     assert "64 requests in" in proc.stdout
