@@ -125,11 +125,11 @@ class Run:
 
     @property
     def day(self) -> str:
-        """The date as a caption shows it: the day, and the time where the run logged one."""
-        match = re.match(r"(\d{4}-\d\d-\d\d)(?: (\d\d:\d\d))?", self.date)
-        if match is None:
-            return self.date
-        return match.group(1) + (f" {match.group(2)} UTC" if match.group(2) else "")
+        """The date as a caption shows it: the day alone (the time of a run
+        is history for git, not for a reader); newer runs of one day are
+        still told apart by the full date kept in :attr:`date`."""
+        match = re.match(r"\d{4}-\d\d-\d\d", self.date)
+        return self.date if match is None else match.group(0)
 
 
 def _serve_parts(data: dict[str, Any]) -> list[str]:
