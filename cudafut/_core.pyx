@@ -109,16 +109,20 @@ def counts():
 # reports complete; every stream wait is skipped. Never set otherwise.
 cdef bint _every_query_complete = False
 cdef bint _no_stream_wait = False
+cdef bint _await_at_once = False
 
 
 def _mutate(str name):
     """Disable one synchronisation point of the native core, for
-    scripts/mutation-check only: ``"query"`` or ``"stream_wait"``."""
-    global _every_query_complete, _no_stream_wait
+    scripts/mutation-check only: ``"query"``, ``"stream_wait"`` or
+    ``"await_one"`` (an await among others ends at once)."""
+    global _every_query_complete, _no_stream_wait, _await_at_once
     if name == "query":
         _every_query_complete = True
     elif name == "stream_wait":
         _no_stream_wait = True
+    elif name == "await_one":
+        _await_at_once = True
     else:
         raise ValueError(f"no native mutation {name!r}")
 
@@ -179,6 +183,12 @@ cdef object _calls = _CUDA_CALLS
 # The module whose ``events`` is the event pool in use, and the twin's
 # is_newest() for records made outside record() (bind()).
 cdef object _pools = None
+# The futures' fast path (record_value): stream types whose ``ptr`` and ``device_id`` are their handle and device
+# (CuPy's, found once CuPy is imported; the fake's, while it runs), and the
+# array type a lone value of needs no ordering walk (cupy.ndarray).
+cdef tuple _stream_types = None
+cdef object _lone_array = None
+cdef tuple _backend_streams = ()
 cdef object _is_newest = None
 
 
@@ -318,13 +328,16 @@ def keep_stream(stream, long long device):
 
 
 def _swap_streams(backend):
-    global _by_handle, _by_key, _calls, _local
-    saved = (_by_handle, _by_key, _calls, _local)
+    global _by_handle, _by_key, _calls, _local, _backend_streams, _stream_types
+    saved = (_by_handle, _by_key, _calls, _local, _backend_streams)
     _by_handle, _by_key, _calls, _local = {}, {}, backend, threading.local()
+    _backend_streams = tuple(getattr(backend, "stream_types", ()))
+    _stream_types = None  # found again at the next record
 
     def restore():
-        global _by_handle, _by_key, _calls, _local
-        _by_handle, _by_key, _calls, _local = saved
+        global _by_handle, _by_key, _calls, _local, _backend_streams, _stream_types
+        _by_handle, _by_key, _calls, _local, _backend_streams = saved
+        _stream_types = None
 
     return restore
 
@@ -740,3 +753,453 @@ cdef class EventPool:
             if self._made[d]:
                 in_use[d] = self._made[d] - self._destroyed[d] - self._nfree[d]
         return free_, in_use
+
+
+# -- futures: the hot paths of _future.CudaFuture -----------------------------------
+#
+# The class stays Python (its methods, documentation and slots); these are the
+# native twins of the paths every future takes: record(value, stream=s), an
+# await (done, or pending in an asyncio task among other waits), and the
+# finalizer. _future.bind_native() installs them where this core runs; each
+# falls back on the Python twin for what it does not handle itself.
+
+cdef object _Future = None  # CudaFuture
+cdef object _SET = None
+cdef object _FAILED = None
+cdef object _CANCELLED = None
+cdef object _hooks = None  # _trace.hooks: tracing on while .active is not None
+cdef object _await_py = None  # CudaFuture._await (the general await)
+cdef object _result_py = None  # the Python twin's CudaFuture.result
+cdef object _finalize_py = None  # the Python twin's CudaFuture.__del__
+cdef object _consumers_py = None  # _engine.record_current_consumers
+cdef object _order_foreign = None  # _values.order_foreign
+cdef object _current_driver = None  # _loops.current_driver
+cdef object _mapped_pages = None  # _cuda's pages known mapped (check_stream_address)
+cdef object _block_type = None  # _memory's block of the allocator wrapper
+cdef long long _page_size = 4096
+cdef object _allocate_lock = None
+cdef object _get_running_loop = None
+# The CancelledError of an await on asyncio, asyncio's InvalidStateError.
+cdef object _AsyncioCancelled = None
+cdef object _AsyncioInvalidState = None
+
+
+def bind_future(future, states, hooks, await_py, result_py, finalize_py, consumers_py,
+                order_foreign, current_driver, mapped_pages, long long page_size, block_type):
+    """Give the futures' native paths what they use of the Python modules
+    (called once, by ``_future`` at import)."""
+    global _Future, _SET, _FAILED, _CANCELLED, _hooks, _await_py, _result_py, _finalize_py
+    global _consumers_py, _order_foreign, _current_driver, _mapped_pages, _page_size
+    global _allocate_lock, _get_running_loop, _AsyncioCancelled, _AsyncioInvalidState, _block_type
+    _block_type = block_type
+    import _thread
+    import asyncio
+    _Future = future
+    _SET, _FAILED, _CANCELLED = states
+    _hooks = hooks
+    _await_py = await_py
+    _result_py = result_py
+    _finalize_py = finalize_py
+    _consumers_py = consumers_py
+    _order_foreign = order_foreign
+    _current_driver = current_driver
+    _mapped_pages = mapped_pages
+    _page_size = page_size
+    _allocate_lock = _thread.allocate_lock
+    _get_running_loop = asyncio._get_running_loop
+    _AsyncioCancelled = asyncio.CancelledError
+    _AsyncioInvalidState = asyncio.InvalidStateError
+
+
+
+cdef bint _find_types() except -1:
+    global _stream_types, _lone_array
+    cupy = sys.modules.get("cupy")
+    cuda = getattr(cupy, "cuda", None)
+    found = list(_backend_streams)
+    if cuda is not None:
+        for name in ("Stream", "ExternalStream"):
+            t = getattr(cuda, name, None)
+            if isinstance(t, type):
+                found.append(t)
+        ndarray = getattr(cupy, "ndarray", None)
+        _lone_array = ndarray if isinstance(ndarray, type) else None
+    _stream_types = tuple(found)
+    return True
+
+
+@cython.final
+@cython.no_gc
+cdef class _Consumer:
+    """``consumer(device)`` for order_foreign: the one stream recorded on."""
+    cdef tuple handle
+
+    def __call__(self, device):
+        return self.handle
+
+
+def record_value(value, stream, keep):
+    """``record(value, stream=stream, keep=keep)``: a set future for work
+    already enqueued on ``stream``, or None where the Python twin must make
+    it (no stream given, a stream type it does not know, a handle not seen
+    mapped yet, tracing on, a forked child)."""
+    cdef long long ptr
+    cdef long long device
+    cdef long long page
+    cdef _Consumer consumer
+    if _cuda.forked or _hooks.active is not None:
+        return None
+    if _stream_types is None or (not _stream_types and "cupy" in sys.modules):
+        _find_types()
+    if stream is None:
+        # One CuPy array, recorded on its device's current stream (PyTorch
+        # imported: the twin, which records torch's current streams).
+        if _lone_array is None or type(value) is not _lone_array or "torch" in sys.modules:
+            return None
+        device = value.data.device_id
+        stream = _cuda.current_stream(device)
+        return _set_future(value, record(stream.ptr, device, None, stream), keep)
+    if type(stream) not in _stream_types:
+        return None
+    ptr = stream.ptr
+    device = stream.device_id
+    if device < 0 or ptr < 0:
+        return None
+    if ptr > 2:
+        page = ptr - ptr % _page_size
+        if page not in _mapped_pages:  # the twin checks it (mincore) and remembers
+            return None
+    if type(value) is not _lone_array or _lone_array is None:
+        consumer = _Consumer.__new__(_Consumer)
+        consumer.handle = (ptr, device)
+        _order_foreign(value, consumer)  # docs/design.md, hazard 9
+    return _set_future(value, record(ptr, device, None, stream), keep)
+
+
+cdef object _set_future(object value, EventRecord rec, object keep):
+    """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future)."""
+    fut = _Future.__new__(_Future)
+    fut._lock = _allocate_lock()
+    fut._devices = None
+    fut._value = value
+    fut._exception = None
+    fut._traceback = None
+    fut._records = (rec,)
+    fut._keep = keep
+    fut._listeners = None
+    fut._set_event = None
+    fut._retrieved = False
+    fut._stream_given = False
+    fut._callbacks = None
+    fut._state = _SET
+    return fut
+
+
+def future_del(fut):
+    """CudaFuture.__del__: nothing to do for a future whose records are known
+    complete (known, answered by its stream's watermark, or one query; never a
+    confirm); else the Python twin, which keeps the value of pending work."""
+    cdef EventRecord rec
+    try:
+        state = fut._state
+    except AttributeError:  # __init__ never ran: CudaFuture(...) refused its arguments
+        return
+    if state is _SET:
+        for r in fut._records:
+            if type(r) is not EventRecord:
+                _finalize_py(fut)
+                return
+            rec = <EventRecord>r
+            if rec._known:
+                continue
+            if rec._confirm is not None or _query_quietly(rec) is None:
+                _finalize_py(fut)  # pending: its value is kept until the work completes
+                return
+    elif state is _FAILED and not fut._retrieved:
+        _finalize_py(fut)
+
+
+cdef object _query_quietly(EventRecord rec):
+    """The status of ``rec`` (answered by its stream's watermark, or asked of
+    CUDA), None while pending or where a query fails (the Python twin then
+    asks again and reports). Runs no ``confirm``: the caller checked."""
+    if rec._answered():
+        rec._status = 0
+        rec._known = True
+        return 0
+    try:
+        return rec._query()
+    except Exception:
+        return None
+
+
+cdef object _outcome(object fut, object cancelled_error):
+    """CudaFuture._awaited: the outcome, with the value's arrays recorded as
+    used by the awaiting thread's current streams."""
+    cdef EventRecord rec
+    state = fut._state
+    if state is not _SET:
+        return _awaited_py(fut, cancelled_error)  # raises (failed, cancelled)
+    records = fut._records
+    for r in records:
+        if type(r) is not EventRecord:
+            return _awaited_py(fut, cancelled_error)
+        rec = <EventRecord>r
+        if rec._known and rec._status:
+            raise rec.error()
+    fut._keep = None
+    value = fut._value
+    if len(records) == 1 and _lone_array is not None and type(value) is _lone_array:
+        _consume_one(value, (<EventRecord>records[0]).device)
+    elif records:
+        _consumers_py(value, records, untracked=False)
+    return value
+
+
+cdef object _consume_one(object array, long long device):
+    """record_current_consumers() of one CuPy array for an await or
+    result(): the awaiting thread's current stream of ``device`` reads it
+    from now on (_memory's block, if cudafut's allocator wrapper made it;
+    the owner is read as _cuda.owner_of reads it). A torch tensor is never
+    a CuPy array: torch's streams have nothing to record here."""
+    memory = getattr(array.data, "mem", None)
+    block = getattr(memory, "_owner", None)
+    if type(block) is not _block_type or block.device != device:
+        return None  # another allocator's memory: untracked, nothing to do for an await
+    stream = _cuda.current_stream(device)
+    ptr = stream.ptr
+    if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
+        block.add_reader(ptr, device, stream)
+    return None
+
+
+cdef object _awaited_py(object fut, object cancelled_error):
+    return type(fut)._awaited(fut, cancelled_error)
+
+
+def awaited(fut, cancelled_error):
+    """CudaFuture._awaited, native."""
+    return _outcome(fut, cancelled_error)
+
+
+@cython.final
+@cython.no_gc
+cdef class _Done:
+    """What ``await`` of a done future iterates: nothing, then its outcome."""
+    cdef object fut
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        fut = self.fut
+        if fut is None:
+            raise StopIteration
+        self.fut = None
+        # Set (never cancelled or failed): the error type is not needed.
+        raise StopIteration(_outcome(fut, None))
+
+
+def future_await(fut):
+    """CudaFuture.__await__, native (its documentation is the twin's)."""
+    cdef EventRecord rec
+    cdef _Done done
+    if fut._state is _SET and not _cuda.forked and _hooks.active is None:
+        records = fut._records
+        if len(records) == 1:
+            r = records[0]
+            if type(r) is EventRecord:
+                rec = <EventRecord>r
+                if not rec._known and rec._query() is None:
+                    driver = _current_driver()
+                    if driver is not None:
+                        wait = driver.await_one(fut, rec, awaited)
+                        if wait is not None:
+                            return wait
+                    return _await_py(fut, True)
+                done = _Done.__new__(_Done)
+                done.fut = fut
+                return done
+    return _await_py(fut, False)
+
+
+def future_result(fut, timeout=None):
+    """CudaFuture.result, native (its documentation is the twin's): the
+    outcome at once where every record is complete; else the twin, which
+    blocks."""
+    cdef EventRecord rec
+    if timeout is None and fut._state is _SET and not _cuda.forked and _hooks.active is None:
+        for r in fut._records:
+            if type(r) is not EventRecord:
+                return _result_py(fut, timeout)
+            rec = <EventRecord>r
+            if not rec._known and rec._query() is None:
+                return _result_py(fut, timeout)  # pending: the twin blocks until done
+        return _outcome(fut, None)  # set: the error type is not needed
+    return _result_py(fut, timeout)
+
+
+# -- one await in an asyncio task ---------------------------------------------------
+
+# The states of an AsyncioAwait.
+cdef enum:
+    A_NEW = 0
+    A_WAITING = 1
+    A_FIRED = 2
+    A_CANCELLED = 3
+    A_FINISHED = 4
+
+
+@cython.final
+cdef class AsyncioAwait:
+    """The twin of ``_loops._AsyncioAwait`` (see there): one ``await`` of a
+    future whose one record is pending, in an asyncio task; the watch in the
+    waiter's list, the iterator ``__await__`` returns and the future the
+    task waits on, with C members and methods the task calls without a
+    Python frame."""
+
+    cdef public object record
+    cdef public long long seq
+    cdef public object callback
+    cdef public bint _asyncio_future_blocking
+    cdef object _driver
+    cdef object _loop
+    cdef object _future
+    cdef object _finish
+    cdef int _state
+    cdef object _wakeup
+    cdef object _context
+    cdef object _message
+
+    def __init__(self, driver, loop, future, record, finish):
+        self.record = record
+        self.seq = record.seq
+        self.callback = None
+        self._driver = driver
+        self._loop = loop
+        self._future = future
+        self._finish = finish
+        self._state = A_NEW
+        self._asyncio_future_blocking = False
+
+    def __repr__(self):
+        state = ("new", "waiting", "woken", "cancelled", "finished")[self._state]
+        future = self._future
+        return f"<cudafut await {state}>" if future is None else f"<cudafut await {state} of {future!r}>"
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef int state = self._state
+        if state == A_FIRED:
+            future = self._future
+            finish = self._finish
+            self._state = A_FINISHED
+            self._future = None
+            self._context = None
+            if finish is awaited:
+                value = _outcome(future, _AsyncioCancelled)
+            else:
+                value = finish(future, _AsyncioCancelled)
+            raise StopIteration(value)
+        if state == A_NEW and _await_at_once:
+            self._state = A_FIRED  # the mutation: as if the record had completed
+            return self.__next__()
+        if state == A_NEW:
+            if _get_running_loop() is not self._loop:
+                raise RuntimeError("a CudaFuture's await must run in the task that started it")
+            self._state = A_WAITING
+            self.callback = self
+            self._driver.watch(self)
+            self._asyncio_future_blocking = True
+            return self
+        if state == A_CANCELLED:
+            self._stop()
+            raise self._cancelled_error()
+        raise RuntimeError("await wasn't used with future")
+
+    def send(self, value):
+        """As ``next()``: a task sends nothing else."""
+        return self.__next__()
+
+    def throw(self, typ, val=None, tb=None):
+        """Stop waiting and raise the exception thrown in (a cancellation)."""
+        self._stop()
+        if not isinstance(val, BaseException):
+            val = (typ() if val is None else typ(val)) if isinstance(typ, type) else typ
+        if tb is not None:
+            val = val.with_traceback(tb)
+        raise val
+
+    def close(self):
+        """Stop waiting (the awaiting coroutine is closed)."""
+        self._stop()
+
+    cdef _stop(self):
+        self._driver.watchlist.remove(self)  # a no-op once fired or removed
+        self._wakeup = None
+        self._context = None
+        self._future = None
+        self._state = A_FINISHED
+
+    def __call__(self, record):
+        """The waiter saw the record complete or fail: wake the task."""
+        if self._state == A_WAITING:
+            self._state = A_FIRED
+            self._schedule()
+
+    cdef _schedule(self):
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None  # breaks the cycle task -> self -> task
+            self._loop.call_soon(wakeup, self, context=self._context)
+
+    cdef _cancelled_error(self):
+        message = self._message
+        return _AsyncioCancelled() if message is None else _AsyncioCancelled(message)
+
+    def get_loop(self):
+        return self._loop
+
+    def add_done_callback(self, fn, *, context=None):
+        if self._wakeup is not None:
+            raise RuntimeError("a cudafut await is waited on by one task only")
+        self._wakeup = fn
+        self._context = context
+        if self._state == A_FIRED or self._state == A_CANCELLED:
+            self._schedule()
+
+    def remove_done_callback(self, fn):
+        if self._wakeup is not None and self._wakeup == fn:
+            self._wakeup = None
+            return 1
+        return 0
+
+    def done(self):
+        return self._state != A_WAITING and self._state != A_NEW
+
+    def cancelled(self):
+        return self._state == A_CANCELLED
+
+    def result(self):
+        """None once the record completed or failed; raises CancelledError
+        if cancelled."""
+        self.exception()
+
+    def exception(self):
+        cdef int state = self._state
+        if state == A_CANCELLED:
+            raise self._cancelled_error()
+        if state == A_WAITING or state == A_NEW:
+            raise _AsyncioInvalidState("Result is not ready.")
+        return None
+
+    def cancel(self, msg=None):
+        """Wake the task with CancelledError; False if the wait is over."""
+        if self._state != A_WAITING:
+            return False
+        self._state = A_CANCELLED
+        self._message = msg
+        self._schedule()
+        return True

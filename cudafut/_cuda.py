@@ -326,7 +326,8 @@ def _protocol_handle(info: object, stream: object) -> int:
     return check_stream_address(handle, stream)
 
 
-_PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: The size of a memory page, as :func:`check_stream_address` reads them.
+PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _mincore: Any = None
 
 
@@ -353,6 +354,12 @@ def _load_mincore() -> Any:
     return fn
 
 
+def mapped_pages() -> set[int]:
+    """The pages :func:`check_stream_address` found mapped (the set itself,
+    kept for the process's life): a handle on one of them needs no check."""
+    return _mapped_pages
+
+
 def check_stream_address(handle: int, stream: object) -> int:
     """``handle``, if it may be a stream of this process: one of the default
     streams (0, 1, 2), or an address in memory this process has mapped.
@@ -372,7 +379,7 @@ def check_stream_address(handle: int, stream: object) -> int:
     name = type(stream).__name__
     if not 0 <= handle < 1 << 64:
         raise ValueError(f"{name} gives the stream handle {handle}, which is not an address")
-    page = handle - handle % _PAGE_SIZE
+    page = handle - handle % PAGE_SIZE
     if page in _mapped_pages:
         return handle
     mincore = _mincore
@@ -380,7 +387,7 @@ def check_stream_address(handle: int, stream: object) -> int:
         mincore = _load_mincore()
     if mincore is False:
         return handle
-    if mincore(page, _PAGE_SIZE, ctypes.byref(_page_state)) == 0:
+    if mincore(page, PAGE_SIZE, ctypes.byref(_page_state)) == 0:
         if len(_mapped_pages) >= _MAPPED_PAGES_KEPT:
             _mapped_pages.clear()
         _mapped_pages.add(page)
@@ -1404,6 +1411,11 @@ class RecordCalls:
     """
 
     __slots__ = ()
+
+    #: Stream types whose ``ptr`` and ``device_id`` attributes are their
+    #: handle and device, beyond CuPy's (which the native core finds once
+    #: CuPy is imported): a fast path of ``record(x, stream=s)`` reads them.
+    stream_types: tuple[type, ...] = ()
 
     # This module's functions looked up at each call, as the core's calls do
     # (a test may replace one).

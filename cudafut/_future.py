@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, S
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _checks, _cuda, _events, _lifetimes, _loops, _pools, _torch, _waiter
+from . import _checks, _compiled, _cuda, _events, _lifetimes, _loops, _memory, _pools, _torch, _waiter
 from ._engine import (
     INTERRUPTS,
     call_listener,
@@ -1346,6 +1346,10 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
             array is a host array: copy it with :func:`to_device`); or
             ``value`` holds an array whose producer cannot be ordered.
     """
+    if stream is not None and _record_value is not None:
+        fut = _record_value(value, stream, keep)  # the native core's fast path
+        if fut is not None:
+            return fut
     if _cuda.forked:  # a flag test, without a call
         _cuda.check_usable()
     if stream is None:
@@ -1662,3 +1666,34 @@ def complete_with(
     copy, a bridge) with ``records`` already recorded; ``keep`` lives until
     they complete. A future its consumer cancelled meanwhile stays cancelled."""
     fut._try_complete(_SET, value, None, records, keep)
+
+
+# The native core (cudafut/_core.pyx) takes over the paths every future takes,
+# where it was built: record(value, stream=s), an await (of a done future, or
+# of a pending one in an asyncio task among other waits), result() of done
+# work and the finalizer.
+# CudaFuture's methods above stay the reference (CUDAFUT_PURE=1), and the
+# native paths fall back on them for every case they do not handle.
+_record_value: Callable[[Any, Any, object], CudaFuture[Any] | None] | None = None
+_native = _compiled.native()
+if _native is not None:
+    _native.bind_future(
+        CudaFuture,
+        (_SET, _FAILED, _CANCELLED),
+        _trace,
+        CudaFuture._await,
+        CudaFuture.result,
+        CudaFuture.__del__,
+        record_current_consumers,
+        order_foreign,
+        _loops.current_driver,
+        _cuda.mapped_pages(),
+        _cuda.PAGE_SIZE,
+        _memory.block_type(),
+    )
+    _native.future_await.__doc__ = CudaFuture.__await__.__doc__
+    CudaFuture.__await__ = _native.future_await  # type: ignore[method-assign]
+    _native.future_result.__doc__ = CudaFuture.result.__doc__
+    CudaFuture.result = _native.future_result  # type: ignore[method-assign]
+    CudaFuture.__del__ = _native.future_del  # type: ignore[method-assign]
+    _record_value = _native.record_value

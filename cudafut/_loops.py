@@ -29,7 +29,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Final
 
-from . import _cuda, _lifetimes
+from . import _compiled, _cuda, _lifetimes
 from ._events import EventRecord
 from ._log import logger
 from ._policy import predictor
@@ -831,3 +831,11 @@ def require_driver() -> LoopDriver:
             "event loop in this thread; outside a loop use fut.result()"
         )
     return driver
+
+
+# The native core's twin of _AsyncioAwait (cudafut/_core.pyx), where it was
+# built: the same protocol, with C members and methods that a task calls
+# without a Python frame.
+_native = _compiled.native()
+if _native is not None:
+    _AsyncioAwait = _native.AsyncioAwait  # type: ignore[misc]

@@ -118,6 +118,12 @@ def install(cp: Any) -> None:
         _installed_over = current
 
 
+def block_type() -> type:
+    """The type of the blocks the allocator wrapper makes (the ``owner`` of
+    their memory): the native core records an await's reader on one."""
+    return _Block
+
+
 def installed() -> bool:
     """Whether CuPy's allocator in force now is cudafut's wrapper."""
     return hasattr(_cuda.cupy_allocator(), "cudafut_wraps")

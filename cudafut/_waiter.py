@@ -114,15 +114,12 @@ class Watchlist:
 
     def __init__(self, learn: bool = True) -> None:
         self._queues: dict[tuple[int, ...], _Queue] = {}
-        self._live = 0
+        #: Number of watches that have not fired nor been removed (a plain
+        #: attribute, not a property: every await reads it).
+        self.pending = 0
         # Whether completions teach the duration predictor: not from the
         # watcher thread, whose polls are coarse and about keep-alives.
         self._learn = learn
-
-    @property
-    def pending(self) -> int:
-        """Number of watches that have not fired nor been removed."""
-        return self._live
 
     @property
     def streams(self) -> int:
@@ -144,15 +141,15 @@ class Watchlist:
             queue.add(watch)  # out of order: a sorted insert
         else:
             watches.append(watch)  # _Queue.add's common case, inline: every wait comes here
-        self._live += 1
+        self.pending += 1
         return watch
 
     def remove(self, watch: Watch) -> None:
         """Forget a watch; a no-op if it fired or was removed already."""
         if watch.callback is not None:
             watch.callback = None
-            self._live -= 1
-            if self._live == 0:
+            self.pending -= 1
+            if self.pending == 0:
                 self._queues.clear()  # drop dead entries: an idle list holds nothing
 
     def poll(self, now: float, limit: int = 1 << 62) -> list[tuple[RecordCallback, EventRecord]]:
@@ -193,7 +190,7 @@ class Watchlist:
                             # memory, without a driver query each.
                             watches[n - 1].record.query()
                     watch.callback = None
-                    self._live -= 1
+                    self.pending -= 1
                     fired.append((callback, record))
                 i += 1
             if i >= n:

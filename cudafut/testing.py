@@ -206,6 +206,10 @@ class FakeStream:
 class _Backend:
     """The fake GPU's state and its implementation of ``_cuda.SEAM``."""
 
+    #: The fake's stream type, whose ``ptr`` and ``device_id`` are its
+    #: handle and device (``_cuda.RecordCalls.stream_types``).
+    stream_types = (FakeStream,)
+
     def __init__(self, devices: int, auto_complete: bool, hint_after_s: float = math.inf) -> None:
         self.devices = devices
         self.auto_complete = auto_complete

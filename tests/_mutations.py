@@ -39,6 +39,14 @@ def _await_one_at_once(self: Any) -> Any:
     raise StopIteration(self._finish(self._future, asyncio.CancelledError))
 
 
+def _await_one_mutated() -> None:
+    native = _compiled.native()
+    if native is not None:  # the native core's one-object await
+        native._mutate("await_one")
+    else:
+        _loops._AsyncioAwait.__next__ = _await_one_at_once  # type: ignore[method-assign]
+
+
 def _idle_stream(device: int) -> int:
     stream = _idle.get(device)
     if stream is None:
@@ -199,7 +207,7 @@ MUTATIONS = {
     # through the seam, and in the native core, whose records ask CUDA from C
     "query": lambda: _both("query", _cuda, "event_query", _always_complete),
     # an await among others (asyncio) returns without waiting for its record
-    "await_one": lambda: setattr(_loops._AsyncioAwait, "__next__", _await_one_at_once),
+    "await_one": lambda: _await_one_mutated(),
     # then() children and submit() futures stop keeping their inputs alive
     "keep": lambda: setattr(_future, "_settle", _settle_without_keep),
     # record(keep=...) keeps nothing

@@ -292,3 +292,96 @@ def test_a_dropped_record_gives_its_event_back_to_its_pool(fake_cuda: testing.Fa
     gc.collect()
     free_after, in_use_after = _pools.events.counts()
     assert (free_after[0], in_use_after[0]) == (free.get(0, 0) + 1, in_use[0] - 1)
+
+
+# -- the futures' native paths (record_value, the await, the finalizer) ------------------
+
+
+FUTURE_BAD_CALLS = [
+    ("record_value, no arguments", lambda: NATIVE.record_value()),  # type: ignore[union-attr]
+    ("future_await, not a future", lambda: NATIVE.future_await(object())),  # type: ignore[union-attr]
+    ("future_await, None", lambda: NATIVE.future_await(None)),  # type: ignore[union-attr]
+    ("awaited, not a future", lambda: NATIVE.awaited(object(), None)),  # type: ignore[union-attr]
+    ("AsyncioAwait, a record without seq", lambda: NATIVE.AsyncioAwait(None, None, None, object(), None)),  # type: ignore[union-attr]
+]
+
+
+@native_only
+@pytest.mark.parametrize("call", [c for _, c in FUTURE_BAD_CALLS], ids=[n for n, _ in FUTURE_BAD_CALLS])
+def test_the_futures_native_paths_refuse_wrong_arguments(fake_cuda: testing.FakeCuda, call: Any) -> None:
+    with pytest.raises((TypeError, AttributeError)):
+        call()
+
+
+@native_only
+def test_the_native_finalizer_ignores_what_is_no_future() -> None:
+    NATIVE.future_del(object())  # type: ignore[union-attr]  # no __init__ ran: nothing to do
+
+
+@native_only
+def test_record_on_a_known_stream_takes_the_native_path_and_makes_the_same_future(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    stream = fake_cuda.stream()
+    x = np.arange(3.0)
+    keep = object()
+    first = cudafut.record(x, stream=stream, keep=keep)  # the twin checks the handle once
+    fast = NATIVE.record_value(x, stream, keep)  # type: ignore[union-attr]
+    assert fast is not None
+    assert type(fast) is cudafut.CudaFuture
+    for fut in (first, fast):
+        assert fut._state is first._state and fut._value is x and fut._keep is keep
+        assert fut._devices is None and fut._exception is None and not fut._retrieved
+        assert fut.devices == (stream.device_id,)
+    (r1,), (r2,) = records_of(first), records_of(fast)
+    assert (r2.stream, r2.device, r2.stream_key) == (r1.stream, r1.device, r1.stream_key)
+    assert r2.seq == r1.seq + 1
+    assert not fast.done()
+    fake_cuda.complete_all()
+    assert fast.done() and fast.result() is x
+
+
+@native_only
+def test_the_native_path_leaves_to_the_twin_what_it_does_not_handle(
+    fake_cuda: testing.FakeCuda, tmp_path: Any
+) -> None:
+    x = np.arange(3.0)
+    stream = fake_cuda.stream()
+
+    class Protocol:  # a stream of a type the fast path does not know
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, stream.ptr)
+
+        device_id = stream.device_id
+
+    assert NATIVE.record_value(x, None, None) is None  # type: ignore[union-attr]
+    assert NATIVE.record_value(x, Protocol(), None) is None  # type: ignore[union-attr]
+    assert cudafut.record(x, stream=Protocol()).devices == (stream.device_id,)
+    with cudafut.trace(tmp_path / "trace.json"):
+        assert NATIVE.record_value(x, stream, None) is None  # type: ignore[union-attr]  # traced: the twin
+    fake_cuda.complete_all()
+
+
+def test_await_of_a_done_or_failed_future_takes_its_outcome(fake_cuda: testing.FakeCuda) -> None:
+    import asyncio
+
+    stream = fake_cuda.stream()
+    done = cudafut.record(np.arange(2.0), stream=stream)
+    failed = cudafut.record(np.arange(2.0), stream=stream)
+    fake_cuda.complete(done)
+    fake_cuda.fail(failed)
+
+    async def main() -> None:
+        assert (await done).tolist() == [0.0, 1.0]
+        assert (await done).tolist() == [0.0, 1.0]  # again: each await its own iterator
+        with pytest.raises(cudafut.CudaError):
+            await failed
+
+    asyncio.run(main())
+
+
+def test_the_native_methods_keep_the_twins_documentation() -> None:
+    doc = cudafut.CudaFuture.__await__.__doc__
+    assert doc is not None and doc.startswith("``await fut``")
+    doc = cudafut.CudaFuture.result.__doc__
+    assert doc is not None and doc.startswith("Block the calling thread until the GPU work is done")
