@@ -311,6 +311,20 @@ def _fronts(all_runs: list[Run]) -> list[str]:
     return [caption, "", *_body(section("serve").markdown(Result({"processes": processes}, {})))]
 
 
+def _processes(all_runs: list[Run]) -> list[str]:
+    """The newest run of ``examples/service/multiproc.py`` by the serve section
+    (fronts and a GPU process per device, beside the same fronts without GPU
+    work and LitServe with as many processes), on the GPUs it ran on."""
+    run = newest(all_runs, "serve: processes")
+    if run is None:
+        return ["*No committed result of `serve: processes` yet.*"]
+    processes = load(run.name)["serve"]["processes"]
+    gpus = max(int(n) for n in processes)
+    lines = section("serve").markdown(Result({"processes": processes}, load(run.name).get("meta", {})))
+    command = f'CUDAFUT_BENCH_SERVE_DEVICES="{gpus}" python -m cudafut bench --only serve'
+    return [_caption(run, command, gpus), "", *_body(lines)]
+
+
 def _pipeline_depth(all_runs: list[Run]) -> list[str]:
     """The Batcher's default depth against a deeper one, one call."""
     rows = []
@@ -507,6 +521,7 @@ SNIPPETS: dict[str, Callable[[list[Run]], list[str]]] = {
     "serve-vit": _section_table("serve", "serve: vit_b_16", "vit_b_16"),
     "serve-launch": _section_table("serve", "serve: launch", "launch"),
     "serve-processes": _fronts,
+    "processes": _processes,
     "serve-depth": _pipeline_depth,
     "reliability": _reliability,
 }
