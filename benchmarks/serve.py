@@ -423,6 +423,13 @@ def _targets(result: dict[str, Any]) -> list[str]:
                 f"later rounds max {s['warm_max_stall_ms']} ms (target 2; run_in_executor "
                 f"{base['cold_max_stall_ms']} and {base['warm_max_stall_ms']} ms)"
             )
+            lines.append(
+                f"- loop stall, {kind} launches in flight, later rounds against run_in_executor: max "
+                f"{s['warm_max_stall_ms']} / {base['warm_max_stall_ms']} ms "
+                f"({_ratio(s['warm_max_stall_ms'], base['warm_max_stall_ms'])}), p99 "
+                f"{s['warm_p99_stall_ms']} / {base['warm_p99_stall_ms']} ms "
+                f"({_ratio(s['warm_p99_stall_ms'], base['warm_p99_stall_ms'])}) (target: at most 1x each)"
+            )
         for kind, s in stalls.get("launch_warmed", {}).items():
             lines.append(
                 f"- loop stall, {kind} launches after warm_launchers(): first round max "
@@ -430,6 +437,10 @@ def _targets(result: dict[str, Any]) -> list[str]:
                 f"warm_launchers() itself {s['prepare_s']} s, loop stall {s['prepare_max_stall_ms']} ms"
             )
     return [*lines, ""]
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
 
 
 def _pause_targets(model: str, group: dict[str, Any]) -> list[str]:

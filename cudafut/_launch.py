@@ -22,10 +22,19 @@ How the launchers work, and why (docs/serving.md, "How launch() works"):
   model concurrently; more threads add little throughput and take the GIL
   from the event loop more often (the ``serve`` benchmark measures 1, 2 and
   4 threads).
-- The caller's side: one event recorded on the caller's
-  current stream (and on PyTorch's, when that differs), which the launcher's
-  stream waits for before ``fn`` runs, so ``fn`` sees what the caller
-  enqueued before calling :func:`launch`.
+- The caller's side: no CUDA call. :func:`launch` notes the caller's
+  current streams (CuPy's, and PyTorch's when that differs) in the job; the
+  launcher thread that takes the job records an event on each and makes its
+  own stream wait for them before ``fn`` runs, so ``fn`` sees what the
+  caller enqueued before calling :func:`launch` (and what it enqueued there
+  since: the event comes later, never earlier). Recording on the calling
+  thread released the GIL (the native core records without it), and each
+  release while the launcher threads run a model's Python hands them the
+  GIL, which the caller then waits for: 200 launches from one loop
+  iteration stalled the loop for 2-10 times ``run_in_executor``'s longest
+  stall (``benchmarks/stalls_cpu.py``). The per-thread default stream
+  (``cudaStreamPerThread``) is the caller's own, so an event on it is still
+  recorded by the caller.
 - :func:`warm_launchers` runs a function once on *each* thread: a job
   taken from the shared queue may land on any thread, so each thread also
   has its own list of warm-up jobs, which it runs before it next takes from
@@ -89,10 +98,23 @@ def launcher_threads() -> int:
     return n
 
 
-class _Job:
-    """One launch: what to call, and what its stream must wait for first."""
+#: ``cudaStreamPerThread``: a handle that names the calling thread's own
+#: default stream, which only that thread can record on.
+_PER_THREAD: Final = 2
 
-    __slots__ = ("after", "args", "fn", "future", "kwargs")
+#: One of the caller's streams, for the launcher to record on: its handle,
+#: the ``owner`` to record with (a CuPy stream; None for PyTorch's, as
+#: ``_torch`` records it), and the stream object, kept alive (so its handle
+#: names it) until the launcher has recorded.
+Caller = tuple[int, Any, Any]
+
+
+class _Job:
+    """One launch: what to call, and what its stream must wait for first:
+    ``after``, records made already, and ``callers``, streams of the caller
+    that the launcher records on when it takes the job."""
+
+    __slots__ = ("after", "args", "callers", "fn", "future", "kwargs")
 
     def __init__(
         self,
@@ -101,12 +123,14 @@ class _Job:
         kwargs: dict[str, Any],
         future: CudaFuture[Any],
         after: tuple[EventRecord, ...],
+        callers: tuple[Caller, ...] = (),
     ) -> None:
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
         self.future = future
         self.after = after
+        self.callers = callers
 
 
 class _Warm:
@@ -210,6 +234,8 @@ def _run(job: _Job, ptr: int, device: int, streams: dict[int, Any]) -> None:
     try:
         for rec in job.after:
             rec.wait_on(ptr, device)
+        for handle, owner, _ in job.callers:  # the caller's streams, recorded here (see the module)
+            _events.record(handle, device, None, owner).wait_on(ptr, device)
         settle_launched(future, _no_awaitable(job.fn), job.args, job.kwargs, streams)
         if future.cancelled():
             # Cancelled while fn ran: its work still reads the arguments.
@@ -313,7 +339,11 @@ def launch(
     current device), with that thread's own non-blocking stream current for
     CuPy and, when the program imported torch, for PyTorch. That stream
     first waits for the work already enqueued on the caller's current
-    streams (CuPy's, and PyTorch's), as in :func:`submit`.
+    streams (CuPy's, and PyTorch's), as in :func:`submit`: the launcher
+    thread records an event on each as it takes the job, so the wait also
+    covers what the caller enqueued there between :func:`launch` and then
+    (on the per-thread default stream, ``cudaStreamPerThread``, which only
+    the caller can record on, the event is recorded in :func:`launch`).
 
     The returned future is pending until ``fn`` has returned; it is then set
     with ``fn``'s return value and an event recorded on the launcher's
@@ -337,13 +367,16 @@ def launch(
     ``fn`` must not block on a future that a later :func:`launch` sets: the
     launcher threads may all be busy with it.
 
-    Cost on the calling thread: an event recorded on the caller's stream (two
-    with PyTorch's stream beside CuPy's), a future and a queue put: with
-    1,000 launches in flight, 11 µs at the median and 237 µs at the 99th
-    percentile on an H200 (bench-h200-stalls-f62b117.json), 8.4 µs and
-    168 µs on an H100 (bench-h100-serve-resnet50-ea06cc5.json); the GIL is
-    shared with the launcher threads (docs/serving.md). It blocks neither the thread nor the GPU. The first
-    launch on a device also creates its launcher threads and their streams.
+    Cost on the calling thread: the current streams looked up, a future and
+    a queue put, no CUDA call, and the GIL held throughout: a CUDA call
+    made without the GIL (as the native core records events) hands the GIL
+    to the launcher threads while they run a model's Python, and the caller
+    then waits for it (docs/serving.md, "How launch() works"). With the
+    events recorded here, as before, 1,000 launches in flight cost 11 µs at
+    the median and 237 µs at the 99th percentile on an H200
+    (bench-h200-stalls-f62b117.json). It blocks neither the thread nor the
+    GPU. The first launch on a device also creates its launcher threads and
+    their streams.
 
     The launcher threads have PyTorch's per-thread defaults, whatever the
     caller set: grad mode on, no autocast. Enter ``torch.inference_mode()``
@@ -366,7 +399,28 @@ def launch(
     _checks.not_async(fn, "launch()", "on a launcher thread", _INSTEAD_OF_ASYNC)
     _cuda.check_usable()
     dev = _cuda.current_device() if device is None else _cuda.check_device(device)
-    return enqueue(fn, args, kwargs, dev, _torch.current_records(dev))
+    callers = _caller_streams(dev)
+    for handle, _, _ in callers:
+        if handle == _PER_THREAD:  # the caller's own stream: only the caller can record on it
+            after = tuple(_events.record(h, dev, None, owner) for h, owner, _ in callers)
+            return enqueue(fn, args, kwargs, dev, after)
+    return enqueue(fn, args, kwargs, dev, (), callers)
+
+
+def _caller_streams(device: int) -> tuple[Caller, ...]:
+    """The calling thread's current streams of ``device`` (CuPy's, and
+    PyTorch's where the program imported torch and its current stream is
+    another), for a launcher to record on: what ``_torch.current_records``
+    records, without recording. Holds the GIL throughout (no CUDA call)."""
+    stream = _cuda.current_stream(device)
+    ptr = int(stream.ptr)
+    torch = _torch.loaded()
+    if torch is not None:
+        other = torch.cuda.current_stream(device)
+        handle = int(other.cuda_stream)
+        if handle != ptr:
+            return ((ptr, stream, stream), (handle, None, other))
+    return ((ptr, stream, stream),)
 
 
 def warm_launchers(
@@ -467,14 +521,17 @@ def enqueue(
     kwargs: dict[str, Any],
     device: int,
     after: tuple[EventRecord, ...],
+    callers: tuple[Caller, ...] = (),
 ) -> CudaFuture[Any]:
     """:func:`launch` with its arguments checked: queue ``fn`` for the
-    launchers of ``device``, its stream to wait for ``after`` first."""
+    launchers of ``device``, its stream to wait for ``after`` first, and for
+    events the launcher records on ``callers`` (streams of the caller) when
+    it takes the job."""
     launchers = _launchers[device] if device < len(_launchers) else None
     if launchers is None:
         launchers = _launchers_of(device)
     future: CudaFuture[Any] = new_future("launch")
-    launchers.queue.put(_Job(fn, args, kwargs, future, after))
+    launchers.queue.put(_Job(fn, args, kwargs, future, after, callers))
     return future
 
 

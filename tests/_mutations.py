@@ -159,13 +159,10 @@ def _patch_submit(replacement: Any) -> None:
 
 def _patch_launch_wait() -> None:
     """launch(): the launcher's stream no longer waits for the caller's streams."""
-    import types
-
     from cudafut import _launch
 
-    _launch._torch = types.SimpleNamespace(  # type: ignore[attr-defined,assignment]
-        current_records=lambda device: (_idle_record(device),)
-    )
+    # The caller's streams, which the launcher records on, are none.
+    _launch._caller_streams = lambda device: ()
 
 
 def _close_never(record: Any, fd: int, lane: object) -> None:

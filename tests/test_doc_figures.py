@@ -70,14 +70,6 @@ DOCSTRING_FIGURES: dict[tuple[str, str], str] = {
     ("cudafut/_launch.py", "237 µs"): (
         "bench-h200-stalls-f62b117.json serve > launch > caller > launch > p99_us"
     ),
-    (
-        "cudafut/_launch.py",
-        "8.4 µs",
-    ): "bench-h100-serve-resnet50-ea06cc5.json serve > launch > caller > launch > p50_us",
-    (
-        "cudafut/_launch.py",
-        "168 µs",
-    ): "bench-h100-serve-resnet50-ea06cc5.json serve > launch > caller > launch > p99_us",
     ("cudafut/_trace/api.py", "9.5 µs"): (
         "bench-h200-hostcost-034bc04.json tracing > create + set + await > extra_us"
     ),

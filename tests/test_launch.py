@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _future, _launch, _lifetimes, testing
+from cudafut import _cuda, _events, _future, _launch, _lifetimes, testing
 from tests.launches import check_a_queued_launch_cancelled_never_runs
 from tests.runners import BACKENDS, run_on
 
@@ -307,3 +307,62 @@ def test_warm_launchers_from_a_loop_blocks_nothing(fake_cuda: testing.FakeCuda, 
     took, ticks = run_on(backend, _warm_from_a_loop, threading.Event())
     assert took < 0.05
     assert ticks > 1
+
+
+# -- the caller's events, recorded by the launcher thread ------------------------------------
+
+
+def _spy_records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Each ``_events.record`` call from here on: (stream handle, thread name)."""
+    seen: list[tuple[int, str]] = []
+    real = _events.record
+
+    def spy(stream: int, device: int, confirm: Any = None, owner: object = None) -> Any:
+        seen.append((stream, threading.current_thread().name))
+        return real(stream, device, confirm, owner)
+
+    monkeypatch.setattr(_events, "record", spy)
+    return seen
+
+
+def test_launch_records_the_callers_stream_on_a_launcher_thread_and_follows_it(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """launch() itself records nothing (a record on the calling thread
+    releases the GIL there: benchmarks/stalls.py); the launcher thread
+    records the caller's stream, and the launched work follows what the
+    caller enqueued there before launch()."""
+    seen = _spy_records(monkeypatch)
+    caller = fake_cuda.stream()
+    with caller:
+        before = cudafut.record(np.zeros(3), stream=caller)  # the caller's work, pending
+        seen.clear()
+        fut = cudafut.launch(np.arange, 3)
+        assert seen == []
+    fake_cuda.complete(fut)  # its events and every event they follow
+    assert fut.result(timeout=10).tolist() == [0, 1, 2]
+    assert before.done()  # followed by the launched work, so completed with it
+    on_caller = [name for stream, name in seen if stream == caller.ptr]
+    assert len(on_caller) == 1 and on_caller[0].startswith("cudafut-launcher-0-")
+
+
+def test_launch_from_a_per_thread_default_stream_records_it_on_the_calling_thread(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cudaStreamPerThread names the calling thread's own stream: a launcher
+    thread recording on that handle would record on its own, so the caller
+    records it, as before."""
+    fake_cuda.auto_complete = True
+    cudafut.launch(np.arange, 1).result(timeout=10)  # the launchers started
+    seen = _spy_records(monkeypatch)
+    here = threading.get_ident()
+    real = _cuda.current_stream
+    per_thread = testing.FakeStream.__new__(testing.FakeStream)
+    per_thread.ptr, per_thread.device_id = 2, 0
+    monkeypatch.setattr(
+        _cuda, "current_stream", lambda device: per_thread if threading.get_ident() == here else real(device)
+    )
+    fut = cudafut.launch(np.arange, 3)
+    assert seen == [(2, threading.current_thread().name)]
+    assert fut.result(timeout=10).tolist() == [0, 1, 2]
+    assert all(stream != 2 for stream, _ in seen[1:])
