@@ -12,9 +12,11 @@ where this extension was not built). What differs is the cost:
   from a free list, without ``__init__``.
 - CUDA is called from C: ``cuEventRecord``, ``cuEventQuery`` and
   ``cuStreamWaitEvent`` are loaded from libcuda (``dlopen``, as
-  ``_waker.c`` does), the GIL released around ``cuEventRecord`` and
-  ``cuStreamWaitEvent`` (they may wait for room in a full queue) and kept
-  for ``cuEventQuery``, which never waits. Any call the fast path cannot
+  ``_waker.c`` does), with the GIL held: they return in under a µs,
+  and a release on an event loop's thread would hand the GIL to threads
+  running Python (a model's launcher threads), for up to a switch interval
+  (``cuEventRecord`` and ``cuStreamWaitEvent`` block only while a stream's
+  queue is full, as CuPy's calls would). Any call the fast path cannot
   make, or that fails, is made again through ``_cuda``'s functions (CuPy's
   runtime), which set up the device's context or raise the
   :class:`~cudafut.CudaError` with the runtime's code and name.
@@ -75,6 +77,7 @@ cdef extern from "<pthread.h>" nogil:
         pass
     int pthread_mutex_init(pthread_mutex_t *mutex, void *attr)
     int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_trylock(pthread_mutex_t *mutex)
     int pthread_mutex_unlock(pthread_mutex_t *mutex)
     int pthread_mutex_destroy(pthread_mutex_t *mutex)
 
@@ -189,6 +192,7 @@ cdef object _pools = None
 cdef tuple _stream_types = None
 cdef object _lone_array = None
 cdef tuple _backend_streams = ()
+cdef object _cupy_current_stream = None  # cupy.cuda.get_current_stream
 cdef object _is_newest = None
 
 
@@ -544,8 +548,7 @@ cdef class EventRecord:
         if self._known or _no_stream_wait:
             return
         if stream > 2 and self._fast():
-            with nogil:
-                rc = cu_stream_wait_event(s, e, 0)
+            rc = cu_stream_wait_event(s, e, 0)  # GIL held, as cuEventRecord (see record())
             if rc == 0:
                 return
         self.calls.stream_wait(stream, self.handle, device)
@@ -574,8 +577,8 @@ cdef class EventRecord:
 
 def record(long long stream, long long device, confirm=None, owner=None):
     """Record a pooled event on ``stream`` of ``device`` (host: about half a
-    µs with CUDA; blocks only while CUDA waits for room in the stream's
-    queue, with the GIL released).
+    µs with CUDA; blocks, with the GIL held, only while CUDA waits for room
+    in the stream's queue or another thread records on the same stream).
 
     ``confirm``, if given, is called (in the polling thread) when the event
     is first seen complete; an error it returns fails the record instead.
@@ -601,17 +604,25 @@ def record(long long stream, long long device, confirm=None, owner=None):
         handle = pool.acquire(device)
     e = <void *>handle
     if fast:
-        with nogil:
-            pthread_mutex_lock(&state.lock)
-            if stream <= 2:  # the default stream of the *current* device: only if it is ``device``
-                if cu_ctx_get_device(&current) != 0 or current != device:
-                    current = -1
-            if stream > 2 or current >= 0:
-                rc = cu_event_record(e, s)
-            if rc == 0:
-                state.newest += 1
-                seq = floor = state.newest
-            pthread_mutex_unlock(&state.lock)
+        # With the GIL held: a release on an event loop's thread hands the
+        # GIL to threads running Python (a model's launcher threads), and
+        # the loop then waits up to a switch interval to get it back.
+        # cuEventRecord returns in well under a µs unless the stream's queue
+        # is full (about a thousand operations pending), when it blocks
+        # until room frees, as CUDA's own calls do. Only a contended mutex
+        # (another thread recording on this stream) is waited for without it.
+        if pthread_mutex_trylock(&state.lock) != 0:
+            with nogil:
+                pthread_mutex_lock(&state.lock)
+        if stream <= 2:  # the default stream of the *current* device: only if it is ``device``
+            if cu_ctx_get_device(&current) != 0 or current != device:
+                current = -1
+        if stream > 2 or current >= 0:
+            rc = cu_event_record(e, s)
+        if rc == 0:
+            state.newest += 1
+            seq = floor = state.newest
+        pthread_mutex_unlock(&state.lock)
     if rc != 0:
         # The runtime's path: another device's default stream, no context in
         # this thread yet, an error to raise with its name, or the fake. Not
@@ -813,7 +824,7 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
 
 
 cdef bint _find_types() except -1:
-    global _stream_types, _lone_array
+    global _stream_types, _lone_array, _cupy_current_stream
     cupy = sys.modules.get("cupy")
     cuda = getattr(cupy, "cuda", None)
     found = list(_backend_streams)
@@ -824,6 +835,7 @@ cdef bint _find_types() except -1:
                 found.append(t)
         ndarray = getattr(cupy, "ndarray", None)
         _lone_array = ndarray if isinstance(ndarray, type) else None
+        _cupy_current_stream = getattr(cuda, "get_current_stream", None)
     _stream_types = tuple(found)
     return True
 
@@ -966,7 +978,9 @@ cdef object _consume_one(object array, long long device):
     block = getattr(memory, "_owner", None)
     if type(block) is not _block_type or block.device != device:
         return None  # another allocator's memory: untracked, nothing to do for an await
-    stream = _cuda.current_stream(device)
+    # CuPy's own getter: a block of the wrapper means CUDA is set up (and
+    # _cuda.current_stream() would only add a Python frame around it).
+    stream = _cupy_current_stream(device) if _calls is _CUDA_CALLS else _cuda.current_stream(device)
     ptr = stream.ptr
     if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
         block.add_reader(ptr, device, stream)
