@@ -24,9 +24,14 @@ NAME = "many"
 # The scenarios (row names in the JSON and the table) and the summary key.
 PLAIN = "plain asyncio futures (baseline)"
 PLAIN_RECORD = "plain asyncio futures + a CuPy event record each (the same GPU work)"
+FLOOR = (
+    "floor: a hand-written waiter (asyncio futures, an event record and a query per await, "
+    "one poll per loop iteration)"
+)
 AWAIT = "cudafut await"
 OVER_PLAIN = "cudafut host us per future over plain asyncio"
 RATIO_RECORD = "cudafut / plain asyncio with the same event record (host CPU per future)"
+RATIO_FLOOR = "cudafut / the hand-written waiter (host CPU per future)"
 #: Interleaved repetitions of each scenario: the median is reported.
 ROUNDS = 3
 
@@ -51,7 +56,7 @@ def measure(
     events = [cp.cuda.Event(disable_timing=True) for _ in range(64)]
 
     async def scenario(kind: str) -> dict[str, float]:
-        gpu_work = kind == AWAIT
+        gpu_work = kind in (AWAIT, FLOOR)
         loop = asyncio.get_running_loop()
         stall = 0.0
         stop = False
@@ -89,6 +94,51 @@ def measure(
             plain.append(fut)
             await fut
 
+        # The floor: what the same waits cost written by hand with no
+        # library, the least a correct waiter does: an event per await (from
+        # a pool, recorded through the driver from C by CuPy), one query to
+        # see whether it is done already, an asyncio future in a queue per
+        # stream, and a poll that queries each stream's oldest event and
+        # completes the futures behind a completed one: on every loop
+        # iteration for 100 µs after a new wait (as cudafut's default policy
+        # spins), else every millisecond (its longest sleep).
+        queues: list[list[tuple[Any, asyncio.Future[None]]]] = [[] for _ in range(nstreams)]
+        heads = [0] * nstreams
+        polling = False
+        last_wait = 0.0
+
+        def floor_poll() -> None:
+            nonlocal polling
+            live = False
+            for q in range(nstreams):
+                queue, head = queues[q], heads[q]
+                if head < len(queue) and queue[head][0].done:
+                    for _ev, fut in queue[head:]:  # the stream completes in order
+                        fut.set_result(None)
+                    heads[q] = len(queue)
+                live = live or heads[q] < len(queue)
+            polling = live
+            if live:
+                if time.perf_counter() - last_wait < 100e-6:
+                    loop.call_soon(floor_poll)
+                else:
+                    loop.call_later(1e-3, floor_poll)
+
+        async def one_floor(i: int) -> None:
+            nonlocal polling, last_wait
+            q = i % nstreams
+            ev = events[i % len(events)]
+            ev.record(streams[q])
+            if ev.done:  # cudaEventQuery: done already?
+                return
+            fut = loop.create_future()
+            queues[q].append((ev, fut))
+            last_wait = time.perf_counter()
+            if not polling:
+                polling = True
+                loop.call_soon(floor_poll)
+            await fut
+
         async def release_plain() -> None:
             await asyncio.sleep(busy_ms / 1e3)
             while len(plain) < n:
@@ -98,7 +148,7 @@ def measure(
                     fut.set_result(None)
                 await asyncio.sleep(0)
 
-        one = {AWAIT: one_gpu, PLAIN: one_plain, PLAIN_RECORD: one_plain_record}[kind]
+        one = {AWAIT: one_gpu, PLAIN: one_plain, PLAIN_RECORD: one_plain_record, FLOOR: one_floor}[kind]
         left = n
         all_done = asyncio.Event()
 
@@ -137,7 +187,7 @@ def measure(
             "max_heartbeat_stall_ms": stall * 1e3,
         }
 
-    kinds = (PLAIN, PLAIN_RECORD, AWAIT)
+    kinds = (PLAIN, PLAIN_RECORD, FLOOR, AWAIT)
     for kind in kinds:
         asyncio.run(scenario(kind))  # warm-up
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
@@ -166,6 +216,7 @@ def measure(
     mine = res[AWAIT]["host_cpu_us_per_future"]
     res[OVER_PLAIN] = mine - res[PLAIN]["host_cpu_us_per_future"]
     res[RATIO_RECORD] = mine / res[PLAIN_RECORD]["host_cpu_us_per_future"]
+    res[RATIO_FLOOR] = mine / res[FLOOR]["host_cpu_us_per_future"]
     return {"n": n, "streams": nstreams, "batch": batch, "busy_ms": busy_ms, "rounds": ROUNDS, **res}
 
 
@@ -181,7 +232,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         "| | host CPU µs / future | same, gc off | longest stall, ms | same, gc off |",
         "|---|---|---|---|---|",
     ]
-    for name in (PLAIN, PLAIN_RECORD, AWAIT):
+    for name in (PLAIN, PLAIN_RECORD, FLOOR, AWAIT):
         if name not in many:
             continue  # results from before this scenario existed
         m = many[name]
@@ -192,6 +243,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         )
     if RATIO_RECORD in many:
         lines += ["", f"{RATIO_RECORD}: {many[RATIO_RECORD]:.2f}x (median of {many['rounds']} rounds)."]
+    if RATIO_FLOOR in many:
+        lines += ["", f"{RATIO_FLOOR}: {many[RATIO_FLOOR]:.2f}x."]
     lines.append("")
     return lines
 

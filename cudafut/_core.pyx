@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=False
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=False, auto_pickle=False
 """cudafut's native core: event records, their streams' state and the event
 pool as C-level types, and CUDA's event calls made from C.
 
@@ -840,6 +840,11 @@ cdef bint _find_types() except -1:
     return True
 
 
+# The handles and device ordinals record_value() reads into C integers.
+cdef object _HANDLE_LIMIT = 1 << 63
+cdef object _DEVICE_LIMIT = 1 << 31
+
+
 @cython.final
 @cython.no_gc
 cdef class _Consumer:
@@ -873,10 +878,15 @@ def record_value(value, stream, keep):
         return _set_future(value, record(stream.ptr, device, None, stream), keep)
     if type(stream) not in _stream_types:
         return None
-    ptr = stream.ptr
-    device = stream.device_id
-    if device < 0 or ptr < 0:
+    handle = stream.ptr
+    index = stream.device_id
+    # Anything but two ints in range: the twin checks and explains.
+    if type(handle) is not int or type(index) is not int:
         return None
+    if not (0 <= handle < _HANDLE_LIMIT and 0 <= index < _DEVICE_LIMIT):
+        return None
+    ptr = handle
+    device = index
     if ptr > 2:
         page = ptr - ptr % _page_size
         if page not in _mapped_pages:  # the twin checks it (mincore) and remembers
@@ -907,11 +917,14 @@ cdef object _set_future(object value, EventRecord rec, object keep):
     return fut
 
 
-def future_del(fut):
+def future_del(self):
     """CudaFuture.__del__: nothing to do for a future whose records are known
     complete (known, answered by its stream's watermark, or one query; never a
     confirm); else the Python twin, which keeps the value of pending work."""
     cdef EventRecord rec
+    fut = self
+    if sys.is_finalizing():  # as the twin: no CUDA call while the interpreter ends
+        return
     try:
         state = fut._state
     except AttributeError:  # __init__ never ran: CudaFuture(...) refused its arguments
@@ -997,9 +1010,10 @@ def awaited(fut, cancelled_error):
 
 
 @cython.final
-@cython.no_gc
 cdef class _Done:
-    """What ``await`` of a done future iterates: nothing, then its outcome."""
+    """What ``await`` of a done future iterates: nothing, then its outcome;
+    a generator's ``send``, ``throw`` and ``close`` too. Tracked by the
+    collector: the future's value may refer back to it."""
     cdef object fut
 
     def __iter__(self):
@@ -1013,11 +1027,29 @@ cdef class _Done:
         # Set (never cancelled or failed): the error type is not needed.
         raise StopIteration(_outcome(fut, None))
 
+    def send(self, value):
+        """As ``next()``, as a generator started by ``send(None)``."""
+        return self.__next__()
 
-def future_await(fut):
+    def throw(self, typ, val=None, tb=None):
+        """Raise the exception thrown in; the outcome is never taken."""
+        self.fut = None
+        if not isinstance(val, BaseException):
+            val = (typ() if val is None else typ(val)) if isinstance(typ, type) else typ
+        if tb is not None:
+            val = val.with_traceback(tb)
+        raise val
+
+    def close(self):
+        """Never take the outcome."""
+        self.fut = None
+
+
+def future_await(self):
     """CudaFuture.__await__, native (its documentation is the twin's)."""
     cdef EventRecord rec
     cdef _Done done
+    fut = self
     if fut._state is _SET and not _cuda.forked and _hooks.active is None:
         records = fut._records
         if len(records) == 1:
@@ -1037,11 +1069,12 @@ def future_await(fut):
     return _await_py(fut, False)
 
 
-def future_result(fut, timeout=None):
+def future_result(self, timeout=None):
     """CudaFuture.result, native (its documentation is the twin's): the
     outcome at once where every record is complete; else the twin, which
     blocks."""
     cdef EventRecord rec
+    fut = self
     if timeout is None and fut._state is _SET and not _cuda.forked and _hooks.active is None:
         for r in fut._records:
             if type(r) is not EventRecord:

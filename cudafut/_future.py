@@ -15,6 +15,7 @@ import asyncio.base_futures as _asyncio_base_futures
 import asyncio.futures as _asyncio_futures
 import concurrent.futures
 import enum
+import inspect
 import sys
 import threading
 import time
@@ -1346,7 +1347,7 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
             array is a host array: copy it with :func:`to_device`); or
             ``value`` holds an array whose producer cannot be ordered.
     """
-    if stream is not None and _record_value is not None:
+    if _record_value is not None:
         fut = _record_value(value, stream, keep)  # the native core's fast path
         if fut is not None:
             return fut
@@ -1691,9 +1692,13 @@ if _native is not None:
         _cuda.PAGE_SIZE,
         _memory.block_type(),
     )
-    _native.future_await.__doc__ = CudaFuture.__await__.__doc__
-    CudaFuture.__await__ = _native.future_await  # type: ignore[method-assign]
-    _native.future_result.__doc__ = CudaFuture.result.__doc__
-    CudaFuture.result = _native.future_result  # type: ignore[method-assign]
-    CudaFuture.__del__ = _native.future_del  # type: ignore[method-assign]
+    for _name, _function in (
+        ("__await__", _native.future_await),
+        ("result", _native.future_result),
+        ("__del__", _native.future_del),
+    ):
+        _twin = getattr(CudaFuture, _name)
+        _function.__doc__ = _twin.__doc__  # help() and the docs read the twin's
+        _function.__signature__ = inspect.signature(_twin)
+        setattr(CudaFuture, _name, _function)
     _record_value = _native.record_value

@@ -10,6 +10,7 @@ native core can show it (the watermark, the counters), the test says so.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _compiled, _cuda, _events, _pools, testing
+from cudafut import _compiled, _cuda, _events, _lifetimes, _pools, testing
 from cudafut._future import records_of
 
 NATIVE = _compiled.native()
@@ -385,3 +386,91 @@ def test_the_native_methods_keep_the_twins_documentation() -> None:
     assert doc is not None and doc.startswith("``await fut``")
     doc = cudafut.CudaFuture.result.__doc__
     assert doc is not None and doc.startswith("Block the calling thread until the GPU work is done")
+
+
+# -- the review of the futures' native paths: each failed on the first version -------------
+
+
+def test_a_dropped_future_asks_nothing_of_cuda_while_the_interpreter_finalizes(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fut = cudafut.record(np.zeros(2), stream=fake_cuda.stream())
+    calls = records_of(fut)[0].calls
+    asked: list[int] = []
+    real = calls.event_query
+
+    def query(handle: int) -> int:
+        asked.append(handle)
+        return int(real(handle))
+
+    monkeypatch.setattr(calls, "event_query", query)
+    held: list[Any] = []
+    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: held.append(obj))
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)
+    del fut
+    gc.collect()
+    monkeypatch.undo()
+    assert asked == [] and held == []
+    fake_cuda.complete_all()
+
+
+def test_an_unused_await_iterator_of_a_done_future_does_not_leak_it(fake_cuda: testing.FakeCuda) -> None:
+    box: list[Any] = [np.zeros(2)]
+    fut = cudafut.record(box, stream=fake_cuda.stream())
+    fake_cuda.complete_all()
+    assert fut.done()
+    box.append(fut.__await__())  # fut -> its value -> the iterator -> fut: a cycle the collector sees
+    ref = weakref.ref(fut)
+    del fut, box
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_await_iterator_of_a_done_future_is_driven_as_a_generator(fake_cuda: testing.FakeCuda) -> None:
+    fut = cudafut.record(np.arange(2.0), stream=fake_cuda.stream())
+    fake_cuda.complete_all()
+    it: Any = fut.__await__()
+    with pytest.raises(StopIteration) as stop:
+        it.send(None)
+    assert stop.value.value.tolist() == [0.0, 1.0]
+    fut.__await__().close()
+    with pytest.raises(KeyError):
+        fut.__await__().throw(KeyError("thrown in"))
+
+
+def test_a_stream_handle_past_63_bits_is_a_value_error(fake_cuda: testing.FakeCuda) -> None:
+    stream = fake_cuda.stream()
+    stream.ptr = 1 << 63
+    with pytest.raises(ValueError, match="not a CUDA stream of this process"):
+        cudafut.record(np.zeros(2), stream=stream)
+
+
+@native_only
+def test_record_without_a_stream_asks_the_native_path_first(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudafut import _future
+
+    asked: list[Any] = []
+    real = _future._record_value
+    assert real is not None
+
+    def spy(value: Any, stream: Any, keep: object) -> Any:
+        asked.append(stream)
+        return real(value, stream, keep)
+
+    monkeypatch.setattr(_future, "_record_value", spy)
+    cudafut.record(np.zeros(2))  # a NumPy array: the twin records it (the fake's current device)
+    fake_cuda.complete_all()
+    assert asked == [None]
+
+
+def test_the_native_methods_keep_the_twins_signatures() -> None:
+    import inspect
+
+    for name in ("result", "__await__", "__del__"):
+        sig = inspect.signature(getattr(cudafut.CudaFuture, name))
+        assert next(iter(sig.parameters)) == "self"
+    sig = inspect.signature(cudafut.CudaFuture.result)
+    assert list(sig.parameters) == ["self", "timeout"]
+    assert sig.return_annotation is not inspect.Signature.empty
