@@ -98,12 +98,19 @@ def test_compare_asks_for_the_loops_cpu_of_server_py_alone(monkeypatch: pytest.M
     monkeypatch.setattr(compare, "reference", lambda model: np.zeros((2, 3), np.float32))
     monkeypatch.setattr(compare, "has_litserve", lambda: True)
     monkeypatch.setattr(compare, "gpu_limit", lambda model: 1000.0)
-    modes = ("nogpu", "batch_graph", "litserve", "nogpu_fronts", "fronts", "litserve_fronts")
+    modes = (
+        "nogpu",
+        "batch_graph",
+        "litserve",
+        "nogpu_fronts",
+        *("fronts", "fronts_per_request"),
+        "litserve_fronts",
+    )
     compare.compare(("resnet50",), modes, seconds=0.1, warmup=0.0, step=lambda text: None)
     closed = {mode: one for (mode, open_loop), one in asked.items() if not open_loop}
     assert closed == {
         "nogpu": True, "batch_graph": True, "litserve": False,
-        "nogpu_fronts": False, "fronts": False, "litserve_fronts": False,
+        "nogpu_fronts": False, "fronts": False, "fronts_per_request": False, "litserve_fronts": False,
     }  # fmt: skip
     assert asked["batch_graph", True] and not asked["fronts", True]  # open loop likewise
     assert compare._one_loop("launch") and not compare._one_loop("unknown")
@@ -279,10 +286,14 @@ def test_the_load_generator_stops_when_a_load_process_dies(monkeypatch: pytest.M
     assert time.monotonic() - t0 < 5
 
 
-def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", [[], ["--per-request"]], ids=["batched", "per_request"])
+def test_the_multi_process_service_answers_from_every_front_without_a_gpu(
+    tmp_path: Path, way: list[str]
+) -> None:
     """multiproc.py with its toy model: two front processes and a GPU
     process on cudafut's fake GPU; the answers cross the pipes as futures
-    (done ones, under the fake) and the load generator checks every one."""
+    (done ones, under the fake) and the load generator checks every one.
+    A front killed afterwards leaves the service serving from the other."""
     pytest.importorskip("aiohttp")
     toy = load_example(SERVICE / "ray_serve.py").Toy()
     ref_path = tmp_path / "toy.npy"
@@ -297,6 +308,7 @@ def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_pa
         "2",
         "--port",
         str(port),
+        *way,
     ]
     server = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ))
     try:
@@ -305,7 +317,19 @@ def test_the_multi_process_service_answers_from_every_front_without_a_gpu(tmp_pa
         assert out["requests"] > 0 and out["wrong"] == 0 and out["errors"] == 0, out
         # A front froze what its imports and warm-up left before it was ready (docs/serving.md).
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=30) as resp:
-            assert json.loads(resp.read())["gc_frozen"] > 10_000
+            stats = json.loads(resp.read())
+        assert stats["gc_frozen"] > 10_000
+        if not way:  # the GPU batches this front's rows were in, and its own batches
+            assert stats["gpu_batches"] > 0 and stats["gpu_items"] >= stats["gpu_batches"], stats
+            assert 0 < stats["front_batches"] <= stats["front_items"] <= stats["requests"], stats
+        os.kill(stats["pid"], 9)
+        time.sleep(1.0)
+        for k in range(20):  # new connections go to the front that lives
+            body = json.dumps({"i": k}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=body, method="POST")
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert np.allclose(json.loads(resp.read())["top"], toy.answer([k])[0], atol=1e-5)
+        assert server.poll() is None
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -395,3 +419,182 @@ def _outbox_pipe() -> Iterator[tuple[Any, Any, Any]]:
     finally:
         ours.close()
         theirs.close()
+
+
+# -- multiproc.py's hand-off: front batches, GPU batches (on the fake GPU) ----------
+
+
+@contextlib.contextmanager
+def _gpu_process(
+    fronts: int, per_request: bool, max_batch: int = 64, max_delay_s: float = 0.002
+) -> Iterator[tuple[Any, list[Any], Any]]:
+    """multiproc.py's GPU process with its toy model, for ``fronts`` fronts:
+    ``(multiproc, our ends of the pipes, the process)``; killed afterwards."""
+    import multiprocessing as mp
+
+    from tests import service_children
+
+    sys.path.insert(0, str(SERVICE))  # multiproc imports models from next to it
+    multiproc = load_example(SERVICE / "multiproc.py")
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(fronts)]
+    ready = ctx.Event()
+    args = ([theirs for _, theirs in pipes], per_request, max_batch, max_delay_s, ready)
+    gpu = ctx.Process(target=service_children.gpu, args=args, daemon=True)
+    gpu.start()
+    for _, theirs in pipes:
+        theirs.close()
+    try:
+        assert ready.wait(120), "the GPU process was not ready in 120 s"
+        yield multiproc, [ours for ours, _ in pipes], gpu
+    finally:
+        gpu.kill()
+        gpu.join(30)
+        for ours, _ in pipes:
+            ours.close()
+
+
+def _toy_rows() -> np.ndarray:
+    """Every image's answer, as the toy model gives it."""
+    toy = load_example(SERVICE / "ray_serve.py").Toy()
+    return np.asarray(toy.answer(np.arange(256)))
+
+
+@pytest.mark.parametrize("per_request", [False, True], ids=["batched", "per_request"])
+def test_the_hand_off_answers_each_request_with_its_own_row(per_request: bool) -> None:
+    """Two fronts ask at once for 600 answers: front batches of 16 joined
+    into GPU batches of 24 (a front batch split between two GPU batches,
+    rows of both fronts in one), and each request gets its own image's row."""
+    import asyncio
+
+    from tests.service_children import link
+
+    asked = [(f, (7 * i + 3 * f) % 256) for i in range(300) for f in range(2)]
+    with _gpu_process(2, per_request, max_batch=24, max_delay_s=0.005) as (multiproc, conns, _gpu):
+
+        async def main() -> tuple[list[Any], list[Any]]:
+            loop = asyncio.get_running_loop()
+            links = [link(multiproc, loop, conn, per_request, 16) for conn in conns]
+            rows = await asyncio.gather(*(links[f].ask(k) for f, k in asked))
+            for one in links:
+                one.close()
+            return rows, links
+
+        rows, links = asyncio.run(asyncio.wait_for(main(), 60))
+    expected = _toy_rows()
+    wrong = [(f, k) for (f, k), row in zip(asked, rows, strict=True) if not np.allclose(row, expected[k])]
+    assert not wrong, wrong[:10]
+    if not per_request:
+        counts = [one.counts for one in links]
+        assert all(c["front_items"] == 300 and c["front_batches"] >= 300 / 16 for c in counts), counts
+        # GPU batches of 24 rows (front batches of 16 split and joined), each front in several.
+        assert all(c["gpu_items"] / c["gpu_batches"] > 16 for c in counts), counts
+
+
+@pytest.mark.parametrize("per_request", [False, True], ids=["batched", "per_request"])
+def test_a_front_that_dies_mid_batch_loses_no_other_fronts_requests(per_request: bool) -> None:
+    """Three fronts share a GPU process: one is killed (SIGKILL) while it
+    has requests in the GPU process's batches, one dies in the middle of a
+    message; the third's requests, before, during and after, are all
+    answered, each with its own row, and the GPU process lives on."""
+    import asyncio
+    import multiprocessing as mp
+    import signal
+
+    from tests import service_children
+
+    ctx = mp.get_context("spawn")
+    asked: list[int] = []
+    rows: list[Any] = []
+    with _gpu_process(3, per_request, max_batch=32, max_delay_s=0.003) as (multiproc, conns, gpu):
+        ours, partial, killed = conns
+        asking = ctx.Event()
+        dying = ctx.Process(target=service_children.front, args=(killed, per_request, asking), daemon=True)
+        dying.start()
+        killed.close()  # its only end now: the GPU process sees it die
+        try:
+            assert asking.wait(60), "the dying front got no answer in 60 s"
+
+            async def main() -> None:
+                loop = asyncio.get_running_loop()
+                me = service_children.link(multiproc, loop, ours, per_request, 16)
+                tasks = []
+                for round_ in range(30):
+                    ks = [(round_ * 11 + j) % 256 for j in range(10)]
+                    asked.extend(ks)
+                    tasks += [asyncio.ensure_future(me.ask(k)) for k in ks]
+                    if round_ == 10:  # half a message, then the pipe closes
+                        os.write(partial.fileno(), struct.pack("!i", 1000) + b"\0" * 100)
+                        partial.close()
+                    if round_ == 15 and dying.pid is not None:
+                        os.kill(dying.pid, signal.SIGKILL)
+                    await asyncio.sleep(0.005)
+                rows.extend(await asyncio.gather(*tasks))
+                me.close()
+
+            asyncio.run(asyncio.wait_for(main(), 60))
+            dying.join(30)
+            assert dying.exitcode == -signal.SIGKILL
+            assert gpu.is_alive()
+        finally:
+            dying.kill()
+    expected = _toy_rows()
+    assert len(rows) == len(asked) == 300
+    assert all(np.allclose(row, expected[k]) for k, row in zip(asked, rows, strict=True))
+
+
+@pytest.mark.parametrize("per_request", [False, True], ids=["batched", "per_request"])
+def test_a_dead_gpu_process_answers_every_waiting_request_with_an_error(per_request: bool) -> None:
+    """Requests waiting in a GPU process (its batch waits 60 s to fill) when
+    it is killed each fail with GpuProcessGoneError within a bound (the
+    pipe's end, not a timeout: 10 s is generous), and later ones at once."""
+    import asyncio
+    import signal
+
+    from tests.service_children import link
+
+    errors: list[BaseException] = []
+    with _gpu_process(1, per_request, max_batch=64, max_delay_s=60.0) as (multiproc, conns, gpu):
+
+        async def main() -> float:
+            loop = asyncio.get_running_loop()
+            me = link(multiproc, loop, conns[0], per_request, 64)
+            tasks = [asyncio.ensure_future(me.ask(k)) for k in range(10)]
+            await asyncio.sleep(0.5)  # in the GPU process's queue
+            assert not any(task.done() for task in tasks)
+            os.kill(gpu.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            done, _ = await asyncio.wait(tasks, timeout=10)
+            took = time.monotonic() - t0
+            errors.extend(task.exception() for task in done)
+            with pytest.raises(multiproc.GpuProcessGoneError, match="every GPU process"):
+                me.ask(0) if not per_request else await me.ask(0)
+            me.close()
+            return took
+
+        took = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(errors) == 10 and took < 10
+    assert all(type(e).__name__ == "GpuProcessGoneError" for e in errors), errors
+
+
+def test_the_hand_off_measurement_runs_both_ways_and_checks_every_answer(tmp_path: Path) -> None:
+    """handoff.py, briefly: both hand-offs, every answer checked (it exits
+    non-zero on a wrong one), the GPU process's CPU per request reported."""
+    out = tmp_path / "handoff.json"
+    cmd = [
+        sys.executable,
+        str(SERVICE / "handoff.py"),
+        "--rate",
+        "200",
+        "--seconds",
+        "0.3",
+        "--warmup",
+        "0.2",
+    ]
+    cmd += ["--rounds", "1", "--batch-ms", "5", "--profile", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    for way in ("per_request", "batched"):
+        assert summary[way]["wrong"] == summary[way]["errors"] == 0
+        assert summary[way]["cpu_us_per_request_median"] > 0 and summary[way]["loop_calls_per_request"][0] > 0

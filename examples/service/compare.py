@@ -75,16 +75,19 @@ HERE = Path(__file__).resolve().parent
 #: The rows, in the order they run: the harness's ceiling, what people write
 #: first, the peers, then cudafut's ways.
 MODES = ("nogpu", "sync", "executor", "litserve", "await", "launch", "launch_graph", "batch", "batch_graph")
-#: Several processes (multiproc.py; LitServe with as many API servers and a
-#: worker per GPU): not among the defaults, chosen with --modes, sized by
-#: --fronts and --devices.
-MULTI_MODES = ("nogpu_fronts", "fronts", "litserve_fronts")
+#: Several processes (multiproc.py, with front batches, and
+#: ``fronts_per_request``, its hand-off of a message per request; LitServe
+#: with as many API servers and a worker per GPU): not among the defaults,
+#: chosen with --modes, sized by --fronts and --devices.
+MULTI_MODES = ("nogpu_fronts", "fronts", "fronts_per_request", "litserve_fronts")
+#: The modes that run multiproc.py with the GPU.
+FRONTS_GPU = ("fronts", "fronts_per_request")
 #: Open loop: which modes run at half the no-GPU ceiling's rate (the
 #: batching server with graphs: the others cannot carry that rate) and
 #: which at half run_in_executor's maximum (the unbatched ones).
 OPEN_BATCHED = ("nogpu", "batch_graph")
 OPEN_UNBATCHED = ("nogpu", "executor", "launch", "launch_graph")
-OPEN_FRONTS = ("nogpu_fronts", "fronts")
+OPEN_FRONTS = ("nogpu_fronts", "fronts", "fronts_per_request")
 
 
 def _free_port() -> int:
@@ -123,20 +126,24 @@ def serving(
     fronts: int = 4,
     devices: int = 1,
     gpu_procs: int = 1,
+    multiproc_args: tuple[str, ...] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server of ``mode`` on ``port`` until the block ends; waits until
     ``/health`` answers (model loaded, graphs captured). ``fronts`` and
-    ``devices`` size the modes of :data:`MULTI_MODES`."""
+    ``devices`` size the modes of :data:`MULTI_MODES`; ``multiproc_args``
+    are more options for multiproc.py's GPU modes."""
     if mode in ("litserve", "litserve_fronts"):
         cmd = [sys.executable, str(HERE / "litserve_server.py"), "--model", model, "--port", str(port)]
         if mode == "litserve_fronts":
             cmd += ["--api-servers", str(fronts), "--devices", str(devices)]
-    elif mode in ("fronts", "nogpu_fronts"):
+    elif mode in ("nogpu_fronts", *FRONTS_GPU):
         cmd = [sys.executable, str(HERE / "multiproc.py"), "--model", model, "--port", str(port)]
         cmd += ["--fronts", str(fronts), "--devices", ",".join(str(d) for d in range(devices))]
         cmd += ["--gpu-procs", str(gpu_procs)]
         if mode == "nogpu_fronts":
             cmd += ["--nogpu", ref_path]
+        else:
+            cmd += [*multiproc_args, *(["--per-request"] if mode == "fronts_per_request" else [])]
     else:
         cmd = [sys.executable, str(HERE / "server.py"), "--model", model, "--mode", mode, "--port", str(port)]
         cmd += ["--reference", ref_path, *extra]
@@ -321,6 +328,7 @@ def compare(
     devices: int = 1,
     gpu_procs: int = 1,
     server_args: tuple[str, ...] = (),
+    multiproc_args: tuple[str, ...] = (),
     step: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
     """Every model and mode, closed loop (and open loop); see the module.
@@ -328,7 +336,8 @@ def compare(
     ``nogpu``, ``batch_graph`` and the several-process modes also runs.
     ``threads``: launcher thread counts to also try with ``launch`` and
     ``batch_graph`` (closed loop, the first model). ``server_args``: more
-    options for every server.py."""
+    options for every server.py; ``multiproc_args``: for multiproc.py's GPU
+    modes."""
     if any(m.startswith("litserve") for m in modes) and not has_litserve():
         modes = tuple(m for m in modes if not m.startswith("litserve"))
         step("LitServe is not installed: its rows are skipped")
@@ -342,7 +351,7 @@ def compare(
             row: dict[str, Any] = {"closed": {}, "open": {}, "threads": {}}
             row["reference_s"] = round(time.perf_counter() - t0, 1)
             results[model] = row
-            if "fronts" in modes:
+            if any(mode in FRONTS_GPU for mode in modes):
                 limit = row["gpu_limit_images_per_s"] = round(gpu_limit(model), 1)
                 step(f"{model}: the GPU alone, batch-64 graph replays: {limit:,.0f} images/s")
 
@@ -361,6 +370,7 @@ def compare(
                     fronts=fronts,
                     devices=devices,
                     gpu_procs=gpu_procs,
+                    multiproc_args=multiproc_args,
                 ) as proc:
                     gc_file = pauses_file(log)
                     try:
@@ -547,6 +557,12 @@ def main(argv: list[str] | None = None) -> None:
         help="more options for every server.py (not LitServe's or multiproc.py's), one string, "
         "e.g. '--max-batch 64 --max-in-flight 4'",
     )
+    parser.add_argument(
+        "--multiproc-args",
+        default="",
+        help="more options for multiproc.py in the fronts modes, one string, "
+        "e.g. '--max-in-flight 3 --front-delay-ms 0.5'",
+    )
     args = parser.parse_args(argv)
     from cudafut._cli.selfcheck import require_gpu
 
@@ -566,6 +582,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.devices,
         gpu_procs=args.gpu_procs,
         server_args=tuple(shlex.split(args.server_args)),
+        multiproc_args=tuple(shlex.split(args.multiproc_args)),
     )
     print("\n".join(table(results)))
     if args.json:
