@@ -142,6 +142,9 @@ def parts(name: str, data: dict[str, Any]) -> tuple[str, ...]:
     """The parts a results file holds (see the module's docstring)."""
     if name.startswith("reliability-"):
         return tuple(f"reliability: {key}" for key in data if key != "meta")
+    if name.startswith(("serve-gc-", "serve-depth-")):
+        kind = "garbage collection" if name.startswith("serve-gc-") else "depth"
+        return (f"serve: {kind}, {name.split('-')[3].removesuffix('.json')}",)
     if name.startswith("serve-pipeline-"):
         return (f"serve: pipeline depth, {name.split('-')[3]}",)
     if name.startswith(("serve-fronts-", "serve-h200x1-")):
@@ -323,6 +326,94 @@ def _processes(all_runs: list[Run]) -> list[str]:
     lines = section("serve").markdown(Result({"processes": processes}, load(run.name).get("meta", {})))
     command = f'CUDAFUT_BENCH_SERVE_DEVICES="{gpus}" python -m cudafut bench --only serve'
     return [_caption(run, command, gpus), "", *_body(lines)]
+
+
+def _compare_rows(model: dict[str, Any], modes: Iterable[str], limit: float | None) -> list[str]:
+    """Rows of compare.py's closed-loop results: one per mode it ran."""
+    rows = []
+    closed = model["closed"]
+    for mode in modes:
+        r = closed.get(mode)
+        if r is None:
+            continue
+        share = f"{r['rps'] / limit:.2f}x" if limit else "-"
+        health = r.get("health") or {}
+        p99, health_p99 = r["p99_ms"] or 0, health.get("p99_ms") or 0
+        rows.append(
+            f"| {mode} | {r['rps']:,.0f} | {share} | {p99:.1f} | {health_p99:.2f} "
+            f"| {(r.get('gpu_busy') or 0) * 100:.0f} % | {r['wrong']} / {r['errors']} |"
+        )
+    return rows
+
+
+_COMPARE_HEADER = [
+    "| server | req/s | of the GPU's graph limit | p99 ms | /health p99 ms | GPU busy | wrong / errors |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def _fronts_batched(all_runs: list[Run]) -> list[str]:
+    """Several front processes and one GPU process on one GPU: a message per
+    front batch against a message per request, beside the same fronts
+    without GPU work, and the GPU's own graph limit, in one call."""
+    holders = [
+        r
+        for r in all_runs
+        if any(p.startswith("fronts: 1 GPU(s)") and "fronts_per_request" in p for p in r.parts)
+    ]
+    if not holders:
+        return ["*No committed result of the batched hand-off yet.*"]
+    run = max(holders, key=lambda r: (r.date, r.name))
+    model = load(run.name)["resnet50"]
+    limit = model.get("gpu_limit_images_per_s")
+    caption = _caption(run, run.producer)
+    note = f"The GPU alone (batch-64 graph replays back to back): {limit:,.0f} images/s." if limit else ""
+    rows = _compare_rows(model, ("nogpu_fronts", "fronts", "fronts_per_request", "litserve_fronts"), limit)
+    return [caption, "", *_COMPARE_HEADER, *rows, "", note]
+
+
+def _gc_pauses(all_runs: list[Run]) -> list[str]:
+    """The one-process server at a fixed open-loop rate, what warm-up left
+    frozen or not (two calls of one session)."""
+    rows = []
+    shown = []
+    for setting, label in (("freeze", "gc.freeze() after warm-up"), ("nofreeze", "--no-gc-freeze")):
+        run = newest(all_runs, f"serve: garbage collection, {setting}")
+        if run is None:
+            continue
+        shown.append(run)
+        for by_mode in load(run.name)["resnet50"]["open"].values():
+            r = by_mode.get("batch_graph")
+            if r is None or round(by_mode.get("rate", 0)) != 4000:
+                continue
+            gc_ = r.get("gc") or {}
+            health = r.get("health") or {}
+            rows.append(
+                f"| {label} | {r['rps']:,.0f} | {r['p99_ms']:.1f} | {health.get('max_ms') or 0:.1f} "
+                f"| {gc_.get('count', 0)} / {gc_.get('longest_ms') or '-'} | {r['wrong']} / {r['errors']} |"
+            )
+    if not rows:
+        return ["*No committed result of the collector's pauses yet.*"]
+    return [
+        _caption(shown[0], shown[0].producer + "` (and with `--server-args=--no-gc-freeze`"),
+        "",
+        "| batch_graph at 4,000 req/s, open loop | req/s | p99 ms | /health max ms "
+        "| collections >= 5 ms: count / longest ms | wrong / errors |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _stalls(all_runs: list[Run]) -> list[str]:
+    """launch() against run_in_executor with 200 eager launches in flight."""
+    holders = [r for r in all_runs if "stalls" in r.parts and r.gpu.startswith("NVIDIA")]
+    if not holders:
+        return ["*No committed GPU result of `python -m benchmarks.stalls` yet.*"]
+    run = max(holders, key=lambda r: (r.date, r.name))
+    from benchmarks import stalls
+
+    lines = stalls.markdown(load(run.name))
+    return [_caption(run, "python -m benchmarks.stalls --model resnet50"), "", *_body(lines)]
 
 
 def _pipeline_depth(all_runs: list[Run]) -> list[str]:
@@ -523,6 +614,9 @@ SNIPPETS: dict[str, Callable[[list[Run]], list[str]]] = {
     "serve-processes": _fronts,
     "processes": _processes,
     "serve-depth": _pipeline_depth,
+    "serve-fronts-batched": _fronts_batched,
+    "serve-gc": _gc_pauses,
+    "stalls": _stalls,
     "reliability": _reliability,
 }
 

@@ -125,6 +125,8 @@ class Served:
     def _images(self, indices: list[int]) -> Any:
         # From pinned memory: a copy from pageable memory would first wait
         # for everything queued on this stream (the previous batch).
+        if isinstance(indices, np.ndarray):  # multiproc.py's batches: torch pins no tensor made from NumPy
+            indices = indices.tolist()
         idx = self.torch.tensor(indices, dtype=self.torch.int64, pin_memory=True).to(
             "cuda", non_blocking=True
         )
