@@ -148,7 +148,7 @@ def _ways(
     """Each way's name: (what :func:`_stall` runs, the executor)."""
     return {
         "launch": ("launch", None),
-        "launch, events recorded by the caller (before)": ("recorded", None),
+        RECORDED: ("recorded", None),
         f"run_in_executor ({threads} threads)": ("executor", executor),
         f"run_in_executor (default: {default._max_workers} threads)": ("executor", default),
     }
@@ -280,6 +280,13 @@ def measure_gpu(model: str, rounds: int = 6, launches: int = 200) -> dict[str, A
     return out
 
 
+#: The way where the caller records its streams' events, as launch() did
+#: until the launcher thread recorded them.
+RECORDED = "launch, the caller records its streams' events"
+#: Names results written by earlier versions of this module gave the ways.
+_LABELS = {"launch, events recorded by the caller (before)": RECORDED}
+
+
 def markdown(result: dict[str, Any]) -> list[str]:
     meta = result["meta"]
     lines = [
@@ -301,6 +308,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for way, row in group["ways"].items():
+            way = _LABELS.get(way, way)
             lines.append(
                 f"| {way} | {row['max_stall_ms']} | {row['median_round_max_ms']} | {row['p99_stall_ms']} "
                 f"| {row['p50_stall_ms']} | {row['max_vs_executor']} | {row['median_round_max_vs_executor']} "

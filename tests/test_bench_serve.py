@@ -31,18 +31,29 @@ def test_the_targets_of_several_processes_are_reported() -> None:
     GPUs, put together as the part would: each GPU count gets its line."""
     pytest.importorskip("aiohttp")  # markdown() renders through compare.py
     runs = tables.runs()
+
+    def holders(gpus: str) -> list[tables.Run]:
+        return [r for r in runs if any(p.startswith(f"fronts: {gpus} GPU(s)") for p in r.parts)]
+
+    # Runs of one machine only (the host that ran the most GPUs): a ratio
+    # between GPU counts means nothing across machines.
+    widest = next((holders(g) for g in ("4", "2") if holders(g)), [])
+    if not widest:
+        pytest.skip("no committed runs of several processes on more than one GPU")
+    machine = max(widest, key=lambda r: (r.date, r.name)).machine
     processes = {}
     for gpus in ("1", "2", "4"):
-        holders = [r for r in runs if any(p.startswith(f"fronts: {gpus} GPU(s)") for p in r.parts)]
-        if holders:
-            newest = max(holders, key=lambda r: (r.date, r.name))
+        mine = [r for r in holders(gpus) if r.machine == machine]
+        if mine:
+            newest = max(mine, key=lambda r: (r.date, r.name))
             processes[gpus] = json.loads((RESULTS / newest.name).read_text())
-    if "1" not in processes or len(processes) < 2:
-        pytest.skip("no committed runs of several processes on one GPU and on more")
+    if "1" not in processes:
+        pytest.skip("no committed run of several processes on one GPU of that machine")
     text = "\n".join(serve.markdown({"processes": processes}))
     limit = r"- 1 GPU\(s\): fronts at \d\.\d\dx the GPUs' own limit \(target 0\.9 on one GPU\)"
     assert re.search(limit, text), text
-    assert re.search(r"- 1 GPU\(s\): \d+\.\dx LitServe with the same processes \(target 5\)", text), text
+    if "litserve_fronts" in json.dumps(processes["1"]):  # a run may leave LitServe out
+        assert re.search(r"- 1 GPU\(s\): \d+\.\dx LitServe with the same processes \(target 5\)", text), text
     for gpus, target in (("2", "1.9"), ("4", "3.7")):
         if gpus in processes:
             assert re.search(rf"- {gpus} GPUs: \d+\.\d\dx one GPU \(target {re.escape(target)}\)", text), text

@@ -467,7 +467,7 @@ def _reliability(all_runs: list[Run]) -> list[str]:
             f"{r['next_loop_step_ms']:.1f} ms later, {r['pending_after']} left pending"
         ),
         "ctrl_c": lambda r: (
-            f"Ctrl-C during an await: {r['trials']} trials, the longest exit {r['max_ms']:.2f} ms"
+            f"Ctrl-C during result(): {r['trials']} trials, the longest exit {r['max_ms']:.2f} ms"
         ),
         "load": lambda r: (
             f"{r['clients']} clients for {r['seconds']:.0f} s: {r['requests_per_s']:,.0f} req/s, "
@@ -499,7 +499,9 @@ def _log_summary(run: Run) -> str:
     if run.parts[0] == CHECK_LOGS["mutations"]:
         caught = len(re.findall(r"^mutation \S+: caught", text, re.M))
         missed = len(re.findall(r"^mutation \S+: (?!caught)", text, re.M))
-        return f"{caught} mutations caught by the tests, {missed} not"
+        names = re.findall(r"^mutation (\S+):", text, re.M)
+        shown = ", ".join(dict.fromkeys(names))
+        return f"{len(set(names))} of the mutations run ({shown}): {caught} caught, {missed} not"
     by_run: dict[str, list[str]] = {}
     label = "suite"
     for line in text.splitlines()[1:]:
@@ -512,7 +514,7 @@ def _log_summary(run: Run) -> str:
         elif re.match(r"^\d+ (?:passed|failed)", line):
             found_text = line
         elif "ERROR SUMMARY" in line:
-            found_text = line.strip("= ").replace("ERROR SUMMARY: ", "sanitizer: ")
+            found_text = line.strip("= ").replace("ERROR SUMMARY: ", "")
         else:
             found_text = None
         if found_text:

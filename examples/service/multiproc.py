@@ -33,7 +33,7 @@ of a shared-memory ring (:mod:`multiprocessing.shared_memory`) and the
 message would name the slots, so that the GPU process copies a whole batch
 to the GPU at once (docs/processes.md).
 
-``--per-request`` runs the hand-off this example had before, to compare
+``--per-request`` sends a message per request (a Batcher in the GPU process), to compare
 (compare.py's ``fronts_per_request``): each request an ``(id, k)`` pickled
 into the pipe, a :class:`cudafut.Batcher` in the GPU process
 (``submit_future`` per request), one :func:`cudafut.gather`\\ ed future per
@@ -1087,7 +1087,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--per-request",
         action="store_true",
-        help="the hand-off before front batches: a message per request, a Batcher in the GPU process",
+        help="a message per request, a Batcher in the GPU process (to compare with front batches)",
     )
     parser.add_argument("--nogpu", metavar="REFERENCE", help="answer from this reference table, no GPU")
     parser.add_argument("--reference", help="ignored (compare.py passes it to every server)")
