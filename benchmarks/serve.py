@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from .support.common import Progress
+from .support.common import Progress, Ticker, stall_ms
 
 NAME = "serve"
 
@@ -217,14 +217,8 @@ async def _stall(
     import cudafut
 
     loop = asyncio.get_running_loop()
-    late: list[float] = []
-    stop = False
-
-    async def ticker() -> None:
-        while not stop:
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.001)
-            late.append(time.perf_counter() - t0 - 0.001)
+    ticker = Ticker()
+    late = ticker.late
 
     async def one(r: int, i: int) -> None:
         if pool is None:
@@ -232,7 +226,7 @@ async def _stall(
         else:
             await loop.run_in_executor(pool, *make(r, i))
 
-    tick = asyncio.ensure_future(ticker())
+    ticker.start()
     await asyncio.sleep(0.05)
     idle = list(late)
     late.clear()
@@ -250,16 +244,10 @@ async def _stall(
         by_round.append(list(late))
         late.clear()
     wall = time.perf_counter() - t0
-    stop = True
-    await tick
+    await ticker.stop()
     every = [x for lates in by_round for x in lates]
     warm = [x for lates in by_round[1:] for x in lates]
-
-    def ms(samples: list[float], q: float | None = None) -> float:
-        if not samples:
-            return 0.0
-        value = max(samples) if q is None else float(np.percentile(samples, q))
-        return round(value * 1e3, 3)
+    ms = stall_ms
 
     return {
         "max_stall_ms": ms(every),

@@ -48,7 +48,16 @@ import numpy as np
 import cudafut
 from cudafut import _cuda, _launch, _torch, testing
 
+from .support.common import Ticker, stall_ms
+
 #: (ops, hold_us, release_us) per profile.
+#: The way where the caller records its streams' events, as launch() did
+#: until the launcher thread recorded them.
+RECORDED = "launch, the caller records its streams' events"
+#: Names results written by earlier versions of this module gave the ways.
+_LABELS = {"launch, events recorded by the caller (before)": RECORDED}
+
+
 PROFILES: dict[str, tuple[int, float, float]] = {
     "torch": (160, 15.0, 15.0),
     "python": (4, 1000.0, 30.0),
@@ -108,14 +117,6 @@ async def _stall(
     """One round: the ticker's lateness (s) while ``launches`` tasks each
     call ``fn`` through ``way`` and await it."""
     loop = asyncio.get_running_loop()
-    late: list[float] = []
-    stop = False
-
-    async def ticker() -> None:
-        while not stop:
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.001)
-            late.append(time.perf_counter() - t0 - 0.001)
 
     async def one(i: int) -> Any:
         if way == "launch":
@@ -124,22 +125,15 @@ async def _stall(
             return await _launch_recorded_by_caller(fn, i)
         return await loop.run_in_executor(pool, fn, i)
 
-    tick = asyncio.ensure_future(ticker())
+    ticker = Ticker()
+    ticker.start()
     await asyncio.sleep(0.02)
-    late.clear()
+    ticker.late.clear()
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(launches)))
     wall = time.perf_counter() - t0
-    stop = True
-    await tick
-    return {"late": late, "wall": wall}
-
-
-def _ms(samples: list[float], q: float | None = None) -> float:
-    if not samples:
-        return 0.0
-    value = max(samples) if q is None else float(np.percentile(samples, q))
-    return round(value * 1e3, 3)
+    await ticker.stop()
+    return {"late": ticker.late, "wall": wall}
 
 
 def _ways(
@@ -170,14 +164,14 @@ def _rounds(
         for way, (how, pool) in ways.items():
             got = asyncio.run(_stall(how, launches, fn, pool))
             late[way] += got["late"]
-            per_round[way].append(_ms(got["late"]))
+            per_round[way].append(stall_ms(got["late"]))
             walls[way] += got["wall"]
     rows: dict[str, Any] = {}
     for way in ways:
         rows[way] = {
-            "max_stall_ms": _ms(late[way]),
-            "p99_stall_ms": _ms(late[way], 99),
-            "p50_stall_ms": _ms(late[way], 50),
+            "max_stall_ms": stall_ms(late[way]),
+            "p99_stall_ms": stall_ms(late[way], 99),
+            "p50_stall_ms": stall_ms(late[way], 50),
             "round_max_stall_ms": per_round[way],
             # One preemption of the process by another sets the max; the
             # median round's max is what the way itself does.
@@ -278,13 +272,6 @@ def measure_gpu(model: str, rounds: int = 6, launches: int = 200) -> dict[str, A
         executor.shutdown()
         default.shutdown()
     return out
-
-
-#: The way where the caller records its streams' events, as launch() did
-#: until the launcher thread recorded them.
-RECORDED = "launch, the caller records its streams' events"
-#: Names results written by earlier versions of this module gave the ways.
-_LABELS = {"launch, events recorded by the caller (before)": RECORDED}
 
 
 def markdown(result: dict[str, Any]) -> list[str]:

@@ -8,6 +8,7 @@ Importing this (or a section module) needs neither CuPy nor a GPU, so that
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import statistics
@@ -155,6 +156,43 @@ def with_policy(pol: WaitPolicy | str, fn: Callable[..., Any], *args: Any) -> An
     """``fn(*args)`` under the wait policy ``pol``."""
     with policy(pol):
         return fn(*args)
+
+
+class Ticker:
+    """A task that sleeps 1 ms at a time and records how late each wake-up
+    comes, in seconds: the event loop's stalls while it runs. :meth:`start`
+    it in a running loop, read or clear :attr:`late`, then ``await``
+    :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self._stopped = False
+        self._task: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while not self._stopped:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.late.append(time.perf_counter() - t0 - 0.001)
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self._task is not None:
+            await self._task
+
+
+def stall_ms(samples: list[float], q: float | None = None) -> float:
+    """The longest of ``samples`` (seconds), or their ``q``-th percentile,
+    in ms to the µs; 0 without samples."""
+    if not samples:
+        return 0.0
+    import numpy as np
+
+    value = max(samples) if q is None else float(np.percentile(samples, q))
+    return round(value * 1e3, 3)
 
 
 def quantiles(samples: list[float]) -> dict[str, float]:

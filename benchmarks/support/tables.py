@@ -270,8 +270,11 @@ def _body(lines: list[str]) -> list[str]:
     return out
 
 
-def _caption(run: Run, command: str, gpus: int = 1) -> str:
-    return f"*Measured on {run.machine_text(gpus)}, {run.day}; run it again with `{command}`.*"
+def _caption(run: Run, command: str, gpus: int = 1, also: str = "") -> str:
+    """A table's caption: where and when, and the command that measures it
+    again (``also``: what to run it with a second time, if anything)."""
+    again = f", and again with `{also}`" if also else ""
+    return f"*Measured on {run.machine_text(gpus)}, {run.day}; run it again with `{command}`{again}.*"
 
 
 def _section_table(
@@ -395,7 +398,7 @@ def _gc_pauses(all_runs: list[Run]) -> list[str]:
     if not rows:
         return ["*No committed result of the collector's pauses yet.*"]
     return [
-        _caption(shown[0], shown[0].producer + "` (and with `--server-args=--no-gc-freeze`"),
+        _caption(shown[0], shown[0].producer, also="--server-args=--no-gc-freeze"),
         "",
         "| batch_graph at 4,000 req/s, open loop | req/s | p99 ms | /health max ms "
         "| collections >= 5 ms: count / longest ms | wrong / errors |",
