@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 import cudafut
-from cudafut import _cuda, _loops, _policy
+from cudafut import _cuda, _loops, _notices, _policy
 from tests import kernels
 from tests.runners import run_on
 
@@ -143,7 +143,7 @@ def test_without_notify_the_wait_is_polled(seen: _Seen, policy: Any) -> None:
 def test_the_host_function_is_libc_close_itself() -> None:
     # What CUDA calls on its own thread: libc's close, by address; nothing
     # that could take the GIL (docs/design.md, hazard 1).
-    loaded = _cuda._load_host_close()
+    loaded = _notices._load_host_close()
     assert loaded, "libcuda's cuLaunchHostFunc could not be loaded"
     _launch, function = loaded
     assert function == ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value

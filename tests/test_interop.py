@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _pools, _torch, _values
+from cudafut import _cuda, _events, _pools, _streams, _torch, _values
 from tests.fakes import FakeRecord, set_future
 
 _made: list[FakeRecord] = []
@@ -234,7 +234,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(_events, "record", env.record)
     monkeypatch.setattr(_pools, "streams", _pools.StreamPool())
     # Its stream handles are made up: no memory behind them to check.
-    monkeypatch.setattr(_cuda, "check_stream_address", lambda handle, stream: handle)
+    monkeypatch.setattr(_streams, "check_stream_address", lambda handle, stream: handle)
     return env
 
 
@@ -826,7 +826,7 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cuda, "current_device", touched)
     monkeypatch.setattr(_cuda, "stream_device", touched)
     # The handles here are made up: no memory behind them to check.
-    monkeypatch.setattr(_cuda, "check_stream_address", lambda handle, stream: handle)
+    monkeypatch.setattr(_streams, "check_stream_address", lambda handle, stream: handle)
 
 
 def test_a_cuda_stream_protocol_object_with_its_device(no_cuda: None) -> None:
@@ -863,7 +863,7 @@ def test_a_protocol_stream_without_a_device_asks_cuda(monkeypatch: pytest.Monkey
         return 1
 
     monkeypatch.setattr(_cuda, "stream_device", stream_device)
-    monkeypatch.setattr(_cuda, "check_stream_address", lambda handle, stream: handle)  # a made-up handle
+    monkeypatch.setattr(_streams, "check_stream_address", lambda handle, stream: handle)  # a made-up handle
     assert _cuda.stream_handle(StreamOnly((0, 0x1234))) == (0x1234, 1)
     assert asked == [0x1234]
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _loops, _policy, testing
+from cudafut import _cuda, _loops, _notices, _policy, testing
 from tests.runners import run_on
 
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
@@ -221,7 +221,7 @@ def test_trio_polls_on_timers(notices: tuple[testing.FakeCuda, list[int]]) -> No
 def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:
     # No GPU here: the real close_after refuses, and the waiter then polls.
     # It takes the descriptor whatever happens: not launched, it closes it.
-    if _cuda._load_host_close() is not False:
+    if _notices._load_host_close() is not False:
         pytest.skip("libcuda is loadable here")
     r, w = os.pipe()
     try:
@@ -269,12 +269,12 @@ def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """``_cuda.close_after`` against stubs; the list holds what the stub
     launch returns (0 when empty)."""
     results: list[int] = []
-    monkeypatch.setattr(_cuda, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
+    monkeypatch.setattr(_notices, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
     monkeypatch.setattr(_cuda, "_rt", _Stub())
     monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
     for table in ("_notice_pool", "_notice_turn", "_notice_broken"):
-        monkeypatch.setattr(_cuda, table, {})
-    monkeypatch.setattr(_cuda, "_notice_making", set())
+        monkeypatch.setattr(_notices, table, {})
+    monkeypatch.setattr(_notices, "_notice_making", set())
     return results
 
 
@@ -326,7 +326,7 @@ def test_a_failure_before_the_launch_closes_the_descriptor(
 
 
 class _Maker:
-    """Stands for ``_cuda._new_stream_handle`` and the runtime's stream
+    """Stands for ``_notices._new_stream_handle`` and the runtime's stream
     query: new handles, the threads that asked, a gate that holds them (as
     CUDA may, until the GPU is idle), and the handles with a notice queued."""
 
@@ -359,8 +359,8 @@ class _Maker:
         """Until no helper is making streams (they finish at once once the
         gate is open)."""
         for _ in range(3000):
-            with _cuda._notice_lock:
-                if not _cuda._notice_making:
+            with _notices._notice_lock:
+                if not _notices._notice_making:
                     return
             time.sleep(0.001)
         raise AssertionError("a notice-stream helper never finished")
@@ -377,7 +377,7 @@ class _Maker:
 @pytest.fixture
 def maker(stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Maker]:
     made = _Maker()
-    monkeypatch.setattr(_cuda, "_new_stream_handle", made)
+    monkeypatch.setattr(_notices, "_new_stream_handle", made)
     monkeypatch.setattr(_cuda, "_rt", made)
     yield made
     made.gate.set()
@@ -398,11 +398,11 @@ def test_notice_streams_are_made_once_on_a_helper_thread_never_the_callers(maker
     maker.gate.set()
     maker.settle()
     assert _cuda.notice_stream(0) is not None
-    assert len(maker.made) == _cuda._NOTICE_STREAMS_PER_DEVICE
+    assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE
     assert threading.get_ident() not in maker.threads
-    for _ in range(3 * _cuda._NOTICE_STREAMS_PER_DEVICE):
+    for _ in range(3 * _notices._NOTICE_STREAMS_PER_DEVICE):
         _cuda.notice_stream(0)
-    assert len(maker.made) == _cuda._NOTICE_STREAMS_PER_DEVICE, "a notice stream was made again"
+    assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE, "a notice stream was made again"
     maker.first(device=1)
     assert {d for d, _ in maker.made} == {0, 1}, "a device borrowed another's streams"
 
@@ -410,7 +410,7 @@ def test_notice_streams_are_made_once_on_a_helper_thread_never_the_callers(maker
 def test_a_notice_takes_an_idle_stream_never_one_with_a_notice_queued(maker: _Maker) -> None:
     maker.first()
     handles = [h for _, h in maker.made]
-    rounds = len(handles) // _cuda._NOTICE_TRIES  # calls that try every stream once
+    rounds = len(handles) // _notices._NOTICE_TRIES  # calls that try every stream once
     maker.busy.update(handles)
     maker.busy.discard(handles[9])  # notices queued on all but one
     given = [_cuda.notice_stream(0) for _ in range(rounds)]
@@ -427,7 +427,7 @@ def test_a_helper_that_cannot_make_streams_is_a_cuda_error_for_the_caller(
     def failing(device: int) -> int:
         raise _cuda.cuda_error(2, device)
 
-    monkeypatch.setattr(_cuda, "_new_stream_handle", failing)
+    monkeypatch.setattr(_notices, "_new_stream_handle", failing)
     assert _cuda.notice_stream(0) is None
     maker.settle()
     raised = []
@@ -448,7 +448,7 @@ def test_a_helper_that_fails_otherwise_logs_the_cause(
     def failing(device: int) -> int:
         raise OSError("no more handles")
 
-    monkeypatch.setattr(_cuda, "_new_stream_handle", failing)
+    monkeypatch.setattr(_notices, "_new_stream_handle", failing)
     with caplog.at_level(logging.WARNING, logger="cudafut"):
         assert _cuda.notice_stream(0) is None
         maker.settle()
@@ -469,7 +469,7 @@ def test_a_helper_that_made_some_streams_uses_them_and_says_so(
         made.append(0x2000 + len(made))
         return made[-1]
 
-    monkeypatch.setattr(_cuda, "_new_stream_handle", two_then_fail)
+    monkeypatch.setattr(_notices, "_new_stream_handle", two_then_fail)
     with caplog.at_level(logging.WARNING, logger="cudafut"):
         assert _cuda.notice_stream(0) is None
         maker.settle()

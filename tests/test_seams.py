@@ -1,5 +1,6 @@
-"""One CUDA seam: only cudafut/_cuda.py (and, for NCCL and the store,
-cudafut/distributed/_nccl.py) imports CuPy or calls CUDA (docs/design.md).
+"""One CUDA seam: only cudafut/_cuda.py and the modules of its jobs that it
+re-exports (and, for NCCL and the store, cudafut/distributed/_nccl.py)
+import CuPy or call CUDA (docs/design.md).
 
 Read from the source (the AST), so it holds on a machine without a GPU."""
 
@@ -22,7 +23,18 @@ from cudafut.distributed import _nccl
 PACKAGE = Path(__file__).resolve().parent.parent / "cudafut"
 
 #: The seams: the modules that may import CuPy and call CUDA.
-SEAMS = frozenset({"_cuda.py", "distributed/_nccl.py"})
+SEAMS = frozenset(
+    {
+        "_cuda.py",
+        "_streams.py",
+        "_event_calls.py",
+        "_notices.py",
+        "_copy_calls.py",
+        "_cupy_objects.py",
+        "_ipc.py",
+        "distributed/_nccl.py",
+    }
+)
 
 #: Modules that may use CuPy directly, and why.
 EXEMPT = {
