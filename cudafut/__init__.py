@@ -38,8 +38,6 @@ from ._errors import InvalidStateError as InvalidStateError
 from ._errors import SharingError as SharingError
 from ._errors import TimeoutError as TimeoutError
 from ._future import CudaFuture as CudaFuture
-from ._future import record as record
-from ._future import submit as submit
 from ._graphs import Graphed as Graphed
 from ._graphs import graphed as graphed
 from ._launch import launch as launch
@@ -55,6 +53,8 @@ from ._policy import get_wait_policy as get_wait_policy
 from ._policy import set_wait_policy as set_wait_policy
 from ._pools import PoolStatistics as PoolStatistics
 from ._pools import pool_statistics as pool_statistics
+from ._producers import record as record
+from ._producers import submit as submit
 from ._shared import SharedStatistics as SharedStatistics
 from ._shared import enqueued as enqueued
 from ._shared import shared_statistics as shared_statistics

@@ -26,18 +26,11 @@ from typing import Any, Final, Generic, TypeVar, overload
 from . import _checks, _cuda, _loops, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
-from ._future import (
-    CudaFuture,
-    complete_with,
-    fail_future,
-    new_future,
-    record,
-    set_future,
-    share_state,
-    until_set,
-)
+from ._future import CudaFuture
+from ._interface import complete_with, fail_future, new_future, set_future, share_state, until_set
 from ._launch import enqueue
 from ._log import logger
+from ._producers import record
 from ._values import find_devices
 
 __all__ = ["Batcher", "BatcherStatistics"]

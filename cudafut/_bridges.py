@@ -12,7 +12,7 @@ And the bridges out of a CudaFuture, behind its methods ``to_asyncio()``,
 CudaFuture, the machinery of ``add_done_callback`` with its waiters.
 Cancelling the other future never cancels the CudaFuture: set GPU work cannot
 be taken back, and a CudaFuture may have other consumers. This module sits
-above ``_future`` and uses its internal interface only.
+above ``_future`` and uses its internal interface (``_interface``) only.
 """
 
 from __future__ import annotations
@@ -26,16 +26,8 @@ from typing import Any, TypeVar
 from . import _cuda, _future, _loops, _torch, _waiter
 from ._errors import CancelledError
 from ._events import EventRecord, first_error
-from ._future import (
-    CudaFuture,
-    complete_with,
-    fail_future,
-    given_devices,
-    set_value,
-    settled,
-    when_done,
-    when_set,
-)
+from ._future import CudaFuture
+from ._interface import complete_with, fail_future, given_devices, set_value, settled, when_done, when_set
 
 __all__ = ["from_torch", "wrap_future"]
 

@@ -18,7 +18,7 @@ import threading
 import types
 from typing import Final
 
-__all__ = ["NO_LIMIT", "is_async_callable", "not_async", "real_number", "timeout_seconds"]
+__all__ = ["NO_LIMIT", "check_callable", "is_async_callable", "not_async", "real_number", "timeout_seconds"]
 
 #: The longest a thread can wait (``threading`` refuses more with
 #: ``OverflowError``): timeouts at or beyond it mean "no limit".
@@ -77,6 +77,16 @@ def timeout_seconds(timeout: object, what: str = "timeout", *, positive: bool = 
 #: ``__call__`` of theirs to look at (a class's makes an instance). The
 #: common case, a function, then costs one isinstance more, not a lookup.
 _NOT_ASYNC_IF_NOT_ABOVE: Final = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
+
+
+def check_callable(fn: object, what: str) -> None:
+    """Raise unless ``fn`` is callable (a ``callable()`` test: costs nothing).
+
+    Raises:
+        TypeError: ``fn`` is not callable; ``what`` names the call refusing it.
+    """
+    if not callable(fn):
+        raise TypeError(f"{what} needs a callable, not {fn!r}")
 
 
 def is_async_callable(fn: object) -> bool:

@@ -8,19 +8,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from ._errors import TimeoutError
-from ._future import (
-    CudaFuture,
-    Pending,
-    adopt,
-    check_timeout,
-    discard_done_callback,
-    new_future,
-    remaining,
-    succeeded,
-    wait_for,
-    when_done,
-    when_set,
-)
+from ._future import CudaFuture, Pending, check_timeout, remaining
+from ._interface import adopt, discard_done_callback, new_future, succeeded, wait_for, when_done, when_set
 from ._loops import current_driver, require_driver
 from ._waiter import Driver, thread_waiter
 

@@ -38,7 +38,8 @@ import numpy as np
 from . import _cuda, _events, _lifetimes, _pinned, _pools, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
-from ._future import CudaFuture, complete_with, set_future
+from ._future import CudaFuture
+from ._interface import complete_with, set_future
 from ._values import find_devices, order_foreign
 
 __all__ = ["to_device", "to_host", "to_host_after"]

@@ -1,4 +1,6 @@
-"""CudaFuture: a value whose GPU work is enqueued, and the calls that make one.
+"""CudaFuture: a value whose GPU work is enqueued (the class, its then()
+link and its constructor); the producers are in cudafut/_producers.py,
+the internal interface other modules use in cudafut/_interface.py.
 
 A future moves through two steps. It is *set* when the producer hands over
 its value: :meth:`CudaFuture.set_result` records one CUDA event per device on
@@ -32,7 +34,7 @@ from ._engine import (
     record_current_consumers,
     run_listeners,
 )
-from ._engine import Listener as Listener  # re-exported: the internal interface's types
+from ._engine import Listener as Listener  # re-exported: the internal interface's types (_interface)
 from ._engine import Pending as Pending
 from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, TimeoutError
 from ._events import EventRecord, first_error
@@ -40,7 +42,7 @@ from ._log import logger
 from ._trace import hooks as _trace
 from ._values import current_consumer, find_devices, normalize_devices, order_foreign
 
-__all__ = ["CudaFuture", "record", "submit"]
+__all__ = ["CudaFuture"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -61,6 +63,11 @@ _PENDING: Final = _State.PENDING
 _SET: Final = _State.SET
 _FAILED: Final = _State.FAILED
 _CANCELLED: Final = _State.CANCELLED
+# The states by public names, for the internal interface (cudafut/_interface.py).
+PENDING: Final = _PENDING
+SET: Final = _SET
+FAILED: Final = _FAILED
+CANCELLED: Final = _CANCELLED
 
 # Timeouts at or beyond this many seconds (about 292 years on Linux) mean "no
 # limit": threading refuses them (OverflowError).
@@ -93,21 +100,10 @@ def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
 
-def _check_callable(fn: object, what: str) -> None:
-    if not callable(fn):
-        raise TypeError(f"{what} needs a callable, not {fn!r}")
-
-
 #: What then() says to do instead of a coroutine function.
 _THEN_INSTEAD: Final = (
     "Pass a plain function (def) that enqueues the GPU work, or await the future and then the "
     "coroutine on your loop: `value = await fut; result = await fn(value)`"
-)
-
-#: What submit() says to do instead of a coroutine function.
-_SUBMIT_INSTEAD: Final = (
-    "Pass a plain function (def) that enqueues the GPU work and returns its value, and await "
-    "async code on your loop itself (a cudafut.Batcher's run_batch may be async)"
 )
 
 
@@ -579,7 +575,7 @@ class CudaFuture(Generic[T]):
             KeyboardInterrupt: (or ``SystemExit``) this future is set and
                 ``fn``, run at once, raised it; the child failed with it.
         """
-        _check_callable(fn, "then()")
+        _checks.check_callable(fn, "then()")
         _checks.not_async(
             fn, "then()", "in the thread that sets this future (at once if it is set)", _THEN_INSTEAD
         )
@@ -614,7 +610,7 @@ class CudaFuture(Generic[T]):
         Raises:
             TypeError: ``fn`` is not callable.
         """
-        _check_callable(fn, "add_done_callback()")
+        _checks.check_callable(fn, "add_done_callback()")
         self._when_done(fn, _loops.current_driver() or _waiter.thread_waiter())
 
     def remove_done_callback(self, fn: Callable[[CudaFuture[T]], object]) -> int:
@@ -1149,8 +1145,9 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# -- then()'s link, and the producers (record, submit, settle_launched) -------------------------
-# Running listeners and marking consumers: cudafut/_engine.py, below this module.
+# -- then()'s link, and settling a future from a function -----------------------------------
+# The producers (record, submit, settle_launched): cudafut/_producers.py. Running listeners
+# and marking consumers: cudafut/_engine.py, below this module.
 
 
 #: Held while a follow is checked and noted, so that two follows closing one
@@ -1240,7 +1237,7 @@ def _then_streams(parent: CudaFuture[Any], priority: int) -> dict[int, Any]:
     return streams
 
 
-def _settle(
+def settle(
     fut: CudaFuture[Any],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -1250,7 +1247,8 @@ def _settle(
 ) -> None:
     """Run ``fn`` with ``streams`` current (the first one's device current
     too), then complete ``fut`` from what it returned, and run what waits on
-    ``fut``. ``KeyboardInterrupt`` and ``SystemExit`` from ``fn`` fail
+    ``fut`` (the producers' step: cudafut/_producers.py calls it as
+    ``_future.settle``, looked up at each call). ``KeyboardInterrupt`` and ``SystemExit`` from ``fn`` fail
     ``fut`` and are raised again."""
     more = _settle_later(fut, fn, args, kwargs, streams, keep)
     if more is not None:
@@ -1265,7 +1263,7 @@ def _settle_later(
     streams: Mapping[int, Any],
     keep: object,
 ) -> Pending | None:
-    """:func:`_settle`, returning ``fut``'s listeners for the caller's loop."""
+    """:func:`settle`, returning ``fut``'s listeners for the caller's loop."""
     if _trace.active is not None:
         fn = _trace.timed_fn(fut, fn, streams)
     torch = _torch.loaded()
@@ -1318,160 +1316,6 @@ def _onto(devices: tuple[int, ...]) -> Callable[[int], tuple[int, int]]:
     return consumer
 
 
-def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T]:
-    """A future, already set, for GPU work already enqueued.
-
-    Records one event on ``stream`` (a CuPy or PyTorch stream, or any object
-    with ``__cuda_stream__``) or, by default, on the current stream of each
-    device of ``value`` (with PyTorch imported, PyTorch's current stream for
-    the torch CUDA tensors in ``value``, a few µs more). Costs about 1 µs
-    per event on the host; blocks neither the thread nor the GPU.
-
-    ``keep``: objects the recorded work reads, kept alive until the events
-    complete, even if every other reference is dropped. CuPy arrays taken
-    from a future need no ``keep``: the consumer's streams are recorded on
-    their memory (:func:`cudafut.record_stream`). Pass ``keep`` for what
-    cudafut cannot see: memory of other libraries or allocators, or arrays
-    used on a stream cudafut did not order::
-
-        v = fut.wait()
-        out = cudafut.record(v + 1)  # v may be dropped now
-        out2 = cudafut.record(torch_op(t), keep=t)  # keep a torch input alive
-
-    Arrays of other libraries in ``value`` are ordered before the stream
-    recorded on first (JAX's by DLPack, Numba's by their stream:
-    docs/interop.md, "Work queued by other libraries").
-
-    Raises:
-        ValueError: no ``stream`` and ``value`` holds no GPU array (a NumPy
-            array is a host array: copy it with :func:`to_device`); or
-            ``value`` holds an array whose producer cannot be ordered.
-    """
-    if _record_value is not None:
-        fut = _record_value(value, stream, keep)  # the native core's fast path
-        if fut is not None:
-            return fut
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
-    if stream is None:
-        order_foreign(value)  # docs/design.md, hazard 9
-        torch = _torch.loaded()
-        if torch is None:
-            records = tuple(_events.record_current(d) for d in find_devices(value))
-        else:  # torch tensors are recorded on PyTorch's current streams
-            records = _torch.record_value(torch, value, None)
-        if not records:  # under cudafut.testing's fake: its current device
-            records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
-        if not records:
-            if hasattr(value, "__array_interface__"):  # NumPy's (or another host array's)
-                raise ValueError(
-                    f"record() got a host array ({type(value).__module__}.{type(value).__name__}), "
-                    "which it does not take: it records GPU work, and a host array is on no GPU. "
-                    "Copy it to the GPU first (cudafut.to_device() returns its future), or pass "
-                    "stream=... if GPU work on that stream produces it; to test without a GPU, use "
-                    "cudafut.testing's fake GPU, where NumPy arrays stand for GPU arrays "
-                    "(docs/testing.md)"
-                )
-            raise ValueError(
-                f"record() got a value on no GPU ({type(value).__name__}); pass "
-                "stream=... to say which stream produces it"
-            )
-    else:
-        ptr, device = _cuda.stream_handle(stream)
-        order_foreign(value, lambda _d: (ptr, device))
-        records = (_events.record(ptr, device, None, stream),)
-    return set_future(value, records, keep, "record")
-
-
-@overload
-def submit(
-    fn: Callable[..., CudaFuture[U]],
-    /,
-    *args: Any,
-    device: int | None = ...,
-    priority: Priority = ...,
-    **kwargs: Any,
-) -> CudaFuture[U]: ...
-@overload
-def submit(
-    fn: Callable[..., U], /, *args: Any, device: int | None = ..., priority: Priority = ..., **kwargs: Any
-) -> CudaFuture[U]: ...
-def submit(
-    fn: Callable[..., Any],
-    /,
-    *args: Any,
-    device: int | None = None,
-    priority: Priority = "normal",
-    **kwargs: Any,
-) -> CudaFuture[Any]:
-    """Run ``fn(*args, **kwargs)`` now, on a pool stream; return its future.
-
-    ``fn`` runs synchronously in the calling thread with a pool stream of
-    ``device`` (default: the current device) made current. That stream first
-    waits for the work already enqueued on the caller's current stream, so
-    ``fn`` sees inputs the caller produced (other libraries' arrays among
-    ``args`` are ordered before it as :func:`record` orders them). The future's events are recorded
-    on the pool stream after ``fn`` returns; an exception from ``fn`` is
-    stored in the future. The future keeps ``args`` and ``kwargs`` alive until
-    its events complete. Host cost: ``fn`` plus a few µs; the GPU is not
-    synchronised.
-
-    ``fn`` must be a plain function: a coroutine function (``async def``,
-    a :func:`functools.partial` of one, or an object whose ``__call__`` is
-    one) is refused before anything is enqueued.
-
-    Raises:
-        TypeError: ``fn`` is not callable, or is a coroutine function, or
-            ``device`` is not an int.
-        ValueError: ``device`` is out of range, or ``priority`` is neither
-            ``"normal"`` nor ``"high"``.
-    """
-    _check_callable(fn, "submit()")
-    _checks.not_async(fn, "submit()", "at once, in the calling thread", _SUBMIT_INSTEAD)
-    prio = _pools.check_priority(priority)
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
-    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
-    stream = _pools.streams.get(dev, prio)
-    ptr = int(stream.ptr)
-    for rec in _torch.current_records(dev):  # the caller's CuPy and torch streams
-        rec.wait_on(ptr, dev)
-    order_foreign((args, kwargs), lambda _d: (ptr, dev))  # and JAX's streams
-    record_consumers((args, kwargs), {dev: stream}, untracked=False)
-    fut: CudaFuture[Any] = new_future("submit")
-    _settle(fut, fn, args, kwargs, {dev: stream}, (args, kwargs))
-    return fut
-
-
-def settle_launched(
-    fut: CudaFuture[Any],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    streams: Mapping[int, Any],
-) -> None:
-    """For :func:`cudafut.launch`, on a launcher thread: run ``fn`` with
-    ``streams`` current and complete ``fut`` from it, as :func:`submit`
-    does; ``args`` and ``kwargs`` are consumed on ``streams`` and kept alive
-    until ``fut``'s events complete."""
-    keep = (args, kwargs)
-    try:  # other libraries' arrays among the arguments, as submit() orders them
-        order_foreign(keep, lambda d: (int(streams[d].ptr), d) if d in streams else current_consumer(d))
-    except Exception as exc:  # noqa: BLE001 - the future carries it
-        fut._try_fail(exc)
-        return
-    # The launcher's stream is known to read them (not guessed): untracked
-    # arrays are recorded too.
-    record_consumers(keep, streams, untracked=True)
-    _settle(fut, fn, args, kwargs, streams, keep)
-
-
-# -- the internal interface ------------------------------------------------------------------
-# For cudafut's other modules (combinators, bridges, producers, cudafut.testing): they complete,
-# combine and read futures through these functions, never through CudaFuture's attributes
-# (ruff's SLF rules check it). This module's own hot paths read the attributes directly.
-
-
 def new_future(maker: str) -> CudaFuture[Any]:
     """A pending future made by cudafut's public function ``maker``.
 
@@ -1484,30 +1328,10 @@ def new_future(maker: str) -> CudaFuture[Any]:
     return _trace.make(CudaFuture, maker)
 
 
-def set_future(
-    value: T, records: tuple[EventRecord, ...], keep: object = None, maker: str | None = None
-) -> CudaFuture[T]:
-    """A future set with ``value`` and ``records`` already recorded (for
-    cudafut's own producers, such as the collectives); ``keep`` lives until
-    the records complete. ``maker``: the public function that made it, as
-    :func:`new_future` takes it; None: the tracer finds its maker among the
-    callers' frames."""
-    fut: CudaFuture[T] = CudaFuture() if maker is None else new_future(maker)
-    if _trace.active is not None:
-        fut._complete(_SET, value, None, records, keep)  # the tracer sees it set
-        return fut
-    # No other thread has seen the future yet, and nobody listens: what
-    # _complete does, without its lock and its listeners (half a µs).
-    fut._value = value
-    fut._records = records
-    fut._keep = keep
-    fut._state = _SET
-    return fut
-
-
 # cudafut._bridges, whose to_asyncio/to_concurrent/to_torch are the bodies of
-# the methods of those names: it sits above this module (it uses this
-# module's internal interface only), so it registers itself here at import.
+# the methods of those names: it sits above this module (it uses the class's
+# internal interface only, cudafut/_interface.py), so it registers itself
+# here at import.
 _bridges: Any = None
 
 
@@ -1534,148 +1358,12 @@ def set_exporter(export: Callable[[CudaFuture[Any]], tuple[Any, tuple[Any, ...]]
     _exporter = export
 
 
-def share_state(fut: CudaFuture[Any]) -> tuple[str, Any, BaseException | None, tuple[EventRecord, ...]]:
-    """``(state, value, exception, records)`` of ``fut`` as it is now, state
-    being ``"pending"``, ``"set"``, ``"failed"`` or ``"cancelled"``: for
-    ``_shared``, which pickles it. An exception read here counts as
-    retrieved (the receiving process carries it now)."""
-    with fut._lock:
-        state = fut._state
-        if state is _PENDING:
-            return "pending", None, None, ()
-        if state is _CANCELLED:
-            return "cancelled", None, None, ()
-        if state is _FAILED:
-            fut._retrieved = True
-            exc = fut._exception
-            assert exc is not None
-            return "failed", None, exc.with_traceback(fut._traceback), ()
-        return "set", fut._value, None, fut._records
-
-
-def until_set(fut: CudaFuture[Any]) -> Coroutine[Any, Any, None]:
-    """Wait in the running loop (asyncio, uvloop or trio) until ``fut`` is
-    set, failed or cancelled, not for its GPU work."""
-    return fut._until_set(_loops.require_driver())
-
-
-def records_of(fut: CudaFuture[Any]) -> tuple[EventRecord, ...]:
-    """The event records of a set future (none while pending, failed or
-    cancelled): for cudafut.testing, which completes them."""
-    return fut._records
-
-
-def fail_future(fut: CudaFuture[Any], exception: BaseException) -> None:
-    """Fail a pending future with an exception just caught (a producer
-    outside this module: a launcher thread); a completed one stays as is."""
-    fut._try_fail(exception)
-
-
-def settled(fut: CudaFuture[Any]) -> tuple[bool, Any, BaseException | None]:
-    """``(cancelled, value, exception)`` of a completed future whose events
-    completed (or failed). An exception handed over counts as retrieved here
-    (the other future carries it now, and reports it if nobody asks), and
-    starts from the traceback it had when it was stored."""
-    state = fut._state
-    if state is _CANCELLED:
-        return True, None, None
-    if state is _FAILED:
-        fut._retrieved = True
-        exc = fut._exception
-        assert exc is not None
-        return False, None, exc.with_traceback(fut._traceback)
-    assert state is _SET, "settled() needs a completed future"
-    error = first_error(fut._records)
-    if error is not None:
-        return False, None, error
-    return False, fut._value, None
-
-
-def set_value(fut: CudaFuture[T]) -> tuple[T, tuple[EventRecord, ...]] | None:
-    """``(value, records)`` of a set future, its events complete or not;
-    None while pending, or once failed or cancelled (for the bridges)."""
-    if fut._state is not _SET:
-        return None
-    return fut._value, fut._records
-
-
-def given_devices(fut: CudaFuture[Any]) -> tuple[int, ...] | None:
-    """The devices given to ``CudaFuture()`` (None: none given)."""
-    return fut._devices
-
-
-def succeeded(fut: CudaFuture[Any]) -> bool:
-    """Whether ``fut`` is set and none of its events reported an error so far."""
-    return fut._succeeded()
-
-
-def when_done(fut: CudaFuture[T], fn: Callable[[CudaFuture[T]], object], driver: _waiter.Driver) -> None:
-    """Call ``fn(fut)`` in ``driver``'s thread once ``fut`` is done (set and
-    its events complete, or failed, or cancelled), unless
-    :meth:`CudaFuture.remove_done_callback` removes it first."""
-    fut._when_done(fn, driver)
-
-
-def when_set(fut: CudaFuture[Any], listener: Listener) -> None:
-    """Call ``listener()`` once ``fut`` is set, failed or cancelled: now, or
-    in the thread that completes it (an exception from it is logged). A
-    listener may return what it completed, for the caller's loop to run
-    (see ``_engine.run_listeners``); one that returns None is a plain callback."""
-    fut._on_set(listener)
-
-
-def adopt(
-    fut: CudaFuture[Any], parents: Sequence[CudaFuture[Any]], *, gather: bool = False
-) -> Pending | None:
-    """Complete ``fut`` with what its completed ``parents`` came to (their
-    value, or with ``gather`` the list of their values; the first failure or
-    cancellation decides); returns its listeners for the caller to run.
-    See ``CudaFuture._take_outcome``."""
-    return fut._take_outcome(parents, gather=gather)
-
-
-def wait_for(fut: CudaFuture[Any], upstream: Sequence[CudaFuture[Any]]) -> None:
-    """Note what a pending future made by the caller waits for (a
-    ``gather()``'s inputs), so that a ``then()`` returning it cannot close a cycle."""
-    fut._wait_for(upstream)
-
-
-def discard_done_callback(fut: CudaFuture[Any], fn: Callable[..., object]) -> bool:
-    """:meth:`CudaFuture.remove_done_callback` for code the garbage collector
-    may run (a generator's ``finally``), on a thread that may hold this
-    future's lock: where the lock is busy, nothing is removed and False is
-    returned (the callback then runs once, when the future is done).
-    Callbacks are compared by identity (``is``: pass the very object that
-    was added), so no user ``__eq__`` runs under the lock."""
-    lock = fut._lock
-    if not lock.acquire(blocking=False):
-        return False
-    try:
-        fut._drop_callbacks([entry for entry in fut._callbacks or () if entry.fn is fn])
-    finally:
-        lock.release()
-    return True
-
-
-def complete_with(
-    fut: CudaFuture[T],
-    value: T,
-    records: tuple[EventRecord, ...] = (),
-    keep: object = None,
-) -> None:
-    """Set a pending future made by one of cudafut's producers (a staged
-    copy, a bridge) with ``records`` already recorded; ``keep`` lives until
-    they complete. A future its consumer cancelled meanwhile stays cancelled."""
-    fut._try_complete(_SET, value, None, records, keep)
-
-
 # The native core (cudafut/_core.pyx) takes over the paths every future takes,
-# where it was built: record(value, stream=s), an await (of a done future, or
+# where it was built: record(value, stream=s) (cudafut/_producers.py binds it), an await (of a done future, or
 # of a pending one in an asyncio task among other waits), result() of done
 # work and the finalizer.
 # CudaFuture's methods above stay the reference (CUDAFUT_PURE=1), and the
 # native paths fall back on them for every case they do not handle.
-_record_value: Callable[[Any, Any, object], CudaFuture[Any] | None] | None = None
 _native = _compiled.native()
 if _native is not None:
     _native.bind_future(
@@ -1701,4 +1389,3 @@ if _native is not None:
         _function.__doc__ = _twin.__doc__  # help() and the docs read the twin's
         _function.__signature__ = inspect.signature(_twin)
         setattr(CudaFuture, _name, _function)
-    _record_value = _native.record_value

@@ -58,19 +58,19 @@ from typing import Any, Final, TypeVar, overload
 
 from . import _checks, _cuda, _events, _lifetimes, _pools, _torch
 from ._events import EventRecord
-from ._future import (
-    CudaFuture,
+from ._future import CudaFuture
+from ._interface import (
     adopt,
     complete_with,
     fail_future,
     new_future,
     records_of,
-    settle_launched,
     succeeded,
     wait_for,
     when_set,
 )
 from ._log import logger
+from ._producers import settle_launched
 
 __all__ = ["enqueue", "launch", "launcher_threads", "stop", "warm_launchers"]
 

@@ -68,7 +68,8 @@ from typing import Any, Final
 from . import _cuda, _lifetimes, _torch
 from ._errors import CudaError, InvalidStateError, SharingError
 from ._events import EventRecord, first_error
-from ._future import CudaFuture, set_exporter, set_future, share_state, until_set
+from ._future import CudaFuture, set_exporter
+from ._interface import set_future, share_state, until_set
 from ._log import logger
 
 __all__ = ["SharedStatistics", "enqueued", "export", "held_ticket", "import_ticket", "shared_statistics"]

@@ -52,7 +52,8 @@ from typing import Any, Final
 from . import _checks, _cuda, _pools
 from ._errors import CudaError, CudaUnavailableError
 from ._events import FAILED
-from ._future import CudaFuture, records_of, when_set
+from ._future import CudaFuture
+from ._interface import records_of, when_set
 from ._log import logger
 
 __all__ = ["FakeCuda", "FakeStream", "fake_cuda"]

@@ -21,6 +21,7 @@ from cudafut import (
     _lifetimes,
     _loops,
     _pools,
+    _producers,
     _shared,
     _tasks,
     _tracked,
@@ -84,7 +85,7 @@ def _submit_without_wait(
     dev = _cuda.current_device() if device is None else device
     stream = _pools.streams.get(dev, _pools.check_priority(priority))
     fut: CudaFuture[Any] = CudaFuture()
-    _future._settle(fut, fn, args, kw, {dev: stream}, (args, kw))
+    _future.settle(fut, fn, args, kw, {dev: stream}, (args, kw))
     return fut
 
 
@@ -104,8 +105,8 @@ def _record_without_keep(value: Any, *, stream: Any = None, keep: object = None)
     return _record(value, stream=stream)
 
 
-_record = _future.record
-_settle = _future._settle
+_record = _producers.record
+_settle = _future.settle
 
 
 def _settle_recorded_early(fut, fn, args, kwargs, streams, keep):
@@ -148,12 +149,12 @@ def _patch_tracked_free() -> None:
 
 
 def _patch_record(replacement: Any) -> None:
-    _future.record = replacement
+    _producers.record = replacement
     cudafut.record = replacement
 
 
 def _patch_submit(replacement: Any) -> None:
-    _future.submit = replacement
+    _producers.submit = replacement
     cudafut.submit = replacement
 
 
@@ -199,14 +200,14 @@ MUTATIONS = {
     # record(): likewise
     "record_record": lambda: _patch_record(_record_recorded_early),
     # then() / submit(): the child's events no longer follow fn's work
-    "settle_record": lambda: setattr(_future, "_settle", _settle_recorded_early),
+    "settle_record": lambda: setattr(_future, "settle", _settle_recorded_early),
     # every event query reports "complete" at once (await, result(), done()):
     # through the seam, and in the native core, whose records ask CUDA from C
     "query": lambda: _both("query", _cuda, "event_query", _always_complete),
     # an await among others (asyncio) returns without waiting for its record
     "await_one": lambda: _await_one_mutated(),
     # then() children and submit() futures stop keeping their inputs alive
-    "keep": lambda: setattr(_future, "_settle", _settle_without_keep),
+    "keep": lambda: setattr(_future, "settle", _settle_without_keep),
     # record(keep=...) keeps nothing
     "record_keep": lambda: _patch_record(_record_without_keep),
     # nothing is kept alive until its events complete: a dropped pending future's

@@ -61,7 +61,7 @@ def stream_records(n: int) -> list[FakeRecord]:
 
 def set_future(value: object, records: list[FakeRecord]) -> CudaFuture[Any]:
     """A CudaFuture set with fake records (no CUDA involved)."""
-    from cudafut._future import set_future as set_with
+    from cudafut._interface import set_future as set_with
 
     return set_with(value, tuple(records))
 

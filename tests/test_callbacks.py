@@ -17,7 +17,7 @@ import pytest
 
 import cudafut
 from cudafut import _waiter
-from cudafut._future import complete_with
+from cudafut._interface import complete_with
 from cudafut._values import find_devices, gpu_arrays, placements
 from tests.fakes import FakeRecord, inject_watcher_bug, set_future
 
@@ -143,14 +143,14 @@ def test_then_on_a_set_future_raises_the_interrupt_to_its_caller() -> None:
 
 
 def test_an_interrupt_in_a_submitted_function_fails_the_future_and_reaches_the_caller() -> None:
-    # submit() runs fn through the same path as then() (cudafut._future._settle).
-    from cudafut._future import _settle
+    # submit() runs fn through the same path as then() (cudafut._future.settle).
+    from cudafut._future import settle
 
     fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
     waiting = fut.then(lambda v: v)
     exc = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
-        _settle(fut, raiser(exc), (None,), {}, {}, None)
+        settle(fut, raiser(exc), (None,), {}, {}, None)
     assert fut.exception(timeout=0) is exc and waiting.exception(timeout=0) is exc
 
 

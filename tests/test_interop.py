@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _pools, _streams, _torch, _values
+from cudafut import _cuda, _events, _interface, _pools, _streams, _torch, _values
 from tests.fakes import FakeRecord, set_future
 
 _made: list[FakeRecord] = []
@@ -771,7 +771,7 @@ def test_to_torch_of_a_future_of_unknown_devices_is_a_cpu_future(fake_cuda: Fake
     tf = fut.to_torch()
     assert tf.devices == []
     rec = Rec(device=0)
-    cudafut._future.complete_with(fut, FakeTensor(0), (rec,))
+    _interface.complete_with(fut, FakeTensor(0), (rec,))
     assert not tf.done()
     rec.complete()
     assert tf.completed.wait(10)
@@ -792,7 +792,7 @@ def test_to_torch_passes_failures_on(fake_cuda: FakeCuda, torch: Any, how: str) 
         rec = Rec(device=0)
         rec.fail(700)
         rec.query()
-        cudafut._future.complete_with(fut, FakeTensor(0), (rec,))
+        _interface.complete_with(fut, FakeTensor(0), (rec,))
         assert isinstance(tf.error, cudafut.CudaError) and tf.error.code == 700
 
 
@@ -1170,7 +1170,7 @@ def test_cancelling_the_concurrent_future_leaves_the_cuda_future() -> None:
     out = fut.to_concurrent()
     assert out.cancel()
     rec = Rec()
-    cudafut._future.complete_with(fut, 1, (rec,))  # its copy finds it cancelled: no error
+    _interface.complete_with(fut, 1, (rec,))  # its copy finds it cancelled: no error
     rec.complete()
     assert fut.result(timeout=10) == 1 and out.cancelled()
 

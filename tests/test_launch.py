@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _future, _launch, _lifetimes, testing
+from cudafut import _cuda, _events, _future, _interface, _launch, _lifetimes, testing
 from tests.launches import check_a_queued_launch_cancelled_never_runs
 from tests.runners import BACKENDS, run_on
 
@@ -161,7 +161,7 @@ def test_warm_launchers_starts_the_launchers_and_waits_for_each_threads_gpu_work
             break
         threading.Event().wait(0.01)
     assert not fut.done()  # set, but the events of the threads' work are pending
-    assert len(_future.records_of(fut)) >= 2  # one per thread's stream at least
+    assert len(_interface.records_of(fut)) >= 2  # one per thread's stream at least
     fake_cuda.complete_all()
     assert fut.result(timeout=10) is None
 

@@ -21,7 +21,7 @@ import pytest
 
 import cudafut
 from cudafut import _compiled, _cuda, _events, _lifetimes, _pools, testing
-from cudafut._future import records_of
+from cudafut._interface import records_of
 from tests.subproc import run_python
 
 NATIVE = _compiled.native()
@@ -496,17 +496,17 @@ def test_a_stream_handle_past_63_bits_is_a_value_error(fake_cuda: testing.FakeCu
 def test_record_without_a_stream_asks_the_native_path_first(
     fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cudafut import _future
+    from cudafut import _producers
 
     asked: list[Any] = []
-    real = _future._record_value
+    real = _producers._record_value
     assert real is not None
 
     def spy(value: Any, stream: Any, keep: object) -> Any:
         asked.append(stream)
         return real(value, stream, keep)
 
-    monkeypatch.setattr(_future, "_record_value", spy)
+    monkeypatch.setattr(_producers, "_record_value", spy)
     cudafut.record(np.zeros(2))  # a NumPy array: the twin records it (the fake's current device)
     fake_cuda.complete_all()
     assert asked == [None]

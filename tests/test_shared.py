@@ -15,7 +15,7 @@ import pytest
 
 import cudafut
 from cudafut import _shared
-from cudafut._future import set_future
+from cudafut._interface import set_future
 from tests import shared_worker
 from tests.children import Child, until
 

@@ -34,7 +34,8 @@ import cupy as cp
 
 import cudafut
 from cudafut import _compiled, _cuda, _engine, _events, _memory, _pools, _torch, _values
-from cudafut._future import CudaFuture, new_future, set_future
+from cudafut._future import CudaFuture
+from cudafut._interface import new_future, set_future
 
 from .. import host
 from ..host import per_call_us

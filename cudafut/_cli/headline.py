@@ -38,9 +38,9 @@ from typing import Any, Final
 from .. import _cuda, _pools
 from .._copies import to_device, to_host
 from .._errors import CudaUnavailableError
-from .._future import record
 from .._kernels import GSLEEP
 from .._pinned import empty_pinned
+from .._producers import record
 
 #: The waiters (keys in the results).
 FLOOR: Final = "floor"

@@ -28,7 +28,8 @@ from datetime import timedelta
 from typing import Any, Final, Protocol
 
 from .. import _checks, _cuda, _events, _torch
-from .._future import CudaFuture, set_future
+from .._future import CudaFuture
+from .._interface import set_future
 from .._log import logger
 from . import _env, _nccl
 from ._errors import CollectiveError
