@@ -86,111 +86,6 @@ class BatcherStatistics:
         return self.items / self.batches if self.batches else 0.0
 
 
-class _TrioSlot:
-    """Where a trio request waits for its result: the part of an asyncio
-    future's interface the batcher uses."""
-
-    __slots__ = ("_cancelled", "_error", "_event", "_traceback", "_value")
-
-    def __init__(self, trio: Any) -> None:
-        self._event = trio.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._traceback: Any = None
-        self._cancelled = False
-
-    def done(self) -> bool:
-        return self._cancelled or self._event.is_set()
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    def set_result(self, value: Any) -> None:
-        self._value = value
-        self._event.set()
-
-    def set_exception(self, error: BaseException) -> None:
-        self._error = error
-        self._traceback = error.__traceback__  # each waiter raises it from here, not from the last
-        self._event.set()
-
-    async def wait(self) -> Any:
-        try:
-            await self._event.wait()
-        except BaseException:
-            self._cancelled = True  # its batch, if not run yet, drops it
-            raise
-        if self._error is not None:
-            raise self._error.with_traceback(self._traceback)
-        return self._value
-
-
-class _Asyncio:
-    """The batcher's few needs, on the running asyncio (or uvloop) loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.tasks: set[asyncio.Task[None]] = set()
-        self._wake: asyncio.Future[None] | None = None
-
-    def now(self) -> float:
-        return self.loop.time()
-
-    def wake(self) -> None:
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-
-    async def sleep(self, deadline: float | None) -> None:
-        """Until :meth:`wake` or ``deadline`` (loop time; None: no limit).
-        asyncio rounds its timers up to whole milliseconds."""
-        wake = self._wake = self.loop.create_future()
-        timer = None if deadline is None else self.loop.call_at(deadline, _resolve, wake)
-        try:
-            await wake
-        finally:
-            self._wake = None
-            if timer is not None:
-                timer.cancel()
-
-    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        task: asyncio.Task[None] = self.loop.create_task(fn(*args))  # type: ignore[arg-type]
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class _Trio:
-    """The batcher's few needs, in a trio run (its tasks in a nursery)."""
-
-    def __init__(self, trio: Any, nursery: Any) -> None:
-        self.trio = trio
-        self.nursery = nursery
-        self._wake: Any = None
-
-    def now(self) -> float:
-        return float(self.trio.current_time())
-
-    def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def sleep(self, deadline: float | None) -> None:
-        wake = self._wake = self.trio.Event()
-        try:
-            with self.trio.move_on_at(math.inf if deadline is None else deadline):
-                await wake.wait()
-        finally:
-            self._wake = None
-
-    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        self.nursery.start_soon(fn, *args)
-
-
 def _check_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
@@ -399,13 +294,13 @@ class Batcher(Generic[In, Out]):
         # GPU arrays in the item: its batch's stream must first wait for what
         # this task enqueued (it may run on a stream of its own).
         after = _submitter_events(item)
-        if isinstance(rt, _Asyncio):
+        if isinstance(rt, _loops.AsyncioTasks):
             slot: Any = rt.loop.create_future()
             self._queue.append((item, slot, rt.loop.time(), after))
             self._wake_for_item()
             result: Out = await slot
             return result
-        slot = _TrioSlot(rt.trio)
+        slot = _loops.TrioSlot(rt.trio)
         self._queue.append((item, slot, rt.now(), after))
         self._wake_for_item()
         value: Out = await slot.wait()
@@ -442,7 +337,7 @@ class Batcher(Generic[In, Out]):
                 "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`, "
                 "or between `await b.start()` and `await b.aclose()`"
             )
-        if isinstance(rt, _Asyncio):
+        if isinstance(rt, _loops.AsyncioTasks):
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
@@ -578,7 +473,7 @@ class Batcher(Generic[In, Out]):
         """Raise unless the running loop is the one that started the batcher."""
         rt = self._rt
         library = _loops.current_library()
-        if isinstance(rt, _Asyncio):
+        if isinstance(rt, _loops.AsyncioTasks):
             ok = library is asyncio and asyncio.get_running_loop() is rt.loop
         else:  # trio: the run whose token start() kept
             ok = library not in (None, asyncio) and library.lowlevel.current_trio_token() is self._token
@@ -593,7 +488,7 @@ class Batcher(Generic[In, Out]):
         nursery for the former and its batches, open until they end."""
         try:
             async with trio.open_nursery() as nursery:
-                self._rt = _Trio(trio, nursery)
+                self._rt = _loops.TrioTasks(trio, nursery)
                 nursery.start_soon(self._form)
                 self._started.set()
                 self._started = None
@@ -613,7 +508,7 @@ class Batcher(Generic[In, Out]):
                 self._started = None
 
     def _start_asyncio(self) -> None:
-        rt = _Asyncio(asyncio.get_running_loop())
+        rt = _loops.AsyncioTasks(asyncio.get_running_loop())
         self._rt = rt
         rt.spawn(self._form)
         for task in rt.tasks:  # the former: if it ends early, nothing may hang
@@ -637,7 +532,7 @@ class Batcher(Generic[In, Out]):
         trio = library
         self._nursery_cm = trio.open_nursery()
         nursery = await self._nursery_cm.__aenter__()
-        self._rt = _Trio(trio, nursery)
+        self._rt = _loops.TrioTasks(trio, nursery)
         nursery.start_soon(self._form)
         return self
 
@@ -653,7 +548,7 @@ class Batcher(Generic[In, Out]):
             self._fail_queued()
         rt.wake()
         try:
-            if isinstance(rt, _Asyncio):
+            if isinstance(rt, _loops.AsyncioTasks):
                 if exc is not None:
                     for task in rt.tasks:
                         task.cancel()

@@ -20,12 +20,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import math
 import os
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Final
 
@@ -775,6 +776,116 @@ async def run_in_thread(fn: Callable[[], None]) -> None:
         await asyncio.get_running_loop().run_in_executor(None, fn)
     else:
         await library.to_thread.run_sync(fn)
+
+
+# -- a task group on the running loop: what a Batcher needs of it ----------------------------
+# cudafut.Batcher forms batches in a task of its own and runs each in another; these
+# give it the loop's time, a wakeable sleep and its tasks on asyncio and on trio alike.
+
+
+class TrioSlot:
+    """Where a trio request to a :class:`cudafut.Batcher` waits for its
+    result: the part of an asyncio future's interface the batcher uses (an
+    asyncio request waits on a plain asyncio future). Setting it costs a
+    ``trio.Event.set``; :meth:`wait` blocks the task, never the thread."""
+
+    __slots__ = ("_cancelled", "_error", "_event", "_traceback", "_value")
+
+    def __init__(self, trio: Any) -> None:
+        self._event = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._traceback: Any = None
+        self._cancelled = False
+
+    def done(self) -> bool:
+        return self._cancelled or self._event.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._traceback = error.__traceback__  # each waiter raises it from here, not from the last
+        self._event.set()
+
+    async def wait(self) -> Any:
+        try:
+            await self._event.wait()
+        except BaseException:
+            self._cancelled = True  # its batch, if not run yet, drops it
+            raise
+        if self._error is not None:
+            raise self._error.with_traceback(self._traceback)
+        return self._value
+
+
+class AsyncioTasks:
+    """A :class:`cudafut.Batcher`'s few needs on the running asyncio (or
+    uvloop) loop: its time, a sleep that :meth:`wake` ends early, and tasks
+    spawned and kept (``tasks``) until they end. Each call costs what the
+    loop's own does; none blocks the thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._wake: asyncio.Future[None] | None = None
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def wake(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def sleep(self, deadline: float | None) -> None:
+        """Until :meth:`wake` or ``deadline`` (loop time; None: no limit).
+        asyncio rounds its timers up to whole milliseconds."""
+        wake = self._wake = self.loop.create_future()
+        timer = None if deadline is None else self.loop.call_at(deadline, _resolve, wake, None)
+        try:
+            await wake
+        finally:
+            self._wake = None
+            if timer is not None:
+                timer.cancel()
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        task: asyncio.Task[None] = self.loop.create_task(fn(*args))  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+class TrioTasks:
+    """:class:`AsyncioTasks`' calls in a trio run, its tasks in ``nursery``."""
+
+    def __init__(self, trio: Any, nursery: Any) -> None:
+        self.trio = trio
+        self.nursery = nursery
+        self._wake: Any = None
+
+    def now(self) -> float:
+        return float(self.trio.current_time())
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def sleep(self, deadline: float | None) -> None:
+        wake = self._wake = self.trio.Event()
+        try:
+            with self.trio.move_on_at(math.inf if deadline is None else deadline):
+                await wake.wait()
+        finally:
+            self._wake = None
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self.nursery.start_soon(fn, *args)
 
 
 # -- the running loop's driver ---------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _batcher, testing
+from cudafut import _loops, testing
 from tests.fakes import FakeRecord, set_future
 
 pytestmark = pytest.mark.anyio
@@ -626,7 +626,7 @@ async def test_start_and_aclose_are_idempotent() -> None:
             tg.start_soon(batcher.start)
     assert await batcher.start() is batcher
     assert await batcher.submit(3) == 6
-    if isinstance(batcher._rt, _batcher._Asyncio):  # one batch former, started once
+    if isinstance(batcher._rt, _loops.AsyncioTasks):  # one batch former, started once
         assert [getattr(t.get_coro(), "__name__", None) for t in batcher._rt.tasks].count("_form") == 1
     async with anyio.create_task_group() as tg:  # concurrent closes: one close
         for _ in range(3):
