@@ -114,10 +114,10 @@ CLIENTS_PER_GPU = 256
 
 
 def _processes_part(quick: bool, progress: Progress) -> dict[str, Any]:
-    from cudafut import _cuda
+    from cudafut import _backend
 
     compare = _compare_module()
-    have = _cuda.device_count()
+    have = _backend.current.device_count()
     out: dict[str, Any] = {}
     for n in _devices():
         if n > have:
@@ -167,9 +167,9 @@ def _q(samples: list[float]) -> dict[str, float]:
 def _caller_costs(quick: bool) -> dict[str, Any]:
     """Calling-thread time of one call, in flight batches of 1,000."""
     import cudafut
-    from cudafut import _cuda
+    from cudafut import _backend
 
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     x = cp.ones(16, dtype=cp.float32)
     cp.cuda.Device().synchronize()
 
@@ -268,7 +268,7 @@ def _stalls(quick: bool, make_trivial: Any, make_model: Any, warm_model: Any) ->
     model again through new launcher threads warmed first by
     ``cudafut.warm_launchers(*warm_model)`` (``launch_warmed``)."""
     import cudafut
-    from cudafut import _cuda, _launch
+    from cudafut import _backend, _launch
 
     out: dict[str, Any] = {}
     trivial_rounds = 3 if quick else 10
@@ -282,8 +282,8 @@ def _stalls(quick: bool, make_trivial: Any, make_model: Any, warm_model: Any) ->
             }
     finally:
         pool.shutdown()
-    device = _cuda.current_device()
-    _cuda.cupy().cuda.Device(device).synchronize()
+    device = _backend.current.current_device()
+    _backend.current.cupy().cuda.Device(device).synchronize()
     if not _launch.stop(device):  # new threads and streams, as cold as the first ones were
         raise RuntimeError("the launcher threads did not end")
     out["launch_warmed"] = {
@@ -295,7 +295,7 @@ def _stalls(quick: bool, make_trivial: Any, make_model: Any, warm_model: Any) ->
 
 
 def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
-    from cudafut import _cuda
+    from cudafut import _backend
 
     out: dict[str, Any] = {"caller": _caller_costs(quick)}
     c = out["caller"]
@@ -303,7 +303,7 @@ def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
         f"serve: launch() costs the caller {c['launch']['p50_us']} us p50, {c['launch']['p99_us']} us p99 "
         f"(submit {c['submit']['p50_us']}, executor {c['executor_submit']['p50_us']})"
     )
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     x = cp.ones(16, dtype=cp.float32)
     _compare_module()  # examples/service on the path
     import models  # type: ignore[import-not-found]

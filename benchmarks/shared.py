@@ -40,10 +40,10 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
 
 
 def _kernel() -> Any:
-    from cudafut import _cuda
+    from cudafut import _backend
     from cudafut._kernels import GSLEEP
 
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     return cp.RawModule(code=GSLEEP).get_function("gsleep")
 
 

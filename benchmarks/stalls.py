@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 import cudafut
-from cudafut import _cuda, _launch, _torch, testing
+from cudafut import _backend, _launch, _torch, testing
 
 from .support.common import Ticker, stall_ms
 
@@ -107,7 +107,7 @@ def _launch_recorded_by_caller(fn: Callable[[int], int], i: int) -> Any:
     """:func:`cudafut.launch` as it was before the launcher threads recorded
     the caller's events: recorded on the calling thread (``_torch.current_records``,
     which releases the GIL in the native core), the job queued with them."""
-    dev = _cuda.current_device()
+    dev = _backend.current.current_device()
     return _launch.enqueue(fn, (i,), {}, dev, _torch.current_records(dev))
 
 
@@ -238,11 +238,13 @@ def measure_gpu(model: str, rounds: int = 6, launches: int = 200) -> dict[str, A
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "service"))
     import models  # type: ignore[import-not-found]
 
-    from cudafut import _cuda
+    from cudafut import _backend
 
     served = models.Served(model)
     out: dict[str, Any] = {
-        "meta": _meta(_cuda.cupy().cuda.runtime.getDeviceProperties(0)["name"].decode(), rounds, launches)
+        "meta": _meta(
+            _backend.current.cupy().cuda.runtime.getDeviceProperties(0)["name"].decode(), rounds, launches
+        )
     }
     cudafut.warm_launchers(served.answer, [0]).result(timeout=120)
     threads = _launch.launcher_threads()

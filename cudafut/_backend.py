@@ -1,14 +1,19 @@
-"""The swap: :mod:`cudafut.testing`'s fake GPU in place of CUDA.
+"""The backend: the CUDA calls cudafut's core makes, as one object.
 
-The CUDA calls cudafut's core makes are one interface, :class:`Backend`;
-its methods are the seam's functions (:data:`SEAM`), which every caller
-looks up as ``_cuda.name`` at each call. :func:`swap` is the one place that
-chooses the implementation: it rebinds those names in :mod:`cudafut._cuda`
-to the backend's methods (``_cuda.replace_seam``), so that the real
-functions run as they are, with no flag tested and no indirection added,
-and runs the hooks of the modules that hold objects of a backend
-(:func:`on_swap`). An event record keeps the calls of the backend that
-made it (:class:`RecordCalls`).
+:data:`current` is the backend in force: CUDA's (``_cuda.CudaBackend``,
+the functions of the seam's modules) or :mod:`cudafut.testing`'s fake GPU.
+Every call of the interface, from any module, the seam's own included, is
+``_backend.current.name(...)``: swapping the fake is :func:`swap` replacing
+that one object (and the hooks of :func:`on_swap` setting aside what
+modules hold of the previous backend), and a test replaces one call with
+``monkeypatch.setattr(_backend.current, name, f)``. A call through it
+costs one attribute lookup more than a plain function call.
+
+The native core (cudafut/_core.pyx) still makes four of the calls as
+``_cuda.name(...)``; there they forward to :data:`current` (see
+``_cuda.NATIVE_CORE_READS``) until the native core takes this object.
+
+This module is the bottom of the seam: it imports nothing of cudafut's.
 """
 
 from __future__ import annotations
@@ -16,24 +21,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Final, Protocol
-
-from . import _cuda
-from ._errors import CudaError
+from typing import Any, Final, Protocol, cast
 
 
 class Backend(Protocol):
     """The CUDA calls cudafut's core makes, as one interface.
 
-    Two implementations: the seam's own functions, as :mod:`cudafut._cuda`
-    holds them (CUDA through CuPy, the native notices of ``_waker.c``
-    behind ``close_after``), and :mod:`cudafut.testing`'s fake GPU. mypy
-    checks both against this class (``_cuda`` at its end, the fake as
-    :func:`swap`'s argument). :func:`swap` is the one place that chooses:
-    it rebinds ``_cuda``'s functions to the backend's methods, so that the
-    core's calls (``_cuda.name(...)``, looked up at each call) reach CUDA's
-    functions with nothing in between. Each method's meaning is the
-    docstring of the function of ``_cuda`` with the same name.
+    Two implementations: ``_cuda.CudaBackend`` (CUDA through CuPy, the
+    native notices of ``_waker.c`` behind ``close_after``: the functions of
+    the seam's modules) and :mod:`cudafut.testing`'s fake GPU. mypy checks
+    both against this class. Each method's meaning, cost and blocking are
+    the docstring of CUDA's function of the same name (``CudaBackend`` says
+    which module holds it).
     """
 
     def call_on_streams(
@@ -77,8 +76,24 @@ class Backend(Protocol):
     def use_device(self, device: int) -> None: ...
 
 
-#: The functions a backend replaces, by name: the methods of :class:`Backend`.
+#: The calls a backend implements, by name: the methods of :class:`Backend`.
 SEAM: Final = tuple(name for name in vars(Backend) if not name.startswith("_"))
+
+
+class _NotInstalled:
+    """:data:`current` before ``_cuda`` installs CUDA's backend (during
+    cudafut's own import only): every call says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"cudafut's CUDA backend is not installed yet ({name}): import cudafut first")
+
+
+#: CUDA's backend, once ``_cuda`` installed it (see install_cuda()).
+_cuda_backend: Backend = cast(Backend, _NotInstalled())
+#: The backend in force: CUDA's, or cudafut.testing's fake while installed.
+#: Looked up at each call (``_backend.current.name(...)``): never bind it.
+current: Backend = _cuda_backend
+
 
 #: Modules holding objects of the backend (pools of streams and events,
 #: threads owning streams) and the record type: see on_swap().
@@ -114,93 +129,59 @@ def on_swap(hook: Callable[[Any], Callable[[], None]]) -> None:
 
 
 def swap(backend: Backend) -> Callable[[], None]:
-    """Install ``backend`` in place of CUDA (``_cuda``'s functions); return
+    """Install ``backend`` in place of CUDA: make it :data:`current`; return
     the function that removes it.
 
-    Costs the real functions nothing: they are rebound, never wrapped. The
-    hooks of :func:`on_swap` run after the functions are installed; on
-    removal they run first, in reverse order, then the functions return.
+    One assignment: CUDA's calls cost the same before, during and after.
+    The hooks of :func:`on_swap` run after the backend is installed; on
+    removal they run first, in reverse order, then CUDA's backend returns.
 
     Raises:
         RuntimeError: a backend is installed already.
     """
-    global _swapped
+    global _swapped, current
     with _swap_lock:
         if _swapped is not None:
             raise RuntimeError(
                 "a fake CUDA (cudafut.testing.fake_cuda) is installed already; leave it before "
                 "installing another"
             )
-        saved, saved_count = _cuda.replace_seam(
-            {name: getattr(backend, name) for name in SEAM}, backend.device_count()
-        )
+        saved = current
+        current = backend
         restores: list[Callable[[], None]] = []
         _swapped = (backend, restores)
         try:
             for hook in _swap_hooks:
                 restores.append(hook(backend))
         except BaseException:
-            _unswap(restores, saved, saved_count)
+            _unswap(restores, saved)
             raise
 
     def restore() -> None:
         with _swap_lock:
             if _swapped is None or _swapped[0] is not backend:
                 return  # removed already
-            _unswap(restores, saved, saved_count)
+            _unswap(restores, saved)
 
     return restore
 
 
-def _unswap(restores: list[Callable[[], None]], saved: dict[str, Any], count: int) -> None:
-    global _swapped
+def _unswap(restores: list[Callable[[], None]], saved: Backend) -> None:
+    global _swapped, current
     try:
         for undo in reversed(restores):
             undo()
     finally:
-        _cuda.replace_seam(saved, count)
+        current = saved
         _swapped = None
 
 
-class RecordCalls:
-    """What an event record asks of the backend that made it: its status,
-    a stream's wait on it, the error of a status, and whether the backend
-    can still be used.
-
-    A record keeps the object of its backend for as long as it lives, so
-    that a record of :mod:`cudafut.testing`'s fake asks the fake, never
-    CUDA, even after the fake is removed. :data:`CUDA` is CUDA's (``_cuda``'s
-    functions); the fake's backend is its own.
-    """
-
-    __slots__ = ()
-
-    #: Stream types whose ``ptr`` and ``device_id`` attributes are their
-    #: handle and device, beyond CuPy's (which the native core finds once
-    #: CuPy is imported): a fast path of ``record(x, stream=s)`` reads them.
-    stream_types: tuple[type, ...] = ()
-
-    # The seam's functions looked up in _cuda at each call, as the core's
-    # calls do (a test may replace one).
-    def event_query(self, event: int) -> int:
-        return _cuda.event_query(event)
-
-    def stream_wait(self, stream: int, event: int, device: int) -> None:
-        _cuda.stream_wait(stream, event, device)
-
-    def event_error(self, code: int, device: int) -> CudaError:
-        return _cuda.event_error(code, device)
-
-    def ended(self) -> str | None:
-        """Why this backend can no longer be used, or None (CUDA: never)."""
-        return None
-
-
-#: The record calls of CUDA (see :class:`RecordCalls`).
-CUDA: Final = RecordCalls()
-
-
-def record_calls() -> Any:
-    """The record calls of the backend installed now: :data:`CUDA`, or
-    :mod:`cudafut.testing`'s fake."""
-    return CUDA if _swapped is None else _swapped[0]
+def install_cuda(backend: Backend) -> None:
+    """Make ``backend`` CUDA's: :data:`current` while no fake is installed
+    (called once, by ``_cuda`` at import, which assembles it from the
+    seam's modules, all above this one)."""
+    global current, _cuda_backend
+    with _swap_lock:
+        _cuda_backend = backend
+        if _swapped is None:
+            current = backend

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
-from . import _checks, _cuda, _loops, _torch
+from . import _backend, _checks, _cuda, _loops, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture
@@ -651,7 +651,7 @@ class Batcher(Generic[In, Out]):
                 handed: Sequence[Any] | None = None
                 if self._async:
                     for rec in after:  # this task's stream waits for the submitters'
-                        rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
+                        rec.wait_on(int(_backend.current.current_stream(rec.device).ptr), rec.device)
                     out = await self.run_batch(items)
                     if isinstance(out, CudaFuture):
                         if handing:
@@ -662,7 +662,11 @@ class Batcher(Generic[In, Out]):
                         handed = _hand_over(batch, _recorded(out), n, size)
                 else:
                     _cuda.check_usable()
-                    dev = _cuda.current_device() if self.device is None else _cuda.check_device(self.device)
+                    dev = (
+                        _backend.current.current_device()
+                        if self.device is None
+                        else _cuda.check_device(self.device)
+                    )
                     fut = enqueue(self.run_batch, (items,), {}, dev, _torch.current_records(dev) + after)
                     try:
                         if handing:  # submit_future()'s futures: set once enqueued

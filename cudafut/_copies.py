@@ -35,7 +35,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from . import _cuda, _events, _lifetimes, _pinned, _pools, _torch
+from . import _backend, _cuda, _events, _lifetimes, _pinned, _pools, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture
@@ -87,10 +87,10 @@ def _fake_to_host(
             "to_host() under cudafut.testing's fake CUDA needs a NumPy array (the fake's device "
             f"arrays) or a CudaFuture of one, not {type(array).__name__}"
         )
-    device = _cuda.current_device()
+    device = _backend.current.current_device()
     if out is not None:
         out = _check_out(out, array.shape, array.dtype)
-    current = int(_cuda.current_stream(device).ptr)
+    current = int(_backend.current.current_stream(device).ptr)
     if stream is not None:
         ptr, _ = _stream_of(stream, device)
     elif follow:
@@ -173,7 +173,7 @@ def _device_array_info(array: object) -> tuple[int, tuple[int, ...], np.dtype[An
             f"{type(array).__name__}.__cuda_array_interface__ is malformed ({exc!r}): it needs "
             "'shape' (a tuple of ints) and 'typestr' (a NumPy type string)"
         ) from None
-    (device,) = find_devices(array) or (_cuda.current_device(),)
+    (device,) = find_devices(array) or (_backend.current.current_device(),)
     return device, shape, dtype
 
 
@@ -238,7 +238,7 @@ def _pinned_address(array: np.ndarray[Any, Any]) -> int:
     if not array.flags.c_contiguous or array.nbytes == 0:
         return 0
     ptr: int = array.__array_interface__["data"][0]
-    return ptr if _cuda.pointer_is_pinned(ptr) else 0
+    return ptr if _backend.current.pointer_is_pinned(ptr) else 0
 
 
 # -- chunks -----------------------------------------------------------------------
@@ -324,7 +324,7 @@ def _run_share(
     of its own, and report to the transfer however it ends."""
     error: BaseException | None = None
     try:
-        with _cuda.on_device(device):
+        with _backend.current.on_device(device):
             biggest = max(n for _, _, n in pieces)
             stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
             stager(pieces, stages, stream, device, ptr)
@@ -335,7 +335,7 @@ def _run_share(
 
 def _stage_in(pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, dst: int) -> None:
     """Host to device: the host copy of one piece overlaps the DMA of the other."""
-    memcpy, synchronize = _cuda.memcpy_to_device, _cuda.event_synchronize
+    memcpy, synchronize = _backend.current.memcpy_to_device, _backend.current.event_synchronize
     last: list[EventRecord | None] = [None] * len(stages)
     for i, (piece, offset, n) in enumerate(pieces):
         b = i % len(stages)
@@ -355,14 +355,14 @@ def _stage_in(pieces: Sequence[Piece], stages: list[Any], stream: int, device: i
 
 def _stage_out(pieces: Sequence[Piece], stages: list[Any], stream: int, device: int, src: int) -> None:
     """Device to pageable host: the DMA of one piece overlaps the host copy of the other."""
-    memcpy = _cuda.memcpy_to_host
+    memcpy = _backend.current.memcpy_to_host
     pending: tuple[EventRecord, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
     for i, (piece, offset, n) in enumerate(pieces):
         stage = stages[i % len(stages)]
         if stage is None:  # past the pinned limit: the driver stages it
             tmp = np.empty(piece.shape, piece.dtype)
             memcpy(tmp.ctypes.data, src + offset, n, stream)
-            _cuda.stream_synchronize(stream)
+            _backend.current.stream_synchronize(stream)
             np.copyto(piece, tmp)
             continue
         memcpy(stage[1].allocation.ptr, src + offset, n, stream)
@@ -378,7 +378,7 @@ def _stage_out(pieces: Sequence[Piece], stages: list[Any], stream: int, device: 
 
 def _copy_out(rec: EventRecord, stage: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
     if rec.query() is None:
-        _cuda.event_synchronize(rec.handle)
+        _backend.current.event_synchronize(rec.handle)
     if rec.query():
         raise rec.error() or RuntimeError("the copy failed")
     np.copyto(out, stage)
@@ -429,13 +429,13 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
     if device is not None:
         _cuda.check_device_argument(device)
     _cuda.check_usable()
-    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    dev = _backend.current.current_device() if device is None else _cuda.check_device(device)
     if stream is None:
         copy_stream = _pools.copy_streams.get(dev, 0)
         ptr = int(copy_stream.ptr)
     else:
         ptr, dev = _stream_of(stream, dev if device is not None else None)
-        copy_stream = _cuda.cupy_stream(stream, ptr, dev)
+        copy_stream = _backend.current.cupy_stream(stream, ptr, dev)
     if _cuda.faked():
         return _fake_to_device(array, dev, ptr)
     nbytes = array.nbytes
@@ -459,8 +459,8 @@ def to_device(host: Any, /, *, device: int | None = None, stream: Any = None) ->
 
 
 def _new_device_array(shape: tuple[int, ...], dtype: np.dtype[Any], device: int, stream: Any) -> Any:
-    cp = _cuda.cupy()
-    with _cuda.on_device(device), stream:
+    cp = _backend.current.cupy()
+    with _backend.current.on_device(device), stream:
         return cp.empty(shape, dtype)
 
 
@@ -469,22 +469,22 @@ def _to_device_now(
 ) -> CudaFuture[Any]:
     """The copy enqueued by the caller: from pinned memory at address
     ``pinned``, or (0) through a staging block it fills."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     nbytes = array.nbytes
     staged = None
-    with _cuda.on_device(device):
+    with _backend.current.on_device(device):
         with stream:  # allocated on the copy stream: freed in its order
             dst = cp.empty(array.shape, array.dtype)
         if pinned:
-            _cuda.memcpy_to_device(dst.data.ptr, pinned, nbytes, ptr)
+            _backend.current.memcpy_to_device(dst.data.ptr, pinned, nbytes, ptr)
         elif nbytes:
             staged = _staging(nbytes)
             if staged is None:  # past the pinned limit: the driver stages it
                 src = np.ascontiguousarray(array)
-                _cuda.memcpy_to_device(dst.data.ptr, src.ctypes.data, nbytes, ptr)
+                _backend.current.memcpy_to_device(dst.data.ptr, src.ctypes.data, nbytes, ptr)
             else:
                 np.copyto(_view(staged[0], array, nbytes), array)
-                _cuda.memcpy_to_device(dst.data.ptr, staged[1].allocation.ptr, nbytes, ptr)
+                _backend.current.memcpy_to_device(dst.data.ptr, staged[1].allocation.ptr, nbytes, ptr)
         rec = _events.record(ptr, device)
     if staged is not None:
         staged[1].guard = (rec,)  # back to the pool once the DMA has read it
@@ -586,10 +586,10 @@ def _to_host_on(
     device, shape, dtype = _device_array_info(array)
     if out is not None:
         out = _check_out(out, shape, dtype)
-    current = _cuda.current_stream(device)
+    current = _backend.current.current_stream(device)
     if stream is not None:
         ptr, _ = _stream_of(stream, device)
-        copy_stream = _cuda.cupy_stream(stream, ptr, device)
+        copy_stream = _backend.current.cupy_stream(stream, ptr, device)
     elif follow:
         copy_stream, ptr = current, int(current.ptr)
     else:
@@ -602,11 +602,11 @@ def _to_host_on(
             _events.record(int(current.ptr), device).wait_on(ptr, device)
         if not follow:  # a future's value was ordered when it was set
             _order_producer(array, device, ptr)
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     if type(array) is cp.ndarray and array.flags.c_contiguous:
         src = array  # what the conversion below returns, for less
     else:
-        with _cuda.on_device(device), copy_stream:
+        with _backend.current.on_device(device), copy_stream:
             src = cp.ascontiguousarray(cp.asarray(array))
     keep = (array, src)
     nbytes = src.nbytes
@@ -630,7 +630,7 @@ def _to_host_on(
     if address:
         return _copy_to_pinned(src, out, address, None, device, ptr, keep, read)
     if nbytes == 0:
-        with _cuda.on_device(device):
+        with _backend.current.on_device(device):
             rec = _events.record(ptr, device)
             if read is not None:
                 read.append(rec)
@@ -638,7 +638,7 @@ def _to_host_on(
     if read is not None:
         # The copy threads read src later, after an event recorded now has
         # fired and a writer may have changed the array: they copy a snapshot.
-        with _cuda.on_device(device), copy_stream:
+        with _backend.current.on_device(device), copy_stream:
             if src.data.ptr == cp.asarray(array).data.ptr:
                 src = src.copy()
             read.append(_events.record(ptr, device))
@@ -680,13 +680,13 @@ def _pin_and_copy(
     producer), and ``fut`` set; past the pinned limit, a staged copy into
     pageable memory instead. Errors go to ``fut``."""
     try:
-        with _cuda.on_device(device):
+        with _backend.current.on_device(device):
             made = _pinned.host_array(shape, dtype)
             if made is None:
                 _start_staged_out(fut, src, np.empty(shape, dtype), device, ptr, keep)
                 return
             result, buffer = made
-            _cuda.memcpy_to_host(result.ctypes.data, int(src.data.ptr), src.nbytes, ptr)
+            _backend.current.memcpy_to_host(result.ctypes.data, int(src.data.ptr), src.nbytes, ptr)
             rec = _events.record(ptr, device)
         buffer.guard = (rec,)
         complete_with(fut, result, (rec,), keep)
@@ -719,9 +719,9 @@ def _copy_to_pinned(
     """One DMA from ``src`` into ``out``, pinned at ``address``, on stream
     ``ptr``; the future of ``out``."""
     nbytes = src.nbytes
-    with _cuda.on_device(device):
+    with _backend.current.on_device(device):
         if nbytes:
-            _cuda.memcpy_to_host(address, int(src.data.ptr), nbytes, ptr)
+            _backend.current.memcpy_to_host(address, int(src.data.ptr), nbytes, ptr)
         rec = _events.record(ptr, device)
     if read is not None:
         read.append(rec)  # the DMA has read src once rec fires

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from . import _cuda
+from . import _backend, _runtime
 
 _H2D: Final = 1  # cudaMemcpyHostToDevice
 _D2H: Final = 2  # cudaMemcpyDeviceToHost
@@ -28,7 +28,7 @@ def memcpy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     completed. From pageable memory the driver stages it through its own
     pinned buffer and blocks the calling thread until ``src`` has been read
     (the copy threads of :mod:`cudafut._copies` run these in parallel)."""
-    _cuda.runtime().memcpyAsync(dst, src, nbytes, _H2D, stream)
+    _backend.current.runtime().memcpyAsync(dst, src, nbytes, _H2D, stream)
 
 
 def memcpy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -39,7 +39,7 @@ def memcpy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
     written later, once the stream reaches the copy. Into pageable memory
     the driver stages it and blocks the calling thread until the copy is
     done."""
-    _cuda.runtime().memcpyAsync(dst, src, nbytes, _D2H, stream)
+    _backend.current.runtime().memcpyAsync(dst, src, nbytes, _D2H, stream)
 
 
 def pointer_is_pinned(ptr: int) -> bool:
@@ -47,7 +47,7 @@ def pointer_is_pinned(ptr: int) -> bool:
     knows (``cudaPointerGetAttributes``, about a µs; no GPU work). An
     address CUDA does not know is pageable: False."""
     try:
-        return int(_cuda.runtime().pointerGetAttributes(ptr).type) == _HOST_PINNED
+        return int(_backend.current.runtime().pointerGetAttributes(ptr).type) == _HOST_PINNED
     except Exception:  # noqa: BLE001 - unknown to CUDA: pageable
         return False
 
@@ -62,15 +62,15 @@ def host_alloc(nbytes: int) -> int:
             the machine cannot pin that much more.
     """
     try:
-        return int(_cuda.runtime().hostAlloc(nbytes, _HOST_ALLOC_PORTABLE))
+        return int(_backend.current.runtime().hostAlloc(nbytes, _HOST_ALLOC_PORTABLE))
     except Exception as exc:
         status = getattr(exc, "status", None)
         if isinstance(status, int):
-            raise _cuda.cuda_error(status) from exc
+            raise _runtime.cuda_error(status) from exc
         raise
 
 
 def free_host(ptr: int) -> None:
     """``cudaFreeHost`` of a block from :func:`host_alloc`. Blocks the
     calling thread, and may wait until the whole device is idle."""
-    _cuda.runtime().freeHost(ptr)
+    _backend.current.runtime().freeHost(ptr)

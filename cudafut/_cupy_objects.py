@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import _cuda
+from . import _backend
 
 
 def imported_cupy() -> Any:
@@ -83,7 +83,7 @@ def capture_cupy_graph(fn: Callable[..., Any], inputs: tuple[Any, ...], warmup: 
     keep)``, where ``keep`` (the stream and a private memory pool) must live
     as long as the graph. Blocks the calling thread until the warm-up
     calls have run on the GPU."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     stream = cp.cuda.Stream(non_blocking=True)
     # A private pool for everything the capture allocates: blocks the graph
     # uses (intermediates freed during capture included) must never be
@@ -113,7 +113,7 @@ def replay_cupy_graph(
     copy), the graph runs, and the first ``n`` rows of each of ``outputs``
     are copied out. ``(those copies, the replay's event)``. Enqueues only;
     tens of µs on the host."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     stream = cp.cuda.get_current_stream()
     if last is not None:
         stream.wait_event(last)

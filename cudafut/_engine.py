@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from . import _cuda, _memory, _torch
+from . import _backend, _memory, _torch
 from ._events import EventRecord
 from ._log import logger
 from ._values import gpu_arrays
@@ -133,11 +133,11 @@ def record_current_consumers(value: object, records: tuple[EventRecord, ...], *,
         if len(records) == 1:  # the common case, without the generic comprehensions
             device = records[0].device
             devices: Iterable[int] = (device,)
-            stream = _cuda.current_stream(device)
+            stream = _backend.current.current_stream(device)
             consumers = [(int(stream.ptr), device, stream)]
         else:
             devices = dict.fromkeys(r.device for r in records)
-            currents = [(d, _cuda.current_stream(d)) for d in devices]
+            currents = [(d, _backend.current.current_stream(d)) for d in devices]
             consumers = [(int(s.ptr), d, s) for d, s in currents]
         _memory.record_streams_of(arrays, consumers, untracked=untracked)
         if not untracked:  # await, result(): wait() records torch's stream itself (_torch.wait_current)

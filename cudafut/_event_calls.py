@@ -12,8 +12,9 @@ comes here, through ``_cuda``, for the rest.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Final
 
-from . import _cuda
+from . import _backend, _runtime
 from ._errors import CudaError
 from ._streams import SPECIAL_STREAMS
 
@@ -26,32 +27,32 @@ def event_create(device: int) -> int:
     Not blocking-sync: such events cost more to query and wait on, and
     10,000 awaits with them stalled a loop for the GPU's whole busy time
     (the notices' own events are blocking-sync: :func:`close_after`)."""
-    rt = _cuda.runtime()
-    with _cuda.on_device(device):
+    rt = _backend.current.runtime()
+    with _backend.current.on_device(device):
         return int(rt.eventCreateWithFlags(rt.eventDisableTiming))
 
 
 def event_destroy(event: int) -> None:
-    _cuda.runtime().eventDestroy(event)
+    _backend.current.runtime().eventDestroy(event)
 
 
 def timing_event_create(device: int) -> int:
     """A new event on ``device`` with timing enabled (for tracing only:
     recording one costs a little more than a timing-disabled event)."""
-    rt = _cuda.runtime()
-    with _cuda.on_device(device):
+    rt = _backend.current.runtime()
+    with _backend.current.on_device(device):
         return int(rt.eventCreateWithFlags(rt.eventDefault))
 
 
 def event_elapsed_ms(start: int, end: int) -> float:
     """``cudaEventElapsedTime``: ms from ``start`` to ``end`` (both complete,
     both timing events of one device); negative if ``end`` ran first."""
-    return float(_cuda.runtime().eventElapsedTime(start, end))
+    return float(_backend.current.runtime().eventElapsedTime(start, end))
 
 
 def event_record(event: int, stream: int, device: int) -> None:
     """Record ``event`` on ``stream`` of ``device`` (under 1 µs, no wait)."""
-    rt = _cuda.runtime()
+    rt = _backend.current.runtime()
     if stream in SPECIAL_STREAMS:
         _on_device_of(device, rt.eventRecord, event, stream)
     else:  # the common case, without the call: an explicit stream carries its device
@@ -63,18 +64,18 @@ def event_query(event: int) -> int:
 
     Non-blocking, holds the GIL (CuPy does not release it here).
     """
-    return int(_cuda.runtime().eventQuery(event))
+    return int(_backend.current.runtime().eventQuery(event))
 
 
 def event_error(code: int, device: int) -> CudaError:
     """The :class:`CudaError` of an event that reported ``code`` (a runtime
     ``cudaError_t``) on ``device``."""
-    return _cuda.cuda_error(code, device)
+    return _runtime.cuda_error(code, device)
 
 
 def stream_wait(stream: int, event: int, device: int) -> None:
     """Make ``stream`` (on ``device``) wait for ``event``; the host does not wait."""
-    rt = _cuda.runtime()
+    rt = _backend.current.runtime()
     if stream in SPECIAL_STREAMS:
         _on_device_of(device, rt.streamWaitEvent, stream, event)
     else:
@@ -85,8 +86,8 @@ def _on_device_of(device: int, call: Callable[[int, int], object], a: int, b: in
     # For a special stream handle only (the callers test for it): it means
     # "the default stream of the *current* device", so switch to the device
     # it is meant for; an explicit stream carries its device itself.
-    if _cuda.runtime().getDevice() != device:
-        with _cuda.on_device(device):
+    if _backend.current.runtime().getDevice() != device:
+        with _backend.current.on_device(device):
             call(a, b)
     else:
         call(a, b)
@@ -95,4 +96,54 @@ def _on_device_of(device: int, call: Callable[[int, int], object], a: int, b: in
 def event_synchronize(event: int) -> None:
     """``cudaEventSynchronize``: block the calling thread until ``event``
     has completed."""
-    _cuda.runtime().eventSynchronize(event)
+    _backend.current.runtime().eventSynchronize(event)
+
+
+# -- what an event record asks of its backend --------------------------------------------
+
+
+class RecordCalls:
+    """What an event record asks of the backend that made it: its status,
+    a stream's wait on it, the error of a status, and whether the backend
+    can still be used.
+
+    A record keeps the object of its backend for as long as it lives, so
+    that a record of :mod:`cudafut.testing`'s fake asks the fake, never
+    CUDA, even after the fake is removed. :data:`CUDA` is CUDA's (the
+    backend in force's calls, looked up at each call); the fake's backend
+    is its own.
+    """
+
+    __slots__ = ()
+
+    #: Stream types whose ``ptr`` and ``device_id`` attributes are their
+    #: handle and device, beyond CuPy's (which the native core finds once
+    #: CuPy is imported): a fast path of ``record(x, stream=s)`` reads them.
+    stream_types: tuple[type, ...] = ()
+
+    # Looked up at each call, as the core's calls are (a test may replace
+    # one; the mutation check does): the query is CUDA's alone (this
+    # module's function: a record of the fake asks the fake), the stream
+    # wait the backend in force's.
+    def event_query(self, event: int) -> int:
+        return event_query(event)
+
+    def stream_wait(self, stream: int, event: int, device: int) -> None:
+        _backend.current.stream_wait(stream, event, device)
+
+    def event_error(self, code: int, device: int) -> CudaError:
+        return event_error(code, device)
+
+    def ended(self) -> str | None:
+        """Why this backend can no longer be used, or None (CUDA: never)."""
+        return None
+
+
+#: The record calls of CUDA (see :class:`RecordCalls`).
+CUDA: Final = RecordCalls()
+
+
+def record_calls() -> Any:
+    """The record calls of the backend installed now: :data:`CUDA`, or
+    :mod:`cudafut.testing`'s fake (two global reads)."""
+    return _backend.current if _backend.faked() else CUDA

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Final
 
-from . import _compiled, _cuda, _pools
+from . import _backend, _compiled, _cuda, _pools
 from ._errors import CudaError
 
 # Per stream, the numbers handed out (next() on an itertools.count is one C
@@ -44,7 +44,7 @@ class EventRecord:
 
     ``status`` is ``None`` while the work may be pending, ``0`` once it is
     complete, or the CUDA error code the event reported. ``calls`` is the
-    backend that made it (:class:`cudafut._cuda.RecordCalls`: CUDA or
+    backend that made it (:class:`cudafut._event_calls.RecordCalls`: CUDA or
     :mod:`cudafut.testing`'s fake), which it asks for as long as it lives;
     ``pool``, the event pool its handle returns to when it is garbage
     (``None``: it owns no pooled event).
@@ -172,7 +172,7 @@ class EventRecord:
                 pass
 
 
-#: The record calls of the backend installed (:func:`cudafut._cuda.record_calls`),
+#: The record calls of the backend installed (:func:`cudafut._event_calls.record_calls`),
 #: kept here for record(): CUDA's, or those of cudafut.testing's fake.
 _calls: Any = _cuda.CUDA
 
@@ -211,7 +211,7 @@ def record(
     handle = pool.acquire(device)
     key = (device, stream) if stream != 2 else _stream_key(stream, device)
     try:
-        _cuda.event_record(handle, stream, device)
+        _backend.current.event_record(handle, stream, device)
     except BaseException:
         pool.release(device, handle)
         raise
@@ -227,7 +227,7 @@ def record(
 
 def record_current(device: int) -> EventRecord:
     """Record on the calling thread's current stream of ``device``."""
-    stream = _cuda.current_stream(device)
+    stream = _backend.current.current_stream(device)
     return record(int(stream.ptr), device, None, stream)
 
 

@@ -25,7 +25,19 @@ from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, S
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
-from . import _checks, _compiled, _cuda, _events, _lifetimes, _loops, _memory, _pools, _torch, _waiter
+from . import (
+    _backend,
+    _checks,
+    _compiled,
+    _cuda,
+    _events,
+    _lifetimes,
+    _loops,
+    _memory,
+    _pools,
+    _torch,
+    _waiter,
+)
 from ._engine import (
     INTERRUPTS,
     call_listener,
@@ -223,7 +235,7 @@ class CudaFuture(Generic[T]):
             else:
                 records = tuple(_events.record_current(d) for d in devices)
         if not records:  # under cudafut.testing's fake: its current device
-            records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
+            records = tuple(_events.record_current(d) for d in _backend.current.devices_of_host_value())
         if not records:
             raise ValueError(
                 f"set_result() got a value on no GPU ({type(value).__name__}); "
@@ -413,7 +425,7 @@ class CudaFuture(Generic[T]):
             try:
                 for rec in self._records:
                     if rec.status is None:
-                        rec.wait_on(int(_cuda.current_stream(rec.device).ptr), rec.device)
+                        rec.wait_on(int(_backend.current.current_stream(rec.device).ptr), rec.device)
                 torch = _torch.loaded()
                 if torch is not None:  # PyTorch's current streams wait too
                     _torch.wait_current(torch, self._records, self._value)
@@ -1271,7 +1283,7 @@ def _settle_later(
         if not streams:  # a parent on no device: nothing to order against
             out = fn(*args, **kwargs)
         elif torch is None:
-            out = _cuda.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
+            out = _backend.current.call_on_streams(streams, next(iter(streams)), fn, args, kwargs)
         else:  # the pool streams are PyTorch's current streams too
             out = _torch.call_on_streams(torch, streams, fn, args, kwargs, keep)
     except INTERRUPTS as exc:

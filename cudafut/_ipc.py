@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Final
 
-from . import _cuda
+from . import _backend
 from ._errors import CudaError
 
 # libcuda's cuMemGetAddressRange_v2, loaded on first use (CuPy has no wrapper).
@@ -23,8 +23,8 @@ _IPC_LAZY_PEER_ACCESS: Final = 0x1  # cudaIpcMemLazyEnablePeerAccess
 def ipc_event_create(device: int) -> tuple[int, bytes]:
     """A new interprocess event on ``device`` (timing disabled, as CUDA
     requires) and its handle for other processes (a few µs)."""
-    rt = _cuda.runtime()
-    with _cuda.on_device(device):
+    rt = _backend.current.runtime()
+    with _backend.current.on_device(device):
         event = int(rt.eventCreateWithFlags(rt.eventDisableTiming | _EVENT_INTERPROCESS))
     try:
         return event, bytes(rt.ipcGetEventHandle(event))
@@ -36,8 +36,8 @@ def ipc_event_create(device: int) -> tuple[int, bytes]:
 def ipc_open_event(handle: bytes, device: int) -> int:
     """Open another process's interprocess event (slow the first time in a
     process: callers keep what they open)."""
-    rt = _cuda.runtime()
-    with _cuda.on_device(device):
+    rt = _backend.current.runtime()
+    with _backend.current.on_device(device):
         return int(rt.ipcOpenEventHandle(handle))
 
 
@@ -51,7 +51,7 @@ def ipc_memory_handle(ptr: int, device: int) -> tuple[bytes, int, int]:
             ``cudaMallocAsync``, or a virtual-memory allocation).
     """
     global _address_range
-    rt = _cuda.runtime()
+    rt = _backend.current.runtime()
     if _address_range is None:
         lib = ctypes.CDLL("libcuda.so.1")
         fn = lib.cuMemGetAddressRange_v2
@@ -59,7 +59,7 @@ def ipc_memory_handle(ptr: int, device: int) -> tuple[bytes, int, int]:
         fn.restype = ctypes.c_int
         _address_range = fn
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    with _cuda.on_device(device):
+    with _backend.current.on_device(device):
         # The driver call needs a current context, which a new thread has
         # none of: on_device() sets nothing where ``device`` is already the
         # thread's device (0 on a new thread), and cudaSetDevice binds the
@@ -74,14 +74,14 @@ def ipc_memory_handle(ptr: int, device: int) -> tuple[bytes, int, int]:
 def ipc_open_memory(handle: bytes, device: int) -> int:
     """Map another process's allocation into this one; its base address
     (a driver call of tens to hundreds of µs: callers keep what they map)."""
-    rt = _cuda.runtime()
-    with _cuda.on_device(device):
+    rt = _backend.current.runtime()
+    with _backend.current.on_device(device):
         return int(rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
 
 
 def ipc_close_memory(ptr: int) -> None:
     """Unmap an allocation :func:`ipc_open_memory` mapped."""
-    _cuda.runtime().ipcCloseMemHandle(ptr)
+    _backend.current.runtime().ipcCloseMemHandle(ptr)
 
 
 def array_over(
@@ -98,7 +98,7 @@ def array_over(
     ``base`` on ``device``, e.g. another process's, mapped): ``shape``,
     ``strides`` and ``dtype`` from ``base + offset``; ``owner`` lives as long
     as the array (or any view of it). No copy, no CUDA call."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     memory = cp.cuda.UnownedMemory(base, size, owner, device_id=device)
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, offset), strides)
 
@@ -106,7 +106,7 @@ def array_over(
 def device_bus_id(device: int) -> str:
     """``device``'s PCI bus id, which names it in every process (device
     ordinals depend on each process's ``CUDA_VISIBLE_DEVICES``)."""
-    return str(_cuda.runtime().deviceGetPCIBusId(device))
+    return str(_backend.current.runtime().deviceGetPCIBusId(device))
 
 
 def device_of_bus_id(bus_id: str) -> int:
@@ -115,4 +115,4 @@ def device_of_bus_id(bus_id: str) -> int:
     Raises:
         CudaError: no visible device has that bus id.
     """
-    return int(_cuda.runtime().deviceGetByPCIBusId(bus_id))
+    return int(_backend.current.runtime().deviceGetByPCIBusId(bus_id))

@@ -56,7 +56,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, overload
 
-from . import _checks, _cuda, _events, _lifetimes, _pools, _torch
+from . import _backend, _checks, _cuda, _events, _lifetimes, _pools, _torch
 from ._events import EventRecord
 from ._future import CudaFuture
 from ._interface import (
@@ -165,8 +165,8 @@ class _Launchers:
         # Made here, on the thread of the first launch(): a stream CUDA
         # refuses fails that launch() instead of killing a launcher thread
         # (and hanging every later launch on the device).
-        with _cuda.on_device(device):
-            self.streams = [_cuda.new_stream(device, 0) for _ in range(threads)]
+        with _backend.current.on_device(device):
+            self.streams = [_backend.current.new_stream(device, 0) for _ in range(threads)]
         for stream in self.streams:
             _pools.keep_stream(stream, device)
         self.threads = [
@@ -398,7 +398,7 @@ def launch(
         raise TypeError(f"launch() needs a callable, not {fn!r}")
     _checks.not_async(fn, "launch()", "on a launcher thread", _INSTEAD_OF_ASYNC)
     _cuda.check_usable()
-    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    dev = _backend.current.current_device() if device is None else _cuda.check_device(device)
     callers = _caller_streams(dev)
     for handle, _, _ in callers:
         if handle == _PER_THREAD:  # the caller's own stream: only the caller can record on it
@@ -412,7 +412,7 @@ def _caller_streams(device: int) -> tuple[Caller, ...]:
     PyTorch's where the program imported torch and its current stream is
     another), for a launcher to record on: what ``_torch.current_records``
     records, without recording. Holds the GIL throughout (no CUDA call)."""
-    stream = _cuda.current_stream(device)
+    stream = _backend.current.current_stream(device)
     ptr = int(stream.ptr)
     torch = _torch.loaded()
     if torch is not None:
@@ -470,7 +470,7 @@ def warm_launchers(
         raise TypeError(f"warm_launchers() needs a callable, not {fn!r}")
     _checks.not_async(fn, "warm_launchers()", "on the launcher threads", _INSTEAD_OF_ASYNC)
     _cuda.check_usable()
-    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    dev = _backend.current.current_device() if device is None else _cuda.check_device(device)
     launchers = _launchers[dev] if dev < len(_launchers) else None
     if launchers is None:
         launchers = _launchers_of(dev)

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Final
 
-from . import _compiled, _cuda, _lifetimes
+from . import _backend, _compiled, _lifetimes
 from ._events import EventRecord
 from ._log import logger
 from ._policy import predictor
@@ -270,7 +270,7 @@ class AsyncioDriver(LoopDriver):
         if loop is None:
             return False
         try:
-            stream = _cuda.notice_stream(record.device)
+            stream = _backend.current.notice_stream(record.device)
         except Exception:  # noqa: BLE001 - as a failed close_after below
             return self._stop_notices("no CUDA notices")
         if stream is None:  # none idle, or still being made (hazard 11): poll meanwhile
@@ -281,7 +281,7 @@ class AsyncioDriver(LoopDriver):
             return False
         notice = self._notices[key] = _Notice(record.seq, r, w)  # known to a fork from now on
         try:
-            _cuda.close_after(record, w, stream)  # takes w, whatever happens
+            _backend.current.close_after(record, w, stream)  # takes w, whatever happens
         except BaseException as exc:
             del self._notices[key]
             os.close(r)

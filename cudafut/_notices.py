@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any, Final
 
-from . import _compiled, _cuda, _lifetimes, _log
+from . import _backend, _compiled, _lifetimes, _log, _runtime
 from ._errors import CudaError, CudaUnavailableError
 
 # libcuda's cuLaunchHostFunc and libc's close(), loaded on the first notice;
@@ -92,15 +92,15 @@ def _new_stream_handle(device: int) -> int:
     dev, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
     rc = device_get(ctypes.byref(dev), device)
     if rc:
-        raise _cuda.cuda_error(rc, device, driver=True)
+        raise _runtime.cuda_error(rc, device, driver=True)
     # One reference to the primary context per stream, never released:
     # the runtime holds it for the life of the process anyway.
     rc = retain(ctypes.byref(context), dev)
     if rc:
-        raise _cuda.cuda_error(rc, device, driver=True)
+        raise _runtime.cuda_error(rc, device, driver=True)
     rc = push(context)
     if rc:
-        raise _cuda.cuda_error(rc, device, driver=True)
+        raise _runtime.cuda_error(rc, device, driver=True)
     event = ctypes.c_void_p()
     try:
         rc = create(ctypes.byref(stream), 1, 0)  # CU_STREAM_NON_BLOCKING, default priority
@@ -115,7 +115,7 @@ def _new_stream_handle(device: int) -> int:
     finally:
         pop(ctypes.byref(ctypes.c_void_p()))
     if rc:
-        raise _cuda.cuda_error(rc, device, driver=True)
+        raise _runtime.cuda_error(rc, device, driver=True)
     handle = int(stream.value or 0)
     if event.value:
         _notice_events[handle] = int(event.value)
@@ -157,7 +157,7 @@ def _make_notice_streams(device: int) -> None:
             if isinstance(failure, (CudaError, CudaUnavailableError)):
                 _notice_broken[device] = failure
             else:
-                _notice_broken[device] = _cuda.cuda_error(getattr(failure, "status", 999), device)
+                _notice_broken[device] = _runtime.cuda_error(getattr(failure, "status", 999), device)
         _notice_making.discard(device)
 
 
@@ -218,7 +218,7 @@ def notice_stream(device: int) -> int | None:
         CudaUnavailableError: no ``libcuda`` (as ``close_after``), or a
             forked child.
     """
-    _cuda.check_usable()
+    _runtime.check_usable()
     with _notice_lock:
         pool = _notice_pool.get(device)
         if pool is None:
@@ -245,7 +245,7 @@ def notice_stream(device: int) -> int | None:
         turn = _notice_turn.get(device, 0)
         _notice_turn[device] = turn + _NOTICE_TRIES
         candidates = [pool[(turn + i) % len(pool)] for i in range(min(len(pool), _NOTICE_TRIES))]
-    rt = _cuda.runtime()
+    rt = _backend.current.runtime()
     for stream in candidates:
         if rt.streamQuery(stream) == 0:  # idle: no notice queued there
             return stream
@@ -287,15 +287,15 @@ def close_after(record: Any, fd: int, stream: int) -> None:
     if native is not None and (_waker if _waker is not None else _load_waker()):
         try:
             device = record.device
-            _cuda.stream_wait(int(stream), record.handle, device)
-            _cuda.runtime().eventRecord(native, int(stream))
+            _backend.current.stream_wait(int(stream), record.handle, device)
+            _backend.current.runtime().eventRecord(native, int(stream))
             if _waker.notice(_primary_contexts[device], native, fd):
                 return
         except BaseException as exc:
             os.close(fd)  # nothing queued that closes it
             if isinstance(exc, (CudaError, CudaUnavailableError)) or not isinstance(exc, Exception):
                 raise
-            raise _cuda.cuda_error(getattr(exc, "status", 999), record.device) from exc
+            raise _runtime.cuda_error(getattr(exc, "status", 999), record.device) from exc
         # Every notice thread busy: the host function, after the wait queued.
     try:
         loaded = _host_close if _host_close is not None else _load_host_close()
@@ -304,8 +304,8 @@ def close_after(record: Any, fd: int, stream: int) -> None:
         launch, close = loaded
         device = record.device
         ptr = int(stream)
-        _cuda.stream_wait(ptr, record.handle, device)
-        rt = _cuda.runtime()
+        _backend.current.stream_wait(ptr, record.handle, device)
+        rt = _backend.current.runtime()
         previous = rt.getDevice()
         if previous != device:
             rt.setDevice(device)
@@ -313,7 +313,7 @@ def close_after(record: Any, fd: int, stream: int) -> None:
         os.close(fd)  # not launched: still ours
         if isinstance(exc, (CudaError, CudaUnavailableError)) or not isinstance(exc, Exception):
             raise
-        raise _cuda.cuda_error(getattr(exc, "status", 999), record.device) from exc
+        raise _runtime.cuda_error(getattr(exc, "status", 999), record.device) from exc
     try:
         rc = launch(ptr, close, fd)
     finally:
@@ -327,7 +327,7 @@ def close_after(record: Any, fd: int, stream: int) -> None:
     if rc:
         if rc in _REFUSED_BEFORE_QUEUEING:
             os.close(fd)
-        raise _cuda.cuda_error(rc, device)
+        raise _runtime.cuda_error(rc, device)
 
 
 def _after_fork_in_child() -> None:

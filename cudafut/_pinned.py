@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from . import _cuda, _lifetimes
+from . import _backend, _cuda, _lifetimes
 from ._errors import CudaError
 from ._events import EventRecord
 
@@ -201,7 +201,7 @@ class PinnedPool:
             self.in_use += size
             self.blocks_in_use += 1
         try:
-            ptr = _cuda.host_alloc(size)
+            ptr = _backend.current.host_alloc(size)
         except BaseException as exc:
             with self._lock:
                 self.in_use -= size
@@ -226,7 +226,7 @@ class PinnedPool:
                 self.cached += size
                 return
         if not sys.is_finalizing():
-            _cuda.free_host(ptr)
+            _backend.current.free_host(ptr)
 
     def free_cached(self) -> int:
         """Free every cached block; return the bytes freed.
@@ -248,7 +248,7 @@ class PinnedPool:
             while free and self.cached > goal:
                 ptr = free.pop()
                 self.cached -= size
-                _cuda.free_host(ptr)
+                _backend.current.free_host(ptr)
 
     def counts(self) -> tuple[int, int, int, int, int, int]:
         """(limit, in use, cached, blocks in use, host allocations, refusals)."""

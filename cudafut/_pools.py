@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from . import _compiled, _cuda
+from . import _backend, _compiled, _cuda
 
 #: Accepted values of the ``priority`` argument, and the CUDA priority asked
 #: for.  CUDA clamps the number into the device's range, so -1024 means "the
@@ -102,7 +102,7 @@ class EventPool:
         try:
             return self._free[device].pop()
         except (KeyError, IndexError):
-            handle = _cuda.event_create(device)
+            handle = _backend.current.event_create(device)
             with self._count_lock:
                 self.created += 1
                 self._created[device] = self._created.get(device, 0) + 1
@@ -118,7 +118,7 @@ class EventPool:
         if len(free) < _MAX_FREE_EVENTS:
             free.append(handle)
         elif not sys.is_finalizing():
-            _cuda.event_destroy(handle)
+            _backend.current.event_destroy(handle)
             with self._count_lock:
                 self._destroyed[device] = self._destroyed.get(device, 0) + 1
 
@@ -170,7 +170,7 @@ class StreamPool:
             return streams[i]
         with self._lock:
             while len(streams) <= i:
-                stream = _cuda.new_stream(device, priority)
+                stream = _backend.current.new_stream(device, priority)
                 keep_stream(stream, device)
                 self._owned[int(stream.ptr)] = (stream, priority)
                 streams.append(stream)
@@ -219,7 +219,7 @@ class TaskStreamPool:
                 stream = min(streams, key=lambda s: self._leases[int(s.ptr)])
                 self._leases[int(stream.ptr)] += 1
                 return stream
-        stream = _cuda.new_stream(device, 0)
+        stream = _backend.current.new_stream(device, 0)
         keep_stream(stream, device)
         with self._lock:
             self._streams[device].append(stream)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar, overload
 
-from . import _checks, _compiled, _cuda, _events, _future, _pools, _torch
+from . import _backend, _checks, _compiled, _cuda, _events, _future, _pools, _torch
 from ._engine import record_consumers
 from ._future import CudaFuture, Priority
 from ._interface import fail_future, new_future, set_future
@@ -75,7 +75,7 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         else:  # torch tensors are recorded on PyTorch's current streams
             records = _torch.record_value(torch, value, None)
         if not records:  # under cudafut.testing's fake: its current device
-            records = tuple(_events.record_current(d) for d in _cuda.devices_of_host_value())
+            records = tuple(_events.record_current(d) for d in _backend.current.devices_of_host_value())
         if not records:
             if hasattr(value, "__array_interface__"):  # NumPy's (or another host array's)
                 raise ValueError(
@@ -145,7 +145,7 @@ def submit(
     prio = _pools.check_priority(priority)
     if _cuda.forked:  # a flag test, without a call
         _cuda.check_usable()
-    dev = _cuda.current_device() if device is None else _cuda.check_device(device)
+    dev = _backend.current.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
     ptr = int(stream.ptr)
     for rec in _torch.current_records(dev):  # the caller's CuPy and torch streams

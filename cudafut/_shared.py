@@ -65,7 +65,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from . import _cuda, _lifetimes, _torch
+from . import _backend, _cuda, _lifetimes, _torch
 from ._errors import CudaError, InvalidStateError, SharingError
 from ._events import EventRecord, first_error
 from ._future import CudaFuture, set_exporter
@@ -489,7 +489,7 @@ def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
         free = _state.free_events.get(device)
         taken = free.pop() if free else None
     if taken is None:
-        taken = _cuda.ipc_event_create(device)
+        taken = _backend.current.ipc_event_create(device)
         with _state.lock:
             _state.events_made += 1
     event, handle = taken
@@ -497,7 +497,7 @@ def _event_after(pending: list[EventRecord]) -> tuple[int, int, bytes]:
     try:
         for rec in pending:
             rec.wait_on(stream, device)
-        _cuda.event_record(event, stream, device)
+        _backend.current.event_record(event, stream, device)
     except BaseException:
         with _state.lock:
             _state.free_events.setdefault(device, []).append(taken)
@@ -513,7 +513,7 @@ def _share_stream(device: int) -> int:
     docs/design.md, hazard 11)."""
     stream = _state.streams.get(device)
     if stream is None:
-        made = _cuda.new_stream(device, 0)  # not under the lock: it may wait
+        made = _backend.current.new_stream(device, 0)  # not under the lock: it may wait
         with _state.lock:
             stream = _state.streams.setdefault(device, made)
     return int(stream.ptr)
@@ -673,7 +673,7 @@ def _dump_value(value: object, pending: bool) -> tuple[bytes, tuple[_Span, ...]]
 def _bus_of(device: int) -> str:
     bus = _state.buses.get(device)
     if bus is None:
-        bus = _state.buses[device] = _cuda.device_bus_id(device)
+        bus = _state.buses[device] = _backend.current.device_bus_id(device)
     return bus
 
 
@@ -690,7 +690,7 @@ def _span(device: int, ptr: int, what: str, spans: list[_Span]) -> tuple[str, by
             spans.append(span)
             return span.bus, span.handle, ptr - span.base, span.end - span.base
     try:
-        handle, offset, size = _cuda.ipc_memory_handle(ptr, device)
+        handle, offset, size = _backend.current.ipc_memory_handle(ptr, device)
     except Exception as exc:  # CuPy's CUDARuntimeError, or CudaError from the driver call
         raise TypeError(
             f"{what} cannot cross processes: CUDA cannot share its memory ({exc}); memory from a "
@@ -742,7 +742,7 @@ _importing = threading.local()
 
 
 def _empty_cupy(shape: tuple[int, ...], dtype: Any) -> Any:
-    return _cuda.cupy().empty(shape, dtype)
+    return _backend.current.cupy().empty(shape, dtype)
 
 
 def _empty_torch(shape: tuple[int, ...], dtype: str) -> Any:
@@ -754,7 +754,7 @@ def _mapped(bus: str, handle: bytes) -> tuple[int, int]:
     """``(device, base)`` of a received allocation, mapping it if need be."""
     received: _Received = _importing.received
     device = _device_of(bus)
-    base = _opened(_state.mappings, handle, lambda: _cuda.ipc_open_memory(handle, device))
+    base = _opened(_state.mappings, handle, lambda: _backend.current.ipc_open_memory(handle, device))
     received.mappings.append(handle)
     received.devices.add(device)
     return device, base
@@ -835,7 +835,7 @@ def _device_of(bus: str) -> int:
     device = _state.devices.get(bus)
     if device is None:
         try:
-            device = _cuda.device_of_bus_id(bus)
+            device = _backend.current.device_of_bus_id(bus)
         except CudaError as exc:
             raise SharingError(
                 f"the future's work runs on the GPU at PCI bus {bus}, which this process does not "
@@ -959,7 +959,7 @@ def _open_record(event: tuple[str, bytes], received: _Received, pid: int, start:
     bus, handle = event
     device = _device_of(bus)
     st = _state
-    event_handle = _opened(st.events, handle, lambda: _cuda.ipc_open_event(handle, device))
+    event_handle = _opened(st.events, handle, lambda: _backend.current.ipc_open_event(handle, device))
     received.event_key = handle
     received.devices.add(device)
     # A stream key of its own: ordered with no other record.
@@ -1006,7 +1006,7 @@ def _release_received() -> None:
         return
     for device in sorted({d for r in releases for d in r[4]}):
         try:
-            _cuda.device_synchronize(device)
+            _backend.current.device_synchronize(device)
         except Exception:  # noqa: BLE001 - a broken context: release anyway, nothing reads now
             logger.debug("cudafut: device_synchronize(%d) failed before a release", device, exc_info=True)
     now = time.monotonic()
@@ -1025,7 +1025,10 @@ def _release_received() -> None:
                 st.released += 1
             close_maps = _pop_idle(st.mappings, _IDLE_MAPPINGS)
             close_events = _pop_idle(st.events, _IDLE_EVENTS)
-        for close, opened in ((_cuda.ipc_close_memory, close_maps), (_cuda.event_destroy, close_events)):
+        for close, opened in (
+            (_backend.current.ipc_close_memory, close_maps),
+            (_backend.current.event_destroy, close_events),
+        ):
             for ptr in opened:
                 with contextlib.suppress(Exception):
                     close(ptr)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from . import _cuda
+from . import _backend
 
 # cudaStreamLegacy and cudaStreamPerThread: handles that stand for "the
 # default stream of the current device (and, for per-thread, thread)".
@@ -29,7 +29,7 @@ SPECIAL_STREAMS: Final = (0, 1, 2)
 
 def current_stream(device: int) -> Any:
     """CuPy's current stream of ``device`` for the calling thread."""
-    return _cuda.cupy().cuda.get_current_stream(device)
+    return _backend.current.cupy().cuda.get_current_stream(device)
 
 
 def stream_handle(stream: object) -> tuple[int, int]:
@@ -74,7 +74,7 @@ def stream_handle(stream: object) -> tuple[int, int]:
     cuda = getattr(sys.modules.get("cupy"), "cuda", None)  # no import: not a CuPy stream then
     if cuda is not None and isinstance(stream, (cuda.Stream, cuda.ExternalStream)):
         handle, device_id = check_stream_address(int(stream.ptr), stream), int(stream.device_id)
-        return handle, device_id if device_id >= 0 else _cuda.stream_device(handle)
+        return handle, device_id if device_id >= 0 else _backend.current.stream_device(handle)
     ptr = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
     device = getattr(stream, "device_index", None)
     if isinstance(ptr, int) and isinstance(device, int):
@@ -203,7 +203,7 @@ def _protocol_device(stream: object, handle: int) -> int:
         index = getattr(device, attr, None)
         if _is_index(index):
             return index  # type: ignore[return-value]
-    return _cuda.stream_device(handle)
+    return _backend.current.stream_device(handle)
 
 
 def stream_device(stream: int) -> int:
@@ -215,8 +215,8 @@ def stream_device(stream: int) -> int:
         ValueError: CUDA does not know the handle.
     """
     if stream in SPECIAL_STREAMS:
-        return _cuda.current_device()
-    driver = _cuda.cupy().cuda.driver
+        return _backend.current.current_device()
+    driver = _backend.current.cupy().cuda.driver
     try:
         context = driver.streamGetCtx(stream)
     except driver.CUDADriverError as exc:
@@ -237,8 +237,8 @@ def new_stream(device: int, priority: int) -> Any:
     CUDA clamps ``priority`` into the device's range, so a large negative
     number asks for the highest priority the device has.
     """
-    with _cuda.on_device(device):
-        return _cuda.cupy().cuda.Stream(non_blocking=True, priority=priority)
+    with _backend.current.on_device(device):
+        return _backend.current.cupy().cuda.Stream(non_blocking=True, priority=priority)
 
 
 def cupy_stream(stream: object, ptr: int, device: int) -> Any:
@@ -246,12 +246,12 @@ def cupy_stream(stream: object, ptr: int, device: int) -> Any:
     ``device``), to make it CuPy's current stream: ``stream`` itself if it
     is one, else a non-owning CuPy wrapper (the caller keeps ``stream``
     alive)."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
         return stream
     # CuPy 14 deprecates ExternalStream(ptr) for the stream protocol;
     # from_external takes the current device.
-    with _cuda.on_device(device):
+    with _backend.current.on_device(device):
         return cp.cuda.Stream.from_external(_Handle(ptr))
 
 
@@ -273,7 +273,7 @@ def call_on_streams(
     """Call ``fn(*args, **kwargs)`` with each ``streams[device]`` current for
     its device and ``primary`` the current device, in the calling thread;
     restore the previous state however ``fn`` ends."""
-    rt = _cuda.runtime()
+    rt = _backend.current.runtime()
     prev = rt.getDevice()
     entered: list[Any] = []
     try:
@@ -296,11 +296,11 @@ def call_on_streams(
 def stream_synchronize(stream: int) -> None:
     """``cudaStreamSynchronize``: block the calling thread until the work
     enqueued on ``stream`` so far has completed."""
-    _cuda.runtime().streamSynchronize(stream)
+    _backend.current.runtime().streamSynchronize(stream)
 
 
 def current_stream_getter() -> Callable[[int], Any]:
     """CuPy's ``get_current_stream(device)``, for callers that bind it once
     (a stream switch per task step): calling it costs what CuPy's does."""
-    get: Callable[[int], Any] = _cuda.cupy().cuda.get_current_stream
+    get: Callable[[int], Any] = _backend.current.cupy().cuda.get_current_stream
     return get

@@ -36,7 +36,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, Final, ParamSpec, TypeVar
 
-from . import _cuda, _events, _loops, _pools, _torch
+from . import _backend, _cuda, _events, _loops, _pools, _torch
 from ._errors import CudaUnavailableError
 from ._events import EventRecord
 
@@ -133,7 +133,7 @@ def task_stream(device: int | None = None) -> Any:
         ValueError: ``device`` is negative, or not below the device count.
         CudaUnavailableError: CUDA cannot be used here.
     """
-    device = _cuda.current_device() if device is None else _cuda.check_device(device)
+    device = _backend.current.current_device() if device is None else _cuda.check_device(device)
     return _state_of_task().stream(device)
 
 
@@ -220,7 +220,7 @@ def use_task_streams() -> None:
 
 async def _task_root(coro: Coroutine[Any, Any, T]) -> T:
     try:
-        _cuda.initialise()
+        _backend.current.initialise()
     except CudaUnavailableError:
         # Without CUDA the task runs as it would without the factory: every
         # task of the loop comes here, asyncio's own and GPU-free ones too.
@@ -258,7 +258,7 @@ def use_stream(stream: Any) -> Iterator[Any]:
             :func:`own_stream` or call :func:`use_task_streams` first.
     """
     ptr, device = _cuda.stream_handle(stream)
-    cupy_stream = _cuda.cupy_stream(stream, ptr, device)
+    cupy_stream = _backend.current.cupy_stream(stream, ptr, device)
     owner = _loops.current_task()
     if isinstance(owner, threading.Thread):
         with cupy_stream:
@@ -320,7 +320,7 @@ _get_current_stream: Callable[[int], Any] | None = None
 
 def _bind() -> Callable[[int], Any]:
     global _get_current_stream
-    get = _cuda.current_stream_getter()
+    get = _backend.current.current_stream_getter()
     _get_current_stream = get
     return get
 
@@ -361,7 +361,7 @@ def _steps(coro: Coroutine[Any, Any, T], *, root: bool, owner: object) -> Genera
         return (yield from coro.__await__())
     try:
         state = _state_of_task(owner)
-        state.stream(_cuda.current_device())
+        state.stream(_backend.current.current_device())
     except BaseException:
         coro.close()  # never started: Python must not warn that it was never awaited
         raise
@@ -412,7 +412,7 @@ def _join(joins: list[EventRecord], streams: dict[int, Any]) -> None:
     for rec in records:
         stream = streams.get(rec.device)
         if stream is None:
-            stream = _cuda.current_stream(rec.device)
+            stream = _backend.current.current_stream(rec.device)
         handle = int(stream.ptr)
         if handle != rec.stream:
             rec.wait_on(handle, rec.device)
@@ -434,7 +434,7 @@ def _finish(state: _TaskStreams, *, root: bool) -> None:
             return
     torch = _torch.loaded()
     for rec in records:
-        current = int(_cuda.current_stream(rec.device).ptr)
+        current = int(_backend.current.current_stream(rec.device).ptr)
         if current != rec.stream:
             rec.wait_on(current, rec.device)
         if torch is not None:

@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from . import _cuda, _events
+from . import _backend, _cuda, _events
 from ._events import EventRecord
 from ._values import gpu_arrays, placements
 
@@ -254,7 +254,7 @@ def record_value(
     streams: dict[tuple[int, int], None] = {}
     for device, kinds in wanted.items():
         if kinds & OTHER:
-            streams[(device, int(_cuda.current_stream(device).ptr))] = None
+            streams[(device, int(_backend.current.current_stream(device).ptr))] = None
         if kinds & TORCH:
             streams[(device, current_handle(torch, device))] = None
     return tuple(_events.record(handle, device) for device, handle in streams)
@@ -263,7 +263,7 @@ def record_value(
 def call_on_streams(
     torch: Any, streams: Mapping[int, Any], fn: Callable[..., Any], args: Any, kwargs: Any, reads: object
 ) -> Any:
-    """:func:`cudafut._cuda.call_on_streams`, with each pool stream of
+    """:func:`cudafut._backend.current.call_on_streams`, with each pool stream of
     ``streams`` PyTorch's current stream of its device too while ``fn``
     runs; the previous streams and device are restored however ``fn`` ends.
     The torch CUDA tensors in ``reads`` are recorded on those streams first.
@@ -284,11 +284,11 @@ def call_on_streams(
             return fn(*args, **kwargs)
         finally:
             # Each restores its device's stream (and makes that device
-            # current); _cuda.call_on_streams then restores the caller's device.
+            # current); _backend.current.call_on_streams then restores the caller's device.
             for stream in reversed(saved):
                 cuda.set_stream(stream)
 
-    return _cuda.call_on_streams(streams, primary, run, (), {})
+    return _backend.current.call_on_streams(streams, primary, run, (), {})
 
 
 def _record_if_other(torch: Any, device: int, cupy_stream: int) -> EventRecord | None:
@@ -316,7 +316,7 @@ def follow_current(torch: Any, device: int, stream: int) -> None:
     """For ``to_host(tensor)``: ``stream`` (a copy stream of ``device``)
     waits for what the caller enqueued on PyTorch's current stream, where
     that is not CuPy's current stream."""
-    other = _record_if_other(torch, device, int(_cuda.current_stream(device).ptr))
+    other = _record_if_other(torch, device, int(_backend.current.current_stream(device).ptr))
     if other is not None:
         other.wait_on(stream, device)
 
@@ -332,7 +332,7 @@ def wait_current(torch: Any, records: Iterable[EventRecord], value: object) -> N
     for device, recs in by_device.items():
         stream = torch.cuda.current_stream(device)
         handle = int(stream.cuda_stream)
-        if handle == int(_cuda.current_stream(device).ptr):
+        if handle == int(_backend.current.current_stream(device).ptr):
             continue
         for rec in recs:
             rec.wait_on(handle, device)

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
-from . import _copies, _cuda, _events, _memory
+from . import _backend, _copies, _cuda, _events, _memory
 from ._events import EventRecord
 from ._future import CudaFuture
 from ._values import find_devices, gpu_arrays, order_foreign
@@ -123,7 +123,7 @@ def _wait_for(rec: EventRecord, stream: int, device: int) -> int:
             return _SAME_STREAM
         status = rec.query()
         if status is None:
-            _cuda.stream_wait(stream, rec.handle, device)
+            _backend.current.stream_wait(stream, rec.handle, device)
             return _INSERTED
     if status:
         raise rec.error() or _cuda.cuda_error(status, device)
@@ -246,7 +246,7 @@ class Tracked(Generic[A]):
             # The work that made the array, queued on the current stream so
             # far, is its first writer: a block on another stream waits for it.
             order_foreign(array)  # another library's work first (docs/design.md, hazard 9)
-            self._writer = _events.record(_cuda.current_stream(self._device).ptr, self._device)
+            self._writer = _events.record(_backend.current.current_stream(self._device).ptr, self._device)
             self._counts[_RECORDED] = 1
 
     @property
@@ -420,7 +420,7 @@ class _Read:
     def __enter__(self) -> Any:
         t = self._tracked
         device = t._device
-        current = _cuda.current_stream(device)
+        current = _backend.current.current_stream(device)
         stream = self._stream = current.ptr
         if stream not in t._streams:
             _register(t, current, stream)
@@ -454,7 +454,7 @@ class _Write:
     def __enter__(self) -> Any:
         t = self._tracked
         device = t._device
-        current = _cuda.current_stream(device)
+        current = _backend.current.current_stream(device)
         stream = self._stream = current.ptr
         if stream not in t._streams:
             _register(t, current, stream)

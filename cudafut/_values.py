@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from . import _cuda, _events
+from . import _backend, _cuda, _events
 
 __all__ = [
     "current_consumer",
@@ -207,14 +207,14 @@ def _device_of(value: object, where: Where) -> int:
     data = interface.get("data")
     ptr = data[0] if isinstance(data, tuple) and data else 0
     if not isinstance(ptr, int) or ptr == 0:  # an empty array owns no memory
-        return _cuda.current_device()
-    return _cuda.pointer_device(ptr)
+        return _backend.current.current_device()
+    return _backend.current.pointer_device(ptr)
 
 
 def current_consumer(device: int) -> tuple[int, int]:
     """CuPy's current stream of ``device`` in the calling thread, as a
     :data:`Consumer`: where ``set_result()`` and ``record()`` record."""
-    return int(_cuda.current_stream(device).ptr), device
+    return int(_backend.current.current_stream(device).ptr), device
 
 
 def order_foreign(value: object, consumer: Consumer = current_consumer) -> None:

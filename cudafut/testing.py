@@ -1,7 +1,7 @@
 """Test code that uses cudafut on a machine without CUDA: a fake GPU.
 
-:func:`fake_cuda` replaces cudafut's seam to CUDA (``cudafut._cuda``) with a
-fake GPU until the ``with`` block ends. Under it:
+:func:`fake_cuda` replaces cudafut's backend to CUDA (``cudafut._backend``)
+with a fake GPU until the ``with`` block ends. Under it:
 
 - values are NumPy arrays (and any other host value), taken to live on the
   fake's current device (0 unless changed): ``cudafut.record(np_array)``,
@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
-from . import _checks, _cuda, _pools
+from . import _backend, _checks, _cuda, _pools
 from ._errors import CudaError, CudaUnavailableError
 from ._events import FAILED
 from ._future import CudaFuture
@@ -205,10 +205,11 @@ class FakeStream:
 
 
 class _Backend:
-    """The fake GPU's state and its implementation of ``_cuda.SEAM``."""
+    """The fake GPU's state and its implementation of the backend interface
+    (``cudafut._backend.Backend``: ``_backend.current`` while installed)."""
 
     #: The fake's stream type, whose ``ptr`` and ``device_id`` are its
-    #: handle and device (``_cuda.RecordCalls.stream_types``).
+    #: handle and device (``_event_calls.RecordCalls.stream_types``).
     stream_types = (FakeStream,)
 
     def __init__(self, devices: int, auto_complete: bool, hint_after_s: float = math.inf) -> None:
@@ -242,7 +243,7 @@ class _Backend:
         self._notices: list[tuple[_Event, int]] = []
         self._unclosed: list[int] = []
 
-    # -- the seam (cudafut._cuda.SEAM) --
+    # -- the backend interface (cudafut._backend.SEAM) --
 
     def device_count(self) -> int:
         return self.devices
@@ -353,7 +354,7 @@ class _Backend:
         if ev is not None:  # else an event of no fake record (a test's): nothing to order
             self.wait(stream, device, ev)
 
-    # -- the record calls (cudafut._cuda.RecordCalls): what the fake's event
+    # -- the record calls (cudafut._event_calls.RecordCalls): what the fake's event
     # records ask it, for as long as they live --
 
     def event_query(self, event: int) -> int:
@@ -724,7 +725,7 @@ def fake_cuda(
     if not isinstance(auto_complete, bool):
         raise TypeError(f"auto_complete must be True or False, not {auto_complete!r}")
     backend = _Backend(devices, auto_complete, _hint_after(hint_after_s))
-    restore = _cuda.swap(backend)
+    restore = _backend.swap(backend)
     backend.pool = _pools.events
     try:
         yield FakeCuda(backend)

@@ -36,7 +36,7 @@ import cupy as cp
 
 import cudafut
 from benchmarks.support.gpu import token, work
-from cudafut import _cuda, _waiter
+from cudafut import _event_calls, _waiter
 from cudafut._policy import PRESETS
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -63,7 +63,7 @@ def cpu() -> float:
 def count_calls() -> None:
     """Count event queries and waiter polls: the seam's function and the
     driver's method, wrapped where every caller looks them up."""
-    query = _cuda.event_query
+    query = _event_calls.event_query
     poll = _waiter.Driver.poll
 
     def counted_query(handle: int) -> int:
@@ -74,7 +74,7 @@ def count_calls() -> None:
         counts["poll"] += 1
         return poll(self, timer_fired)
 
-    _cuda.event_query = counted_query  # type: ignore[assignment]
+    _event_calls.event_query = counted_query  # type: ignore[assignment]
     _waiter.Driver.poll = counted_poll  # type: ignore[method-assign]
 
 

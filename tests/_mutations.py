@@ -14,8 +14,10 @@ from typing import Any
 
 import cudafut
 from cudafut import (
+    _backend,
     _compiled,
     _cuda,
+    _event_calls,
     _events,
     _future,
     _lifetimes,
@@ -51,7 +53,7 @@ def _await_one_mutated() -> None:
 def _idle_stream(device: int) -> int:
     stream = _idle.get(device)
     if stream is None:
-        stream = _idle[device] = _cuda.new_stream(device, 0)
+        stream = _idle[device] = _backend.current.new_stream(device, 0)
     return int(stream.ptr)
 
 
@@ -82,7 +84,7 @@ def _then_streams_without_wait(parent: CudaFuture[Any], priority: int) -> dict[i
 def _submit_without_wait(
     fn: Any, /, *args: Any, device: Any = None, priority: Any = "normal", **kw: Any
 ) -> Any:
-    dev = _cuda.current_device() if device is None else device
+    dev = _backend.current.current_device() if device is None else device
     stream = _pools.streams.get(dev, _pools.check_priority(priority))
     fut: CudaFuture[Any] = CudaFuture()
     _future.settle(fut, fn, args, kw, {dev: stream}, (args, kw))
@@ -179,14 +181,14 @@ def _close_at_once(record: Any, fd: int, lane: object) -> None:
 def _share_event_unordered(pending: list[_events.EventRecord]) -> tuple[int, int, bytes]:
     """A shared future's interprocess event, recorded after nothing."""
     device = pending[0].device
-    event, handle = _cuda.ipc_event_create(device)
-    _cuda.event_record(event, _idle_stream(device), device)
+    event, handle = _backend.current.ipc_event_create(device)
+    _backend.current.event_record(event, _idle_stream(device), device)
     return device, event, handle
 
 
 MUTATIONS = {
     # every cudaStreamWaitEvent becomes a no-op
-    "stream_wait": lambda: _both("stream_wait", _cuda, "stream_wait", _no_stream_wait),
+    "stream_wait": lambda: _both("stream_wait", _backend.current, "stream_wait", _no_stream_wait),
     # wait(): the caller's current stream no longer waits on the events
     "wait_stream_wait": lambda: setattr(CudaFuture, "wait", _wait_without_stream_wait),
     # then(): the child's pool stream no longer waits on the parent
@@ -202,8 +204,9 @@ MUTATIONS = {
     # then() / submit(): the child's events no longer follow fn's work
     "settle_record": lambda: setattr(_future, "settle", _settle_recorded_early),
     # every event query reports "complete" at once (await, result(), done()):
-    # through the seam, and in the native core, whose records ask CUDA from C
-    "query": lambda: _both("query", _cuda, "event_query", _always_complete),
+    # CUDA's query (_event_calls.event_query, which CUDA's records ask), and in
+    # the native core, whose records ask CUDA from C
+    "query": lambda: _both("query", _event_calls, "event_query", _always_complete),
     # an await among others (asyncio) returns without waiting for its record
     "await_one": lambda: _await_one_mutated(),
     # then() children and submit() futures stop keeping their inputs alive
@@ -227,19 +230,20 @@ MUTATIONS = {
     # Notices are off by default: only tests that set WaitPolicy(notify=True)
     # arm them (tests/test_gpu_notices.py, and the notice variants of
     # test_gpu.py, test_gpu_waiter.py and test_gpu_reliability.py)
-    "notice_drop": lambda: setattr(_cuda, "close_after", _close_never),
+    "notice_drop": lambda: setattr(_backend.current, "close_after", _close_never),
     # notices come at once, before the work they follow has ended (likewise)
-    "notice_early": lambda: setattr(_cuda, "close_after", _close_at_once),
+    "notice_early": lambda: setattr(_backend.current, "close_after", _close_at_once),
     # a pickled future's interprocess event no longer follows its work (in
     # the producing process: tests/shared_worker.py applies it there too)
     "share_event": lambda: setattr(_shared, "_event_after", _share_event_unordered),
 }
 
 
-def _both(name: str, module: Any, attr: str, mutated: Any) -> None:
-    """A mutation of the seam, and the same in the native core, whose
-    records call CUDA from C."""
-    setattr(module, attr, mutated)
+def _both(name: str, owner: Any, attr: str, mutated: Any) -> None:
+    """A mutation of the seam (a call of the backend in force, or a module's
+    function), and the same in the native core, whose records call CUDA
+    from C."""
+    setattr(owner, attr, mutated)
     native = _compiled.native()
     if native is not None:
         native._mutate(name)

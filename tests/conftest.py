@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cudafut import CudaUnavailableError, _cuda
+from cudafut import CudaUnavailableError, _backend
 
 # cudafut.testing's fixture (the plugin's own, where the entry point is not
 # installed: a source checkout run without `pip install -e .`).
@@ -20,7 +20,7 @@ from cudafut._pytest_plugin import fake_cuda as fake_cuda
 
 def _gpu_missing() -> str | None:
     try:
-        _cuda.device_count()
+        _backend.current.device_count()
     except CudaUnavailableError as exc:
         return f"no usable CUDA device: {str(exc).split(' (CUDA said')[0]}"
     return None
@@ -65,9 +65,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     if GPU_MISSING is not None:
         return f"cudafut: GPU tests skip ({GPU_MISSING})"
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    return f"cudafut: {_cuda.device_count()} GPU(s), device 0 {name}, CuPy {cp.__version__}"
+    return f"cudafut: {_backend.current.device_count()} GPU(s), device 0 {name}, CuPy {cp.__version__}"
 
 
 if os.environ.get("CUDAFUT_MUTATE"):
@@ -133,8 +133,8 @@ def warm_kernels() -> None:
     wait could pass)."""
     from tests.kernels import spin_copy, spin_fill
 
-    cp = _cuda.cupy()
-    for device in range(min(2, _cuda.device_count())):
+    cp = _backend.current.cupy()
+    for device in range(min(2, _backend.current.device_count())):
         with cp.cuda.Device(device):
             a = cp.zeros(4, dtype=cp.float32)
             warm = [a + 1, a + 1.0, a + 0, a - 1, a * 2, a * 2.0, a * 3, a * 2 + 1, a + a]
@@ -157,7 +157,7 @@ def _warm_gpu_tests(request: pytest.FixtureRequest) -> None:
 def cp(warm_kernels: None) -> Any:
     """CuPy, with the kernels warm and the current device idle: nothing a
     previous test left running can order (or slow) this one."""
-    cupy = _cuda.cupy()
+    cupy = _backend.current.cupy()
     cupy.cuda.Device().synchronize()
     return cupy
 

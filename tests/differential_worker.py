@@ -12,7 +12,7 @@ has a future to act on. Programs use cudafut's public API and the fake's
 controls, nothing of ``_future``, ``_loops`` or ``_core``, so that they
 survive the rewrite of the core; the few internals read are named where
 used (the fake's backend class, whose calls are noted; the event pool's
-counts; ``_cuda``'s flag of a parent that initialised CUDA, for fork).
+counts; ``_runtime``'s flag of a parent that initialised CUDA, for fork).
 
 The trace, in program order, holds:
 
@@ -65,7 +65,7 @@ import anyio
 import numpy as np
 
 import cudafut
-from cudafut import _compiled, _cuda, _pools, testing
+from cudafut import _backend, _compiled, _pools, _runtime, testing
 
 #: The operations, by name (a program's ops name them).
 OPS = (
@@ -129,10 +129,11 @@ def _note(*call: Any) -> None:
 
 def _watch_backend() -> None:
     """Note the fake backend's event records and stream waits (its class's
-    methods, wrapped once for this process: ``_cuda.swap`` binds them per
-    fake). Event creation and destruction are not noted (the pool's reuse
-    is a matter of time, see ``_records``); :func:`run` checks instead that
-    every event is back in the pool at the end."""
+    methods, wrapped once for this process: ``_backend.current`` is the
+    fake, whose methods are looked up at each call). Event creation and
+    destruction are not noted (the pool's reuse is a matter of time, see
+    ``_records``); :func:`run` checks instead that every event is back in
+    the pool at the end."""
     backend = testing._Backend
     record, stream_wait = backend.event_record, backend.stream_wait
 
@@ -225,7 +226,7 @@ class _Program:
             _stream_names[int(s.ptr)] = f"s{i}"
         for device in (0, 1):  # the current (default) streams, if the seam says which
             with contextlib.suppress(Exception):
-                _stream_names.setdefault(int(_cuda.current_stream(device).ptr), f"default{device}")
+                _stream_names.setdefault(int(_backend.current.current_stream(device).ptr), f"default{device}")
         # Done callbacks: (number, future number, weak future); those run.
         self.callbacks: list[tuple[int, int, weakref.ref[Any]]] = []
         self.added: dict[int, list[tuple[int, Callable[[Any], None]]]] = {}
@@ -468,17 +469,17 @@ def _fork(fut: cudafut.CudaFuture[Any], *, as_after_cuda: bool) -> Any:
     otherwise, under the fake, the child has its copy of the fake GPU."""
     if not hasattr(os, "fork"):
         return "no fork"
-    saved = getattr(_cuda, "_rt", None)
+    saved = getattr(_runtime, "_rt", None)
     if as_after_cuda:
-        if not hasattr(_cuda, "_rt"):
+        if not hasattr(_runtime, "_rt"):
             return "cannot pretend CUDA was initialised"
-        _cuda._rt = object()
+        _runtime._rt = object()
     read, write = os.pipe()
     try:
         pid = os.fork()
     finally:
         if as_after_cuda:
-            _cuda._rt = saved
+            _runtime._rt = saved
     if pid == 0:  # the child
         code = 1
         try:

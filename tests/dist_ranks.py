@@ -36,7 +36,7 @@ import numpy as np
 
 import cudafut
 import cudafut.distributed as dist
-from cudafut import _cuda
+from cudafut import _backend
 from tests.kernels import spin_copy, spin_fill
 
 SLOW_MS = 50.0
@@ -49,7 +49,7 @@ K = 512
 
 
 def cupy() -> Any:
-    return _cuda.cupy()
+    return _backend.current.cupy()
 
 
 # -- what each rank contributes (NumPy, so every rank knows every input) -------
@@ -440,7 +440,9 @@ def setup(rank: int, world: Any) -> tuple[Any, Any, dict[str, str]]:
     check("world size", world.size == size == dist.get_world_size() == int(os.environ["WORLD_SIZE"]), size)
     check("world ranks", list(world.ranks) == list(range(size)), world.ranks)
     local = int(os.environ["LOCAL_RANK"])
-    check("device", world.device == local % _cuda.device_count() == cp.cuda.Device().id, world.device)
+    check(
+        "device", world.device == local % _backend.current.device_count() == cp.cuda.Device().id, world.device
+    )
     check("stream priority high", nccl_priority < 0, nccl_priority)
     check("initialised", dist.is_initialized(), False)
     sub = tail = None

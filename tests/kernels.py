@@ -9,7 +9,7 @@ import faulthandler
 import functools
 from typing import Any
 
-from cudafut import _cuda
+from cudafut import _backend
 from cudafut._kernels import SPIN
 
 _SOURCE = (
@@ -61,22 +61,22 @@ extern "C" __global__ void spin_fault(long long ns) {
 
 @functools.cache
 def _module() -> Any:
-    return _cuda.cupy().RawModule(code=_SOURCE)
+    return _backend.current.cupy().RawModule(code=_SOURCE)
 
 
 def _ns(ms: float) -> Any:
-    return _cuda.cupy().int64(int(ms * 1e6))
+    return _backend.current.cupy().int64(int(ms * 1e6))
 
 
 def spin_fill(out: Any, value: float, ms: float) -> None:
     """On the current stream: wait ``ms`` ms, then fill ``out`` (float32)."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     _module().get_function("spin_fill")((1,), (256,), (out, cp.int64(out.size), cp.float32(value), _ns(ms)))
 
 
 def spin_copy(src: Any, dst: Any, ms: float) -> None:
     """On the current stream: wait ``ms`` ms, then copy ``src`` into ``dst``."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     _module().get_function("spin_copy")((1,), (256,), (src, dst, cp.int64(src.size), _ns(ms)))
 
 
@@ -85,7 +85,7 @@ def slow_zeros(stream: Any, n: int, value: float, ms: float) -> Any:
     ``value`` after ``ms`` ms. Only ``stream`` is synchronised, once the
     zeros are in place (a device-wide synchronisation would also wait for
     other slow producers of the same test)."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     with stream:
         x = cp.zeros(n, dtype=cp.float32)
         stream.synchronize()
@@ -123,7 +123,7 @@ class Gate:
     STALL_DUMP_S = 2.0
 
     def __init__(self) -> None:
-        mem = _cuda.cupy().cuda.alloc_pinned_memory(8)
+        mem = _backend.current.cupy().cuda.alloc_pinned_memory(8)
         _gates.append(mem)
         self.ptr = int(mem.ptr)
         self._flags = (ctypes.c_int32 * 2).from_address(self.ptr)
@@ -155,7 +155,7 @@ def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 5_000.0) -> None:
     """On the current stream: wait until ``gate`` is opened (at most
     ``max_ms`` ms, so that a test that forgets to open it fails instead of
     hanging), then copy ``src`` into ``dst``."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     _module().get_function("gated_copy")(
         (1,), (256,), (src, dst, cp.int64(src.size), cp.uint64(gate.ptr), _ns(max_ms))
     )
@@ -164,7 +164,7 @@ def gated_copy(src: Any, dst: Any, gate: Gate, max_ms: float = 5_000.0) -> None:
 def gated_fill(out: Any, value: float, gate: Gate, max_ms: float = 5_000.0) -> None:
     """On the current stream: wait until ``gate`` is opened (at most
     ``max_ms`` ms), then fill ``out`` (float32)."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     _module().get_function("gated_fill")(
         (1,), (256,), (out, cp.int64(out.size), cp.float32(value), cp.uint64(gate.ptr), _ns(max_ms))
     )

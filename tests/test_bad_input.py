@@ -253,7 +253,7 @@ MADE: list[Callable[[], Any]] = [
 
 
 def gpu_made() -> list[Callable[[], Any]]:
-    cp = cudafut._cuda.cupy()
+    cp = cudafut._backend.current.cupy()
     return [
         lambda: cp.zeros(0),
         lambda: cp.zeros(()),
@@ -434,7 +434,7 @@ def _settle(result: Any, gpu: bool) -> None:
         if isinstance(fut, CudaFuture) and not isinstance(result, type):
             with contextlib.suppress(TimeoutError, CancelledError):
                 fut.exception(timeout=10)
-    cudafut._cuda.cupy().cuda.Device().synchronize()
+    cudafut._backend.current.cupy().cuda.Device().synchronize()
 
 
 def check_call(name: str, call: Callable[[], Any], gpu: bool) -> None:
@@ -537,7 +537,7 @@ def gpu_calls(warm_kernels: None) -> Iterator[None]:
     pools), so that it is not taken for a leak; and a pinned limit of
     256 MB, so that a drawn shape cannot pin gigabytes (it is a
     MemoryError instead)."""
-    cp = cudafut._cuda.cupy()
+    cp = cudafut._backend.current.cupy()
     x = cp.arange(4, dtype=cp.float32)
 
     async def on_a_loop() -> None:

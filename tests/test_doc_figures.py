@@ -119,6 +119,7 @@ NOT_FROM_A_RUN: dict[str, set[tuple[str, str]]] = {
         ("cudafut/_policy.py", "100-500 µs"),
         ("cudafut/_policy.py", "5 µs"),
         ("cudafut/_pools.py", "10 µs"),
+        ("cudafut/_runtime.py", "1 µs"),
         ("cudafut/_producers.py", "1 µs"),
         ("cudafut/_tasks.py", "10 µs"),
         ("cudafut/_tracked.py", "2 µs"),

@@ -31,7 +31,7 @@ from numpy.lib.stride_tricks import as_strided
 
 import cudafut
 import cudafut.distributed as dist
-from cudafut import _copies, _cuda, _pinned
+from cudafut import _backend, _copies, _cuda, _pinned
 from cudafut.distributed import _group, _nccl
 from tests.fakes import FakeRecord, set_future
 from tests.subproc import ROOT, run_python
@@ -41,7 +41,7 @@ from tests.subproc import ROOT, run_python
 
 def test_task_stream_of_a_device_out_of_range_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # One device visible (faked): 99 is out of range before any stream is made.
-    monkeypatch.setattr(_cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_backend.current, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"device 99 is out of range.*1 CUDA device"):
         cudafut.task_stream(99)
     with pytest.raises(ValueError, match="numbered from 0"):
@@ -52,7 +52,7 @@ def test_task_stream_of_a_device_out_of_range_is_a_value_error(monkeypatch: pyte
 
 @pytest.mark.gpu
 def test_task_stream_of_a_device_out_of_range_on_a_gpu() -> None:
-    n = _cuda.device_count()
+    n = _backend.current.device_count()
     with pytest.raises(ValueError, match="out of range"):
         cudafut.task_stream(99)
     with pytest.raises(ValueError, match="out of range"):
@@ -340,11 +340,11 @@ class _StatusError(Exception):
 
 
 def test_pinning_that_cuda_refuses_is_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_cuda, "runtime", lambda: _Refusing(2))  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(_backend.current, "runtime", lambda: _Refusing(2))  # cudaErrorMemoryAllocation
     with pytest.raises(MemoryError, match="could not pin"):
         cudafut.empty_pinned(1 << 20)
     assert _pinned.pool.take(1 << 20) is None  # to_host falls back to pageable memory
-    monkeypatch.setattr(_cuda, "runtime", lambda: _Refusing(999))
+    monkeypatch.setattr(_backend.current, "runtime", lambda: _Refusing(999))
     with pytest.raises(cudafut.CudaError) as info:
         cudafut.empty_pinned(1 << 20)
     assert info.value.code == 999
@@ -385,9 +385,9 @@ def fake_cuda_for_dist(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
 
-    monkeypatch.setattr(_cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_backend.current, "device_count", lambda: 1)
     monkeypatch.setattr(_cuda, "check_device", lambda device: device)
-    monkeypatch.setattr(_cuda, "use_device", lambda device: None)
+    monkeypatch.setattr(_backend.current, "use_device", lambda device: None)
     monkeypatch.setattr(_nccl, "check_available", lambda: None)
     monkeypatch.setattr(_nccl, "unique_id", lambda: b"\x01\x02\x03")
 
@@ -446,13 +446,13 @@ def test_nobody_at_the_stores_address_fails_the_start_up_in_time() -> None:
                 except Exception as exc:
                     print("SKIP", type(exc).__name__, exc)
                     sys.exit(0)
-        from cudafut import _cuda
+        from cudafut import _backend, _cuda
         from cudafut.distributed import _nccl
         import cudafut.distributed as dist
 
-        _cuda.device_count = lambda: 1
+        _backend.current.device_count = lambda: 1
         _cuda.check_device = lambda device: device
-        _cuda.use_device = lambda device: None
+        _backend.current.use_device = lambda device: None
         _nccl.check_available = lambda: None
         _nccl.unique_id = lambda: b"\x01\x02\x03"
         t = time.monotonic()
@@ -492,13 +492,13 @@ with warnings.catch_warnings():
         except Exception as exc:
             print("SKIP", type(exc).__name__, exc)
             sys.exit(status)
-from cudafut import _cuda
+from cudafut import _backend, _cuda
 from cudafut.distributed import _nccl
 import cudafut.distributed as dist
 
-_cuda.device_count = lambda: 1
+_backend.current.device_count = lambda: 1
 _cuda.check_device = lambda device: device
-_cuda.use_device = lambda device: None
+_backend.current.use_device = lambda device: None
 _nccl.check_available = lambda: None
 _nccl.unique_id = lambda: b"\x01\x02\x03"
 

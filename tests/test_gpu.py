@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _loops, _pools
+from cudafut import _backend, _loops, _pools
 from cudafut._values import find_devices
 from tests.kernels import slow_zeros, spin_copy, spin_fill
 
@@ -223,7 +223,7 @@ def test_submit_stores_the_exception_and_checks_arguments(cp: Any) -> None:
 
     assert cudafut.submit(bad).exception() is exc
     with pytest.raises(ValueError, match="out of range"):
-        cudafut.submit(bad, device=_cuda.device_count())
+        cudafut.submit(bad, device=_backend.current.device_count())
     with pytest.raises(ValueError, match="'normal' or 'high'"):
         cudafut.submit(bad, priority="urgent")  # type: ignore[call-overload]
 
@@ -317,7 +317,7 @@ def test_stream_argument_validation(cp: Any) -> None:
 
 
 def test_then_on_a_second_device(cp: Any) -> None:
-    if _cuda.device_count() < 2:
+    if _backend.current.device_count() < 2:
         pytest.skip("needs two GPUs")
     with cp.cuda.Device(1):
         p = cp.cuda.Stream(non_blocking=True)
@@ -334,7 +334,7 @@ def test_then_on_a_second_device(cp: Any) -> None:
 
 
 def test_a_value_on_two_devices(cp: Any) -> None:
-    if _cuda.device_count() < 2:
+    if _backend.current.device_count() < 2:
         pytest.skip("needs two GPUs")
     streams, xs = [], []
     for device, value in ((0, 7.0), (1, 8.0)):
@@ -365,7 +365,7 @@ def test_a_value_on_two_devices(cp: Any) -> None:
 def test_default_stream_of_another_device(cp: Any) -> None:
     """The legacy default stream handle (0) means "of the current device":
     recording for device 1 while device 0 is current must land on device 1."""
-    if _cuda.device_count() < 2:
+    if _backend.current.device_count() < 2:
         pytest.skip("needs two GPUs")
     with cp.cuda.Device(1):
         x = cp.zeros(N, dtype=cp.float32)

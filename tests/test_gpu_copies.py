@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _copies, _cuda, _pools
+from cudafut import _backend, _copies, _pools
 from tests.kernels import spin_fill
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ _streams: list[Any] = []
 
 
 def stream() -> Any:
-    s = _cuda.cupy().cuda.Stream(non_blocking=True)
+    s = _backend.current.cupy().cuda.Stream(non_blocking=True)
     _streams.append(s)  # kept for the session: see test_gpu_outcome.py
     return s
 
@@ -75,7 +75,7 @@ def test_round_trip_every_dtype_and_small_shape(dtype: Any) -> None:
         for name, host in layouts(sample(shape, dtype)).items():
             dev = cudafut.to_device(host).result(timeout=30)
             assert dev.shape == host.shape and dev.dtype == host.dtype, (shape, name)
-            assert np.array_equal(_cuda.cupy().asnumpy(dev), host), (shape, name)
+            assert np.array_equal(_backend.current.cupy().asnumpy(dev), host), (shape, name)
             back = cudafut.to_host(dev).result(timeout=30)
             assert back.shape == host.shape and back.dtype == host.dtype
             assert np.array_equal(back, host), (shape, name)
@@ -91,7 +91,7 @@ def test_round_trip_of_staged_sizes_in_every_layout(where: str, dtype: Any) -> N
             pinned[...] = host
             host = pinned
         dev = cudafut.to_device(host).result(timeout=30)
-        assert np.array_equal(_cuda.cupy().asnumpy(dev), base), name
+        assert np.array_equal(_backend.current.cupy().asnumpy(dev), base), name
         for out_name, out in {
             "none": None,
             "pageable": np.empty(base.shape, base.dtype),
@@ -105,15 +105,21 @@ def test_round_trip_of_staged_sizes_in_every_layout(where: str, dtype: Any) -> N
 
 
 def test_a_non_contiguous_device_array_is_copied_in_c_order() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     dev = cp.arange(60, dtype=cp.float64).reshape(6, 10)[:, ::3].T
     assert np.array_equal(cudafut.to_host(dev).result(), cp.asnumpy(dev))
 
 
 def test_buffer_protocol_and_array_interface_sources() -> None:
-    assert np.array_equal(_cuda.cupy().asnumpy(cudafut.to_device(b"\x01\x02\x03").result()), [1, 2, 3])
+    assert np.array_equal(
+        _backend.current.cupy().asnumpy(cudafut.to_device(b"\x01\x02\x03").result()), [1, 2, 3]
+    )
     ba = bytearray(range(10))
-    assert _cuda.cupy().asnumpy(cudafut.to_device(memoryview(ba)[2:5]).result()).tolist() == [2, 3, 4]
+    assert _backend.current.cupy().asnumpy(cudafut.to_device(memoryview(ba)[2:5]).result()).tolist() == [
+        2,
+        3,
+        4,
+    ]
 
     class Interface:
         def __init__(self, a: np.ndarray[Any, Any]) -> None:
@@ -121,11 +127,11 @@ def test_buffer_protocol_and_array_interface_sources() -> None:
             self._a = a
 
     a = np.arange(5, dtype=np.int32)
-    assert np.array_equal(_cuda.cupy().asnumpy(cudafut.to_device(Interface(a)).result()), a)
+    assert np.array_equal(_backend.current.cupy().asnumpy(cudafut.to_device(Interface(a)).result()), a)
 
 
 def test_to_host_of_a_future_waits_on_the_device_for_a_slow_producer() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     n = 1 << 20
     for out in (None, np.empty(n, np.float32), cudafut.empty_pinned(n, np.float32)):
         producer = stream()
@@ -139,7 +145,7 @@ def test_to_host_of_a_future_waits_on_the_device_for_a_slow_producer() -> None:
 
 
 def test_to_host_of_an_array_follows_the_callers_current_stream() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     n = 1 << 20
     for out in (None, np.empty(n, np.float32)):
         producer = stream()
@@ -157,16 +163,16 @@ def test_a_cold_pinned_result_is_pinned_off_the_calling_thread(monkeypatch: pyte
     # stream, and the result must still be pinned.
     from cudafut import _pinned
 
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     n = 3 << 20  # 12 MB of float32, after every cached block was freed
     allocating: list[int] = []
-    host_alloc = _cuda.host_alloc
+    host_alloc = _backend.current.host_alloc
 
     def spied(size: int) -> int:
         allocating.append(threading.get_ident())
         return host_alloc(size)
 
-    monkeypatch.setattr(_cuda, "host_alloc", spied)
+    monkeypatch.setattr(_backend.current, "host_alloc", spied)
     _pinned.pool.free_cached()
     producer = stream()
     with producer:
@@ -181,7 +187,7 @@ def test_a_cold_pinned_result_is_pinned_off_the_calling_thread(monkeypatch: pyte
 
 
 def test_to_host_of_a_pending_future_copies_once_it_is_set() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     fut: cudafut.CudaFuture[Any] = cudafut.CudaFuture()
     got = cudafut.to_host(fut)
     assert not got.done()
@@ -193,7 +199,7 @@ def test_to_host_of_a_pending_future_copies_once_it_is_set() -> None:
 def test_dropping_everything_right_after_the_copy_never_corrupts() -> None:
     """The source and the destination outlive the copy even when the caller
     drops every reference at once and the memory is reallocated at once."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     n = 4 << 20  # float32: 16 MB, staged when pageable
     for pinned in (False, True):
         slow = stream()
@@ -230,7 +236,7 @@ def test_dropping_everything_right_after_the_copy_never_corrupts() -> None:
 def test_a_dropped_to_host_future_keeps_its_pinned_block_until_the_copy_is_done() -> None:
     """The pool result's block may not serve another request while the DMA
     into it is still coming."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     n = 1 << 20
     slow = stream()
     dev = cp.full(n, 9.0, dtype=cp.float32)
@@ -246,7 +252,7 @@ def test_a_dropped_to_host_future_keeps_its_pinned_block_until_the_copy_is_done(
 
 
 def test_bad_arguments_are_refused_before_anything_is_enqueued() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     dev = cp.zeros((4, 5), dtype=cp.float32)
     with pytest.raises(ValueError, match="shape"):
         cudafut.to_host(dev, out=np.empty((5, 4), np.float32))
@@ -272,7 +278,7 @@ def test_bad_arguments_are_refused_before_anything_is_enqueued() -> None:
     with pytest.raises(TypeError, match="stream"):
         cudafut.to_device(np.zeros(3), stream="the copy stream")
     with pytest.raises(ValueError, match="out of range"):
-        cudafut.to_device(np.zeros(3), device=_cuda.device_count())
+        cudafut.to_device(np.zeros(3), device=_backend.current.device_count())
     with pytest.raises(ValueError, match="negative"):
         cudafut.empty_pinned((-1, 2))
     # A future not set yet: the error arrives through the returned future.
@@ -285,7 +291,7 @@ def test_bad_arguments_are_refused_before_anything_is_enqueued() -> None:
 
 @pytest.mark.anyio
 async def test_copies_on_every_loop_and_cancelling_an_awaiting_task_does_not_stop_them() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     n = 2 << 20
     expected = np.arange(n, dtype=np.float32)
     dev = await cudafut.to_device(expected.copy())
@@ -313,7 +319,10 @@ def _other_threads() -> set[threading.Thread]:
 
 def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     rng = np.random.default_rng(3)
-    warm = [cudafut.to_device(np.zeros(1 << 21, np.uint8)), cudafut.to_host(_cuda.cupy().zeros(1 << 21))]
+    warm = [
+        cudafut.to_device(np.zeros(1 << 21, np.uint8)),
+        cudafut.to_host(_backend.current.cupy().zeros(1 << 21)),
+    ]
     cudafut.wait_all(warm)
     del warm
     gc.collect()
@@ -347,7 +356,7 @@ def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
 def test_a_pinned_limit_falls_back_to_pageable_and_refuses_empty_pinned() -> None:
     from cudafut import _pinned
 
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     old = _pinned.pool.limit
     used = cudafut.memory_statistics().pinned_in_use
     try:

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import cudafut
-from cudafut import _copies, _cuda
+from cudafut import _backend, _copies
 from tests.kernels import spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
 
@@ -68,8 +68,8 @@ class World:
     """Streams per device (both priorities); the kernels are warm (conftest)."""
 
     def __init__(self) -> None:
-        cp = self.cp = _cuda.cupy()
-        self.devices = list(range(min(2, _cuda.device_count())))
+        cp = self.cp = _backend.current.cupy()
+        self.devices = list(range(min(2, _backend.current.device_count())))
         self.streams: dict[int, list[Any]] = {}
         for d in self.devices:
             with cp.cuda.Device(d):

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import cudafut.distributed as dist
-from cudafut import _cuda
+from cudafut import _backend
 from tests.dist_launch import LAUNCH_VARS, NO_MULTICAST, describe, run_ranks
 from tests.kernels import spin_copy, spin_fill
 from tests.runners import BACKENDS
@@ -36,7 +36,7 @@ SLOW_MS = 50.0
 def nproc() -> int:
     """The world size of the multi-process tests: CUDAFUT_DIST_NPROC, else
     every GPU (at most 8); one GPU per rank (NCCL refuses two ranks on one)."""
-    count = _cuda.device_count()
+    count = _backend.current.device_count()
     raw = os.environ.get("CUDAFUT_DIST_NPROC")
     n = int(raw) if raw else min(count, 8)
     if count < 2:
@@ -222,7 +222,7 @@ def test_world_of_one_refuses_bad_arguments_before_enqueueing(cp: Any, world1: d
         dist.all_reduce(x, timeout="1")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         dist.all_reduce(x, group="world")  # type: ignore[arg-type]
-    if _cuda.device_count() >= 2:
+    if _backend.current.device_count() >= 2:
         other = 1 if world1.device != 1 else 0
         with cp.cuda.Device(other):
             elsewhere = cp.ones(4, dtype=cp.float32)
@@ -280,11 +280,11 @@ for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_CO
     os.environ.pop(var, None)
 import cudafut
 import cudafut.distributed as dist
-from cudafut import _cuda
+from cudafut import _backend, _cuda
 from tests.kernels import spin_fill
 from tests.runners import run_on
 
-cp = _cuda.cupy()
+cp = _backend.current.cupy()
 group = dist.init_process_group(timeout=30)
 x = cp.zeros(1024, dtype=cp.float32)
 spin_fill(x, 1, 0)                    # compile the kernel, connect, before timing anything

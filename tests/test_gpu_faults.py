@@ -17,10 +17,10 @@ import sys
 import anyio
 import cupyx
 import cudafut
-from cudafut import _cuda, _loops
+from cudafut import _backend, _cuda, _loops
 from tests.runners import run_on
 
-cp = _cuda.cupy()
+cp = _backend.current.cupy()
 backend = sys.argv[1]
 # A kernel that faults once the host releases it through pinned host memory
 # (which the kernel reads): the fault comes while the await is in the waiter.

@@ -171,12 +171,12 @@ class NumbaProducer(Producer):
 
 @pytest.fixture(scope="module")
 def torch_producer(warm_kernels: None) -> TorchProducer:
-    from cudafut import _cuda
+    from cudafut import _backend
 
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("this PyTorch build cannot use CUDA")
-    producer = TorchProducer(_cuda.cupy(), torch)
+    producer = TorchProducer(_backend.current.cupy(), torch)
     with producer.context():  # warm: a first use takes longer than the producer spins
         x, _ = producer.make()
         warm = [x + 1, x.cpu()]
@@ -226,7 +226,7 @@ def jax_producer(warm_kernels: None) -> JaxProducer:
 
 @pytest.fixture(scope="module")
 def numba_producer(warm_kernels: None) -> NumbaProducer:
-    from cudafut import _cuda
+    from cudafut import _backend
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -234,11 +234,11 @@ def numba_producer(warm_kernels: None) -> NumbaProducer:
         try:
             if not numba_cuda.is_available():
                 pytest.skip("numba cannot use the GPU here")
-            producer = NumbaProducer(_cuda.cupy(), numba_cuda)
+            producer = NumbaProducer(_backend.current.cupy(), numba_cuda)
             producer.make()
         except Exception as exc:  # numba's own failures (versions, drivers)
             pytest.skip(f"numba cannot use this GPU: {exc}")
-    _cuda.cupy().cuda.Device().synchronize()
+    _backend.current.cupy().cuda.Device().synchronize()
     return producer
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _memory
+from cudafut import _backend, _memory
 from tests.kernels import Gate, gated_copy
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +33,7 @@ _streams: list[Any] = []
 
 
 def stream() -> Any:
-    s = _cuda.cupy().cuda.Stream(non_blocking=True)
+    s = _backend.current.cupy().cuda.Stream(non_blocking=True)
     _streams.append(s)
     return s
 
@@ -49,7 +49,7 @@ def overwrite_on(a: Any, ptr: int) -> list[Any]:
     (``CUDA_DEVICE_MAX_CONNECTIONS``), and a kernel on ``a`` would then wait
     behind the reader's spin: the overwrite the controls need would never
     come in time."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     twos = np.full(N, 2.0, dtype=np.float32)
     rt = cp.cuda.runtime
     taken = []
@@ -68,7 +68,7 @@ def fresh_pool() -> Iterator[None]:
     """A new CuPy pool behind cudafut's wrapper, for this thread: its only
     free blocks are the test's, so the reuse the controls need is certain
     (the default pool, after the rest of the suite, holds other blocks)."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     # Earlier tests' garbage may hold memory whose free (cudaFree)
     # synchronises the device: not while a gated reader waits.
     gc.collect()
@@ -90,7 +90,7 @@ def race(protect: Callable[[Any, Any], None]) -> Race:
 
 
 def _race(protect: Callable[[Any, Any], None]) -> Race:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     a, b = stream(), stream()
     with a:
         x = cp.ones(N, dtype=cp.float32)
@@ -133,7 +133,7 @@ def _reallocate_and_read(a: Any, b: Any, gate: Gate, ptr: int, out: Any) -> Race
     assert not gate.timed_out, "the reader gave up waiting: something synchronised the device while it waited"
     a.synchronize()
     del taken
-    got: np.ndarray[Any, Any] = _cuda.cupy().asnumpy(out)
+    got: np.ndarray[Any, Any] = _backend.current.cupy().asnumpy(out)
     return Race(got, reused, under_reader)
 
 
@@ -156,7 +156,7 @@ def test_record_stream_keeps_the_block_until_the_reader_is_done() -> None:
 
 
 def test_record_stream_of_the_allocating_stream_does_nothing() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     a = stream()
     with a:
         x = cp.ones(16, dtype=cp.float32)
@@ -180,7 +180,7 @@ def _wait_race() -> Race:
 
 
 def _wait_race_in_pool() -> Race:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     a, b = stream(), stream()
     with a:
         x = cp.ones(N, dtype=cp.float32)
@@ -206,7 +206,7 @@ def test_wait_without_keep_protects_the_value_read_on_the_consumer_stream() -> N
 def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
     """Memory the wrapper did not allocate (another allocator): record_stream
     keeps the array object itself until the work queued so far is done."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     pool = cp.cuda.MemoryPool()
     a, b = stream(), stream()
     with cp.cuda.using_allocator(pool.malloc), a:
@@ -230,7 +230,7 @@ def test_an_untracked_array_is_kept_alive_until_the_stream_passes() -> None:
 
 
 def test_then_and_submit_mark_their_pool_streams() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     a = stream()
     with a:
         x = cp.ones(N, dtype=cp.float32)
@@ -247,7 +247,7 @@ def test_record_stream_argument_errors() -> None:
     with pytest.raises(TypeError, match="GPU array"):
         cudafut.record_stream(np.zeros(3), stream())
     with pytest.raises(TypeError, match="stream"):
-        cudafut.record_stream(_cuda.cupy().zeros(3), "B")
+        cudafut.record_stream(_backend.current.cupy().zeros(3), "B")
 
 
 # A block and its reader stream garbage in one cycle: the collector runs the

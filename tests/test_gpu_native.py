@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cudafut import _compiled, _cuda, _events, _pools
+from cudafut import _compiled, _event_calls, _events, _pools
 from tests.kernels import Gate, gated_fill, spin_fill
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ NATIVE = _compiled.native()
 def _truly_done(rec: Any) -> bool:
     """What the runtime (CuPy) says of the record's event, past any answer
     cudafut keeps."""
-    return _cuda.event_query(rec.handle) == 0
+    return _event_calls.event_query(rec.handle) == 0
 
 
 def test_a_record_behind_unfinished_work_is_pending_and_older_ones_wait_for_a_newer_one(cp: Any) -> None:

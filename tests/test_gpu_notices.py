@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 import cudafut
-from cudafut import _cuda, _loops, _notices, _policy
+from cudafut import _backend, _cuda, _loops, _notices, _policy
 from tests import kernels
 from tests.runners import run_on
 
@@ -56,7 +56,7 @@ def kind(request: pytest.FixtureRequest) -> Iterator[str]:
     previous = _cuda.set_native_notices(native)
     if not native:  # the notice streams are made on a helper thread: wait until they exist
         deadline = time.monotonic() + 30
-        while _cuda.notice_stream(0) is None and time.monotonic() < deadline:
+        while _backend.current.notice_stream(0) is None and time.monotonic() < deadline:
             time.sleep(0.01)
     _policy.predictor.clear()  # a reused stream handle must not bring a learnt duration
     yield str(request.param)
@@ -81,7 +81,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> _Seen:
     """Counts the notices armed (``_cuda.close_after``) and received
     (``AsyncioDriver._on_notice``)."""
     counts = _Seen()
-    close_after = _cuda.close_after
+    close_after = _backend.current.close_after
     on_notice = _loops.AsyncioDriver._on_notice
 
     def counting_close_after(record: Any, fd: int, stream: int) -> None:
@@ -92,14 +92,14 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> _Seen:
         counts.fired += 1
         on_notice(self, key, notice)
 
-    monkeypatch.setattr(_cuda, "close_after", counting_close_after)
+    monkeypatch.setattr(_backend.current, "close_after", counting_close_after)
     monkeypatch.setattr(_loops.AsyncioDriver, "_on_notice", counting_on_notice)
     return counts
 
 
 async def _slow_value(value: float) -> float:
     _policy.predictor.clear()  # a reused stream handle must not bring a learnt duration
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     out = cp.zeros(1, dtype=cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -178,12 +178,12 @@ def test_a_native_notice_comes_for_a_failed_context_too(kind: str) -> None:
     proc = run_python(
         """
 import asyncio, time, cudafut
-from cudafut import _cuda, _waker
+from cudafut import _backend, _cuda, _waker
 from tests import kernels
-cp = _cuda.cupy()
+cp = _backend.current.cupy()
 cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # off by default
 deadline = time.monotonic() + 30
-while _cuda.notice_stream(0) is None and time.monotonic() < deadline:
+while _backend.current.notice_stream(0) is None and time.monotonic() < deadline:
     time.sleep(0.01)
 async def main():
     out = cp.zeros(1, dtype=cp.float32)
@@ -219,14 +219,14 @@ _IN_FLIGHT = """
 import asyncio, os, sys, time, warnings
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process: the point here
 import cudafut
-from cudafut import _cuda
+from cudafut import _backend, _cuda
 from tests import kernels
-cp = _cuda.cupy()
+cp = _backend.current.cupy()
 native = sys.argv[1] == "native"
 cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # off by default
 _cuda.set_native_notices(native)
 deadline = time.monotonic() + 30
-while not native and _cuda.notice_stream(0) is None and time.monotonic() < deadline:
+while not native and _backend.current.notice_stream(0) is None and time.monotonic() < deadline:
     time.sleep(0.01)  # the host functions' notice streams are made on a helper thread
 out = cp.zeros(1, dtype=cp.float32)
 stream = cp.cuda.Stream(non_blocking=True)

@@ -19,7 +19,7 @@ import pytest
 
 import cudafut
 from benchmarks.support.interrupt import ctrl_c_during_result
-from cudafut import _cuda, _loops, _waiter
+from cudafut import _backend, _loops, _waiter
 from cudafut._future import _State
 from tests.kernels import Gate, gated_fill, spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
@@ -322,8 +322,8 @@ FORK = """
 import os, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process: the point here
 import cudafut
-from cudafut import _cuda
-cp = _cuda.cupy()
+from cudafut import _backend, _cuda
+cp = _backend.current.cupy()
 x = cp.ones(4, dtype=cp.float32)
 fut = cudafut.record(x)
 fut.result()
@@ -366,10 +366,10 @@ def test_ctrl_c_interrupts_result_while_the_gpu_works() -> None:
 STICKY = """
 import asyncio, sys
 import cudafut
-from cudafut import _cuda
+from cudafut import _backend, _cuda
 from tests.kernels import spin_fault, spin_fill
-cp = _cuda.cupy()
-two = _cuda.device_count() > 1
+cp = _backend.current.cupy()
+two = _backend.current.device_count() > 1
 s = cp.cuda.Stream(non_blocking=True)
 xs = [cp.zeros(4, dtype=cp.float32) for _ in range(3)]
 xs[0] + 1
@@ -430,7 +430,7 @@ def test_a_sticky_error_fails_pending_futures_and_the_loop_serves_on() -> None:
         "awaits ['cudaErrorIllegalAddress', 'cudaErrorIllegalAddress', 'cudaErrorIllegalAddress']",
     ), proc.stdout + proc.stderr
     assert lines[1] == "loop serves True"
-    if _cuda.device_count() > 1:
+    if _backend.current.device_count() > 1:
         assert lines[2].startswith("device 1"), proc.stdout
 
 
@@ -442,7 +442,7 @@ def test_bad_input_is_refused_and_enqueued_work_survives(cp: Any) -> None:
     x = _slow_source(cp, producer, 7.0, 30)
     fut = cudafut.record(x, stream=producer)
     child = fut.then(lambda v: v + 1)
-    n = _cuda.device_count()
+    n = _backend.current.device_count()
     bad: list[tuple[Callable[[], object], type[Exception], str]] = [
         (lambda: fut.then(42), TypeError, "needs a callable"),  # type: ignore[call-overload]
         (lambda: fut.then(lambda v: v, priority="hihg"), ValueError, "'normal' or 'high'"),  # type: ignore[call-overload]

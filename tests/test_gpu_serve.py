@@ -141,7 +141,7 @@ def test_launch_checks_its_arguments_before_enqueuing(cp: Any) -> None:
 
 
 async def _many_launches(n: int) -> list[float]:
-    cp = cudafut._cuda.cupy()
+    cp = cudafut._backend.current.cupy()
 
     def work(i: int) -> Any:
         return (cp.full(64, i, dtype=cp.float32) * 2).sum()
@@ -305,7 +305,7 @@ def test_torch_compile_reduce_overhead_through_launch(cp: Any, torch: Any) -> No
 
 
 async def _serve_with_batcher(n: int, cancel_some: bool) -> tuple[dict[int, float], set[int], Any]:
-    cp = cudafut._cuda.cupy()
+    cp = cudafut._backend.current.cupy()
     rng = random.Random(3)
 
     def run_batch(items: list[int]) -> Any:

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import cudafut
-from cudafut import _cuda, _pools
+from cudafut import _backend, _pools
 from tests.kernels import Gate, gated_copy, spin_copy, spin_fill
 from tests.runners import BACKENDS, run_on
 from tests.test_gpu_memory import Race
@@ -41,7 +41,7 @@ _streams: list[Any] = []
 
 
 def stream() -> Any:
-    s = _cuda.cupy().cuda.Stream(non_blocking=True)
+    s = _backend.current.cupy().cuda.Stream(non_blocking=True)
     _streams.append(s)  # kept for the session: see test_gpu_outcome.py
     return s
 
@@ -50,7 +50,7 @@ def stream() -> Any:
 def warm(warm_kernels: None) -> None:
     """The CuPy kernels this file launches, compiled and loaded before any
     test: a first-use compile inside a block would order it by accident."""
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     a = cp.ones(4, dtype=cp.float32)
     b = cp.empty_like(a)
     b[...] = a * 2.0 + 1.0
@@ -64,7 +64,7 @@ def warm(warm_kernels: None) -> None:
 
 
 def host(x: Any) -> np.ndarray[Any, Any]:
-    out: np.ndarray[Any, Any] = _cuda.cupy().asnumpy(x)
+    out: np.ndarray[Any, Any] = _backend.current.cupy().asnumpy(x)
     return out
 
 
@@ -473,7 +473,7 @@ def build(rng: random.Random) -> Program:
 
 class World:
     def __init__(self) -> None:
-        self.cp = _cuda.cupy()
+        self.cp = _backend.current.cupy()
         self.streams = [stream() for _ in range(STREAMS)]
 
 

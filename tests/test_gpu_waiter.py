@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import cudafut
-from cudafut import _cuda
+from cudafut import _backend
 from tests import kernels
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,7 @@ def _launch(stream: Any, out: Any, ms: float) -> cudafut.CudaFuture[Any]:
 @pytest.mark.anyio
 @pytest.mark.no_asyncio_debug(reason="asserts a latency bound: debug mode adds work to every loop callback")
 async def test_await_after_a_step_down_is_noticed_within_the_bound(anyio_backend: Any) -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     stream = cp.cuda.Stream(non_blocking=True)  # fresh: nothing learnt on it
     out = cp.zeros(1, dtype=cp.float32)
     kernels.spin_fill(out, 0.0, 0.0)  # compile and load before timing
@@ -72,7 +72,7 @@ async def test_await_after_a_step_down_is_noticed_within_the_bound(anyio_backend
 
 
 def test_result_after_a_step_down_is_noticed_within_the_bound() -> None:
-    cp = _cuda.cupy()
+    cp = _backend.current.cupy()
     stream = cp.cuda.Stream(non_blocking=True)
     out = cp.zeros(1, dtype=cp.float32)
     kernels.spin_fill(out, 0.0, 0.0)

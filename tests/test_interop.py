@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _interface, _pools, _streams, _torch, _values
+from cudafut import _backend, _cuda, _events, _interface, _pools, _runtime, _streams, _torch, _values
 from tests.fakes import FakeRecord, set_future
 
 _made: list[FakeRecord] = []
@@ -139,7 +139,7 @@ def test_a_numba_like_array_asks_cuda_for_its_pointers_device(monkeypatch: pytes
         asked.append(ptr)
         return 1
 
-    monkeypatch.setattr(_cuda, "pointer_device", pointer_device)
+    monkeypatch.setattr(_backend.current, "pointer_device", pointer_device)
     assert _values.find_devices(Batch(NumbaLike(0xABC), None)) == (1,)
     assert asked == [0xABC]
 
@@ -224,13 +224,13 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     env = FakeCuda()
-    monkeypatch.setattr(_cuda, "_rt", FakeRuntime())
-    monkeypatch.setattr(_cuda, "_count", 2)
-    monkeypatch.setattr(_cuda, "current_stream", env.current_stream)
+    monkeypatch.setattr(_runtime, "_rt", FakeRuntime())
+    monkeypatch.setattr(_runtime, "_count", 2)
+    monkeypatch.setattr(_backend.current, "current_stream", env.current_stream)
     monkeypatch.setattr(
-        _cuda, "new_stream", lambda device, prio: FakeCupyStream(env, next(env.handles), device)
+        _backend.current, "new_stream", lambda device, prio: FakeCupyStream(env, next(env.handles), device)
     )
-    monkeypatch.setattr(_cuda, "stream_wait", env.stream_wait)
+    monkeypatch.setattr(_backend.current, "stream_wait", env.stream_wait)
     monkeypatch.setattr(_events, "record", env.record)
     monkeypatch.setattr(_pools, "streams", _pools.StreamPool())
     # Its stream handles are made up: no memory behind them to check.
@@ -304,7 +304,7 @@ def test_then_orders_a_jax_array_fn_returns_before_the_childs_event(fake_cuda: F
     seen: list[int] = []
 
     def fn(value: Any) -> Any:
-        seen.append(int(_cuda.current_stream(0).ptr))
+        seen.append(int(_backend.current.current_stream(0).ptr))
         return JaxLike(fake_cuda.log, device=0)
 
     parent.then(fn)
@@ -318,7 +318,7 @@ def test_submit_orders_jax_arguments_before_the_pool_stream(fake_cuda: FakeCuda)
     seen: list[int] = []
 
     def fn(value: Any) -> Any:
-        seen.append(int(_cuda.current_stream(0).ptr))
+        seen.append(int(_backend.current.current_stream(0).ptr))
         return DLPackOnly(2, 0)
 
     cudafut.submit(fn, x, device=0)
@@ -459,7 +459,7 @@ class FakeTorchCuda:
 
     def set_device(self, device: int) -> None:
         self.device = device
-        _cuda._rt.setDevice(device)  # one CUDA runtime for both libraries
+        _runtime._rt.setDevice(device)  # one CUDA runtime for both libraries
 
     def ExternalStream(self, handle: int, device: Any = None) -> FakeTorchStream:  # noqa: N802
         return FakeTorchStream(handle, device)
@@ -619,7 +619,7 @@ def test_then_makes_the_pool_stream_torchs_current_stream_while_fn_runs(
     seen: list[tuple[int, int]] = []
 
     def fn(value: Any) -> Any:
-        seen.append((torch.cuda.current_stream(0).cuda_stream, _cuda.current_stream(0).ptr))
+        seen.append((torch.cuda.current_stream(0).cuda_stream, _backend.current.current_stream(0).ptr))
         return FakeTensor(0)
 
     child = parent.then(fn)
@@ -649,18 +649,18 @@ def test_then_on_two_devices_sets_both_and_restores_the_callers_device(
     fake_cuda: FakeCuda, torch: Any
 ) -> None:
     parent = set_future([FakeTensor(0), FakeTensor(1)], [Rec(device=0), Rec(device=1)])
-    _cuda._rt.setDevice(1)  # the caller's device
+    _runtime._rt.setDevice(1)  # the caller's device
     devices: list[int] = []
 
     def fn(value: Any) -> Any:
-        devices.append(_cuda._rt.getDevice())
+        devices.append(_runtime._rt.getDevice())
         return value
 
     child = parent.then(fn)
     assert devices == [0]  # the parent's first device is current in fn
     sets = [entry[2] for entry in fake_cuda.log if entry[0] == "torch.set_stream"]
     assert sets == [0, 1, 1, 0]  # both set, then both restored
-    assert _cuda._rt.getDevice() == 1
+    assert _runtime._rt.getDevice() == 1
     assert child.devices == (0, 1)
 
 
@@ -822,9 +822,9 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     def touched(*args: object) -> int:
         raise AssertionError("the argument should be judged without CUDA")
 
-    monkeypatch.setattr(_cuda, "device_count", touched)
-    monkeypatch.setattr(_cuda, "current_device", touched)
-    monkeypatch.setattr(_cuda, "stream_device", touched)
+    monkeypatch.setattr(_backend.current, "device_count", touched)
+    monkeypatch.setattr(_backend.current, "current_device", touched)
+    monkeypatch.setattr(_backend.current, "stream_device", touched)
     # The handles here are made up: no memory behind them to check.
     monkeypatch.setattr(_streams, "check_stream_address", lambda handle, stream: handle)
 
@@ -862,7 +862,7 @@ def test_a_protocol_stream_without_a_device_asks_cuda(monkeypatch: pytest.Monkey
         asked.append(handle)
         return 1
 
-    monkeypatch.setattr(_cuda, "stream_device", stream_device)
+    monkeypatch.setattr(_backend.current, "stream_device", stream_device)
     monkeypatch.setattr(_streams, "check_stream_address", lambda handle, stream: handle)  # a made-up handle
     assert _cuda.stream_handle(StreamOnly((0, 0x1234))) == (0x1234, 1)
     assert asked == [0x1234]
@@ -927,14 +927,16 @@ def test_stream_device_asks_the_streams_context_and_restores_the_current_one(
             return {0xC1: 1, 0xAAA: 0}[self.current]
 
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(driver=Driver()))
-    monkeypatch.setattr(_cuda, "_rt", FakeRuntime())
-    monkeypatch.setattr(_cuda, "_cupy", fake_cupy)
-    assert _cuda.stream_device(0x1234) == 1
+    monkeypatch.setattr(_runtime, "_rt", FakeRuntime())
+    monkeypatch.setattr(_runtime, "_cupy", fake_cupy)
+    assert _backend.current.stream_device(0x1234) == 1
     assert calls == [("set", 0xC1), ("set", 0xAAA)]
-    assert _cuda.stream_device(0x5678) == 0 and len(calls) == 2  # its context is current: no switch
-    assert _cuda.stream_device(1) == 0  # a default stream: the current device
+    assert (
+        _backend.current.stream_device(0x5678) == 0 and len(calls) == 2
+    )  # its context is current: no switch
+    assert _backend.current.stream_device(1) == 0  # a default stream: the current device
     with pytest.raises(ValueError, match="0xbad is not a CUDA stream of this process"):
-        _cuda.stream_device(0xBAD)
+        _backend.current.stream_device(0xBAD)
 
 
 # -- remove_done_callback --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _future, _interface, _launch, _lifetimes, testing
+from cudafut import _backend, _events, _future, _interface, _launch, _lifetimes, testing
 from tests.launches import check_a_queued_launch_cancelled_never_runs
 from tests.runners import BACKENDS, run_on
 
@@ -24,15 +24,15 @@ def test_a_stream_cuda_refuses_fails_the_launch_and_kills_no_thread(
     fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake_cuda.auto_complete = True
-    real = _cuda.new_stream
+    real = _backend.current.new_stream
 
     def refuse(device: int, priority: int) -> Any:
         raise cudafut.CudaError(2, "cudaErrorMemoryAllocation", "out of memory")
 
-    monkeypatch.setattr(_cuda, "new_stream", refuse)
+    monkeypatch.setattr(_backend.current, "new_stream", refuse)
     with pytest.raises(cudafut.CudaError, match="cudaErrorMemoryAllocation"):
         cudafut.launch(np.arange, 3)
-    monkeypatch.setattr(_cuda, "new_stream", real)
+    monkeypatch.setattr(_backend.current, "new_stream", real)
     assert cudafut.launch(np.arange, 3).result(timeout=10).tolist() == [0, 1, 2]
 
 
@@ -122,7 +122,7 @@ def test_an_awaitable_returned_fails_the_future_and_the_coroutine_is_closed(
 
 def _where() -> tuple[str, int]:
     """The launcher thread this runs on, and the current stream there."""
-    return threading.current_thread().name, int(_cuda.current_stream(0).ptr)
+    return threading.current_thread().name, int(_backend.current.current_stream(0).ptr)
 
 
 def test_warm_launchers_runs_fn_once_on_each_launcher_thread_with_its_stream_current(
@@ -356,11 +356,13 @@ def test_launch_from_a_per_thread_default_stream_records_it_on_the_calling_threa
     cudafut.launch(np.arange, 1).result(timeout=10)  # the launchers started
     seen = _spy_records(monkeypatch)
     here = threading.get_ident()
-    real = _cuda.current_stream
+    real = _backend.current.current_stream
     per_thread = testing.FakeStream.__new__(testing.FakeStream)
     per_thread.ptr, per_thread.device_id = 2, 0
     monkeypatch.setattr(
-        _cuda, "current_stream", lambda device: per_thread if threading.get_ident() == here else real(device)
+        _backend.current,
+        "current_stream",
+        lambda device: per_thread if threading.get_ident() == here else real(device),
     )
     fut = cudafut.launch(np.arange, 3)
     assert seen == [(2, threading.current_thread().name)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cudafut import _copies, _cuda, _launch, _lifetimes, _waiter
+from cudafut import _copies, _launch, _lifetimes, _runtime, _waiter
 from tests.fakes import FakeRecord, gone
 from tests.subproc import ROOT, run_python
 
@@ -46,7 +46,7 @@ def test_one_module_registers_with_os_at_fork() -> None:
 
 def test_the_resets_run_in_import_order_cuda_first() -> None:
     resets = _lifetimes._fork_resets
-    assert resets[0] is _cuda._after_fork_in_child  # the child refuses CUDA before anything else resets
+    assert resets[0] is _runtime._after_fork_in_child  # the child refuses CUDA before anything else resets
     for reset in (
         _waiter.thread_waiter()._reset_after_fork,
         _launch._after_fork_in_child,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _compiled, _cuda, _events, _lifetimes, _pools, testing
+from cudafut import _backend, _compiled, _events, _lifetimes, _pools, testing
 from cudafut._interface import records_of
 from tests.subproc import run_python
 
@@ -219,7 +219,7 @@ def test_a_record_enqueued_outside_the_streams_lock_vouches_only_for_those_numbe
     # though it follows in the stream. The first's completion must not
     # answer for it.
     stream = _pools.streams.get(0, 0)
-    ptr, real = int(stream.ptr), _cuda.event_record
+    ptr, real = int(stream.ptr), _backend.current.event_record
     inner: list[Any] = []
 
     def record_then_another(event: int, on: int, device: int) -> None:
@@ -228,9 +228,9 @@ def test_a_record_enqueued_outside_the_streams_lock_vouches_only_for_those_numbe
             inner.append(None)
             inner[0] = _events.record(on, device, None, stream)
 
-    monkeypatch.setattr(_cuda, "event_record", record_then_another)
+    monkeypatch.setattr(_backend.current, "event_record", record_then_another)
     first = _events.record(ptr, 0, None, stream)
-    monkeypatch.setattr(_cuda, "event_record", real)
+    monkeypatch.setattr(_backend.current, "event_record", real)
     later = inner[0]
     assert later.seq < first.seq  # numbered out of the stream's order
     backend = first.calls

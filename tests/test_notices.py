@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _loops, _notices, _policy, testing
+from cudafut import _backend, _cuda, _loops, _notices, _policy, _runtime, testing
 from tests.runners import run_on
 
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
@@ -57,13 +57,13 @@ def notices() -> Iterator[tuple[testing.FakeCuda, list[int]]]:
         # Patched inside the fake and undone before it goes: the fake's
         # removal puts real CUDA's close_after back.
         handed: list[int] = []
-        fake_close_after = _cuda.close_after
+        fake_close_after = _backend.current.close_after
 
         def counting(record: Any, fd: int, stream: int) -> None:
             handed.append(fd)
             fake_close_after(record, fd, stream)
 
-        mp.setattr(_cuda, "close_after", counting)
+        mp.setattr(_backend.current, "close_after", counting)
         yield fake, handed
 
 
@@ -226,7 +226,7 @@ def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:
     r, w = os.pipe()
     try:
         with pytest.raises(cudafut.CudaUnavailableError, match="cuLaunchHostFunc"):
-            _cuda.close_after(object(), w, 0)
+            _backend.current.close_after(object(), w, 0)
         with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(w)
     finally:
@@ -270,8 +270,8 @@ def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     launch returns (0 when empty)."""
     results: list[int] = []
     monkeypatch.setattr(_notices, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
-    monkeypatch.setattr(_cuda, "_rt", _Stub())
-    monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
+    monkeypatch.setattr(_runtime, "_rt", _Stub())
+    monkeypatch.setattr(_backend.current, "stream_wait", lambda stream, event, device: None)
     for table in ("_notice_pool", "_notice_turn", "_notice_broken"):
         monkeypatch.setattr(_notices, table, {})
     monkeypatch.setattr(_notices, "_notice_making", set())
@@ -286,7 +286,7 @@ def test_a_refused_launch_closes_the_descriptor_only_if_nothing_was_queued(
     stub_cuda.append(code)
     try:
         with pytest.raises(cudafut.CudaError):
-            _cuda.close_after(_Stub(), w, _Stub.ptr)
+            _backend.current.close_after(_Stub(), w, _Stub.ptr)
         assert _is_open(w) is not closed
     finally:
         os.close(r)
@@ -297,7 +297,7 @@ def test_a_refused_launch_closes_the_descriptor_only_if_nothing_was_queued(
 def test_a_launched_notice_leaves_the_descriptor_to_cuda(stub_cuda: list[int]) -> None:
     r, w = os.pipe()
     try:
-        _cuda.close_after(_Stub(), w, _Stub.ptr)
+        _backend.current.close_after(_Stub(), w, _Stub.ptr)
         assert _is_open(w)
     finally:
         os.close(r)
@@ -311,12 +311,12 @@ def test_a_failure_before_the_launch_closes_the_descriptor(
     def failing(stream: int, event: int, device: int) -> None:
         raise error
 
-    monkeypatch.setattr(_cuda, "stream_wait", failing)
+    monkeypatch.setattr(_backend.current, "stream_wait", failing)
     r, w = os.pipe()
     try:
         expected = cudafut.CudaError if isinstance(error, Exception) else type(error)
         with pytest.raises(expected):
-            _cuda.close_after(_Stub(), w, _Stub.ptr)
+            _backend.current.close_after(_Stub(), w, _Stub.ptr)
         assert not _is_open(w)
     finally:
         os.close(r)
@@ -367,9 +367,9 @@ class _Maker:
 
     def first(self, device: int = 0) -> int:
         """The first notice stream of ``device``, its streams made."""
-        assert _cuda.notice_stream(device) is None, "streams were made on the caller's thread"
+        assert _backend.current.notice_stream(device) is None, "streams were made on the caller's thread"
         self.settle()
-        stream = _cuda.notice_stream(device)
+        stream = _backend.current.notice_stream(device)
         assert stream is not None
         return stream
 
@@ -378,7 +378,7 @@ class _Maker:
 def maker(stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Maker]:
     made = _Maker()
     monkeypatch.setattr(_notices, "_new_stream_handle", made)
-    monkeypatch.setattr(_cuda, "_rt", made)
+    monkeypatch.setattr(_runtime, "_rt", made)
     yield made
     made.gate.set()
     made.settle()
@@ -387,21 +387,21 @@ def maker(stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Ma
 def test_notice_streams_are_made_once_on_a_helper_thread_never_the_callers(maker: _Maker) -> None:
     maker.gate.clear()  # CUDA waits for the GPU to make a stream...
     maker.free_passes = 3  # ...after a few: none is used until all are made
-    assert _cuda.notice_stream(0) is None, "the caller waited for streams to be made"
+    assert _backend.current.notice_stream(0) is None, "the caller waited for streams to be made"
     for _ in range(100):
         if len(maker.made) == 3:
             break
         time.sleep(0.01)
     assert len(maker.made) == 3
-    assert _cuda.notice_stream(0) is None, "a stream was used before all were made"
+    assert _backend.current.notice_stream(0) is None, "a stream was used before all were made"
     assert not maker.queried, "a stream was queried while streams were being made"
     maker.gate.set()
     maker.settle()
-    assert _cuda.notice_stream(0) is not None
+    assert _backend.current.notice_stream(0) is not None
     assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE
     assert threading.get_ident() not in maker.threads
     for _ in range(3 * _notices._NOTICE_STREAMS_PER_DEVICE):
-        _cuda.notice_stream(0)
+        _backend.current.notice_stream(0)
     assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE, "a notice stream was made again"
     maker.first(device=1)
     assert {d for d, _ in maker.made} == {0, 1}, "a device borrowed another's streams"
@@ -413,12 +413,12 @@ def test_a_notice_takes_an_idle_stream_never_one_with_a_notice_queued(maker: _Ma
     rounds = len(handles) // _notices._NOTICE_TRIES  # calls that try every stream once
     maker.busy.update(handles)
     maker.busy.discard(handles[9])  # notices queued on all but one
-    given = [_cuda.notice_stream(0) for _ in range(rounds)]
+    given = [_backend.current.notice_stream(0) for _ in range(rounds)]
     assert [g for g in given if g is not None] == [handles[9]], "a stream with a notice queued was given"
     maker.busy.update(handles)
-    assert all(_cuda.notice_stream(0) is None for _ in range(rounds))
+    assert all(_backend.current.notice_stream(0) is None for _ in range(rounds))
     maker.busy.clear()
-    assert _cuda.notice_stream(0) is not None
+    assert _backend.current.notice_stream(0) is not None
 
 
 def test_a_helper_that_cannot_make_streams_is_a_cuda_error_for_the_caller(
@@ -428,12 +428,12 @@ def test_a_helper_that_cannot_make_streams_is_a_cuda_error_for_the_caller(
         raise _cuda.cuda_error(2, device)
 
     monkeypatch.setattr(_notices, "_new_stream_handle", failing)
-    assert _cuda.notice_stream(0) is None
+    assert _backend.current.notice_stream(0) is None
     maker.settle()
     raised = []
     for _ in range(3):
         with pytest.raises(cudafut.CudaError) as info:
-            _cuda.notice_stream(0)
+            _backend.current.notice_stream(0)
         raised.append(info.value)
     assert {e.code for e in raised} == {2}
     # A new exception each time: one raised again keeps every caller's
@@ -450,10 +450,10 @@ def test_a_helper_that_fails_otherwise_logs_the_cause(
 
     monkeypatch.setattr(_notices, "_new_stream_handle", failing)
     with caplog.at_level(logging.WARNING, logger="cudafut"):
-        assert _cuda.notice_stream(0) is None
+        assert _backend.current.notice_stream(0) is None
         maker.settle()
     with pytest.raises(cudafut.CudaError):  # CUDA's "unknown" code: the cause is in the log
-        _cuda.notice_stream(0)
+        _backend.current.notice_stream(0)
     (logged,) = [r for r in caplog.records if "no notice stream made" in r.getMessage()]
     assert logged.exc_info is not None and isinstance(logged.exc_info[1], OSError)
 
@@ -471,9 +471,9 @@ def test_a_helper_that_made_some_streams_uses_them_and_says_so(
 
     monkeypatch.setattr(_notices, "_new_stream_handle", two_then_fail)
     with caplog.at_level(logging.WARNING, logger="cudafut"):
-        assert _cuda.notice_stream(0) is None
+        assert _backend.current.notice_stream(0) is None
         maker.settle()
-    assert _cuda.notice_stream(0) in made
+    assert _backend.current.notice_stream(0) in made
     assert any("made 2 of 32 notice streams" in r.getMessage() for r in caplog.records)
 
 
@@ -494,7 +494,7 @@ def test_a_waiter_whose_notice_fails_polls_and_stops_asking(
         attempts.append(device)
         raise cudafut.CudaError(2, "cudaErrorMemoryAllocation", "no stream", device)
 
-    monkeypatch.setattr(_cuda, failing, refusing if failing == "close_after" else no_stream)
+    monkeypatch.setattr(_backend.current, failing, refusing if failing == "close_after" else no_stream)
     futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
     values = run_on(loop, _await_completed_later, fake, futs, 0.02)
     assert [v[0] for v in values] == [0, 1, 2]
@@ -507,13 +507,13 @@ def test_a_waiter_polls_until_its_notice_stream_is_made_then_uses_notices(
 ) -> None:
     fake, handed = notices
     asked: list[int] = []
-    real = _cuda.notice_stream
+    real = _backend.current.notice_stream
 
     def not_yet(device: int) -> int | None:
         asked.append(device)
         return None if len(asked) <= 2 else real(device)
 
-    monkeypatch.setattr(_cuda, "notice_stream", not_yet)
+    monkeypatch.setattr(_backend.current, "notice_stream", not_yet)
     futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
     values = run_on(loop, _await_completed_later, fake, futs, 0.05)
     assert [v[0] for v in values] == [0, 1, 2]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _pools, testing
+from cudafut import _backend, _pools, testing
 from cudafut._future import _State
 from tests.fakes import FakeRecord, set_future
 
@@ -281,8 +281,8 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     def touched() -> int:
         raise AssertionError("the argument should be refused before CUDA is touched")
 
-    monkeypatch.setattr(_cuda, "device_count", touched)
-    monkeypatch.setattr(_cuda, "current_device", touched)
+    monkeypatch.setattr(_backend.current, "device_count", touched)
+    monkeypatch.setattr(_backend.current, "current_device", touched)
 
 
 @pytest.mark.parametrize("devices", [1.5, "0", b"0", True, 2j, object()])

@@ -6,14 +6,14 @@ import itertools
 
 import pytest
 
-from cudafut import _cuda, _pinned
+from cudafut import _backend, _pinned
 
 
 @pytest.fixture
 def pool(monkeypatch: pytest.MonkeyPatch) -> _pinned.PinnedPool:
     addresses = itertools.count(0x10000, 0x10000)
-    monkeypatch.setattr(_cuda, "host_alloc", lambda size: next(addresses))
-    monkeypatch.setattr(_cuda, "free_host", lambda ptr: None)
+    monkeypatch.setattr(_backend.current, "host_alloc", lambda size: next(addresses))
+    monkeypatch.setattr(_backend.current, "free_host", lambda ptr: None)
     fresh = _pinned.PinnedPool()
     fresh.set_limit(1 << 30)
     return fresh
@@ -24,7 +24,7 @@ def test_take_cached_never_allocates(pool: _pinned.PinnedPool, monkeypatch: pyte
         raise AssertionError("take_cached called cudaHostAlloc")
 
     allocs = pool.host_allocs
-    monkeypatch.setattr(_cuda, "host_alloc", refuse)
+    monkeypatch.setattr(_backend.current, "host_alloc", refuse)
     assert pool.take_cached(1 << 20) is None
     assert pool.counts()[1:5] == (0, 0, 0, allocs)
     assert pool.failures == 0  # no free block is not a refusal

@@ -468,7 +468,7 @@ def test_every_completion_is_noticed_within_the_bound(
 
 # -- notices (WaitPolicy.notify): the bound holds whatever they do ----------------------
 #
-# A notice is CUDA closing a pipe when a record's work ends (_cuda.close_after).
+# A notice is CUDA closing a pipe when a record's work ends (_backend.current.close_after).
 # On the fake clock it arrives on time (a wake-up delay after the end), late,
 # early (before the work ends: a spurious wake-up), twice, or never (CUDA runs
 # no host function after a context error). Whatever it does, every completion

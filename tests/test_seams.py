@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _copies, _cuda, testing
+from cudafut import _backend, _copies, testing
 from cudafut.distributed import _nccl
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cudafut"
@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cudafut"
 SEAMS = frozenset(
     {
         "_cuda.py",
+        "_runtime.py",
         "_streams.py",
         "_event_calls.py",
         "_notices.py",
@@ -83,6 +84,8 @@ _RAW_CALLS = frozenset(
 )
 # The seam's private state, and its raw runtime: callers use its functions.
 _SEAM_PRIVATE = frozenset({"runtime", "_rt", "_cupy"})
+# Where callers find the seam: its namespace, its start-up module, the backend in force.
+_SEAM_NAMES = frozenset({"_cuda", "_runtime", "current"})
 # CuPy's private attributes cudafut reads (UnownedMemory's owner): the seam alone knows them.
 _CUPY_PRIVATE = frozenset({"_owner"})
 
@@ -124,8 +127,11 @@ def violations(source: str) -> list[str]:
             value = node.value
             if node.attr in _CUPY_PRIVATE:
                 found.append(f"{line}: CuPy's private attribute .{node.attr}")
-            elif isinstance(value, ast.Name) and value.id == "_cuda" and node.attr in _SEAM_PRIVATE:
-                found.append(f"{line}: _cuda.{node.attr}: call a function of the seam instead")
+            elif node.attr in _SEAM_PRIVATE and (
+                (isinstance(value, ast.Name) and value.id in _SEAM_NAMES)
+                or (isinstance(value, ast.Attribute) and value.attr in _SEAM_NAMES)
+            ):
+                found.append(f"{line}: .{node.attr} of the seam: call a function of the seam instead")
             elif isinstance(value, ast.Attribute) and value.attr == "cuda":
                 base = value.value
                 if not (isinstance(base, ast.Name) and base.id == "torch"):  # PyTorch's own API
@@ -162,11 +168,13 @@ def test_the_seams_and_exemptions_exist() -> None:
         "importlib.import_module('cupy.cuda.nccl')",
         "sys.modules.get('cupy')",
         "sys.modules['cupy']",
-        "_cuda.runtime().memcpyAsync(1, 2, 3, 1, 0)",
+        "_backend.current.runtime().memcpyAsync(1, 2, 3, 1, 0)",
         "rt.hostAlloc(10, 1)",
-        "_cuda.cupy().cuda.Device(0).use()",
+        "_backend.current.cupy().cuda.Device(0).use()",
         "cp.cuda.Stream(non_blocking=True)",
         "x = _cuda._rt",
+        "x = _runtime._rt",
+        "_runtime.runtime().getDevice()",
         "comm.allReduce(1, 1, 4, 7, 0, 0)",
         "getattr(array.data.mem, '_owner', None)",
         "array.data.mem._owner",
@@ -180,8 +188,8 @@ def test_the_check_sees_each_way_to_reach_cuda(source: str) -> None:
     "source",
     [
         "from . import _cuda",
-        "_cuda.memcpy_to_device(1, 2, 3, 0)",
-        "cp = _cuda.cupy(); cp.empty((2,), 'f4')",
+        "_backend.current.memcpy_to_device(1, 2, 3, 0)",
+        "cp = _backend.current.cupy(); cp.empty((2,), 'f4')",
         "torch.cuda.ExternalStream(1, device=0)",
         "raise TypeError('pass cupy.asarray(x) instead')",
         "sys.modules.get('torch')",
@@ -286,14 +294,14 @@ def test_the_seams_copies_and_pinned_memory_call_cuda_with_its_arguments(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rt = _Recorder({"hostAlloc": 0x1000, "pointerGetAttributes": types.SimpleNamespace(type=1)})
-    monkeypatch.setattr(_cuda, "runtime", lambda: rt)
-    _cuda.memcpy_to_device(10, 20, 30, 40)
-    _cuda.memcpy_to_host(11, 21, 31, 41)
-    assert _cuda.host_alloc(4096) == 0x1000
-    _cuda.free_host(0x1000)
-    _cuda.event_synchronize(7)
-    _cuda.stream_synchronize(8)
-    assert _cuda.pointer_is_pinned(0x1000)
+    monkeypatch.setattr(_backend.current, "runtime", lambda: rt)
+    _backend.current.memcpy_to_device(10, 20, 30, 40)
+    _backend.current.memcpy_to_host(11, 21, 31, 41)
+    assert _backend.current.host_alloc(4096) == 0x1000
+    _backend.current.free_host(0x1000)
+    _backend.current.event_synchronize(7)
+    _backend.current.stream_synchronize(8)
+    assert _backend.current.pointer_is_pinned(0x1000)
     assert rt.calls == [
         ("memcpyAsync", (10, 20, 30, 1, 40)),  # cudaMemcpyHostToDevice
         ("memcpyAsync", (11, 21, 31, 2, 41)),  # cudaMemcpyDeviceToHost
@@ -304,15 +312,15 @@ def test_the_seams_copies_and_pinned_memory_call_cuda_with_its_arguments(
         ("pointerGetAttributes", (0x1000,)),
     ]
     rt.answers["pointerGetAttributes"] = types.SimpleNamespace(type=0)  # cudaMemoryTypeUnregistered
-    assert not _cuda.pointer_is_pinned(0x2000)
+    assert not _backend.current.pointer_is_pinned(0x2000)
 
     def refuse(*args: Any) -> Any:
         raise _StatusError(2)
 
     rt.answers["pointerGetAttributes"] = rt.answers["hostAlloc"] = refuse
-    assert not _cuda.pointer_is_pinned(0x3000)  # unknown to CUDA: pageable
+    assert not _backend.current.pointer_is_pinned(0x3000)  # unknown to CUDA: pageable
     with pytest.raises(cudafut.CudaError) as info:
-        _cuda.host_alloc(4096)
+        _backend.current.host_alloc(4096)
     assert info.value.code == 2
 
 
@@ -358,10 +366,10 @@ def test_staged_copies_run_through_the_seam_alone(pinned_stages: bool) -> None:
     chunk = 4096
     with testing.fake_cuda(auto_complete=True), pytest.MonkeyPatch.context() as mp:
         for name in ("memcpy_to_device", "memcpy_to_host"):
-            mp.setattr(_cuda, name, _memmove)
+            mp.setattr(_backend.current, name, _memmove)
         for name in ("event_synchronize", "stream_synchronize"):
-            mp.setattr(_cuda, name, lambda handle: None)
-        stream = int(_cuda.current_stream(0).ptr)
+            mp.setattr(_backend.current, name, lambda handle: None)
+        stream = int(_backend.current.current_stream(0).ptr)
 
         def stages() -> list[Any]:
             if not pinned_stages:

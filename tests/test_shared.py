@@ -128,9 +128,9 @@ def test_exports_sharing_an_event_and_an_allocation_give_them_back_after_the_las
     """The rows of a batch share one interprocess event and one IPC handle,
     a use each: freeing one export keeps both; freeing the last returns the
     event to the free list, once, and forgets the allocation."""
-    from cudafut import _cuda
+    from cudafut import _backend
 
-    monkeypatch.setattr(_cuda, "device_bus_id", lambda device: "0000:00:00.0")
+    monkeypatch.setattr(_backend.current, "device_bus_id", lambda device: "0000:00:00.0")
     st = _shared._state
     # Device -9: a free list no real export takes from.
     event = _shared._SharedEvent(-9, 11, b"e" * 64, (), ())
@@ -252,9 +252,9 @@ def test_a_producer_that_dies_fails_the_receivers_wait(
 ) -> None:
     """The receiver's side without CUDA: its event never completes (faked),
     and the producer named in the ticket (a stand-in process) is killed."""
-    from cudafut import _cuda
+    from cudafut import _backend
 
-    monkeypatch.setattr(_cuda, "device_bus_id", lambda device: "0000:00:00.0")
+    monkeypatch.setattr(_backend.current, "device_bus_id", lambda device: "0000:00:00.0")
     stand_in = Child(shared_worker.sleep)
     receiver = Child(shared_worker.receive_with_a_fake_event)
     children += [stand_in, receiver]

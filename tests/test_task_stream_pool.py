@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cudafut import _cuda
+from cudafut import _backend
 from cudafut._pools import TaskStreamPool
 
 
@@ -30,7 +30,7 @@ class _Stream:
 def _pool_with(monkeypatch: pytest.MonkeyPatch, n: int, cap: int) -> tuple[TaskStreamPool, list[_Stream]]:
     """A pool that has lent ``n`` new stand-in streams, one lease each."""
     made = iter(range(1, n + 1))
-    monkeypatch.setattr(_cuda, "new_stream", lambda device, priority: _Stream(next(made)))
+    monkeypatch.setattr(_backend.current, "new_stream", lambda device, priority: _Stream(next(made)))
     pool = TaskStreamPool(cap=cap)
     return pool, [pool.acquire(0) for _ in range(n)]
 

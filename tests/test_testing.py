@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _cuda, _pools, testing
+from cudafut import _backend, _pools, testing
 from tests.subproc import ROOT, run_python
 
 pytestmark = pytest.mark.anyio
@@ -320,9 +320,9 @@ def test_real_cupy_on_a_numpy_array_in_a_callback_fails_with_the_documented_type
 
 
 def test_the_fake_is_removed_on_exit() -> None:
-    real = (_cuda.current_device, _pools.events, _pools.streams)
+    real = (_backend.current.current_device, _pools.events, _pools.streams)
     with testing.fake_cuda() as fake:
-        assert _cuda.current_device is not real[0]
+        assert _backend.current.current_device is not real[0]
         with pytest.raises(RuntimeError, match="installed already"), testing.fake_cuda():
             pass
         left = cudafut.record(np.ones(1))
@@ -331,7 +331,7 @@ def test_the_fake_is_removed_on_exit() -> None:
         launched.result(timeout=30)
         fake_launchers = [t for t in threading.enumerate() if t.name.startswith("cudafut-launcher")]
         assert fake_launchers
-    assert (_cuda.current_device, _pools.events, _pools.streams) == real
+    assert (_backend.current.current_device, _pools.events, _pools.streams) == real
     assert left.done()  # what was queued completes as the fake leaves
     assert not any(t.is_alive() for t in fake_launchers)  # the fake's launchers ended
 
@@ -382,7 +382,7 @@ def test_a_future_of_an_ended_fake_says_so(monkeypatch: pytest.MonkeyPatch) -> N
         raise cudafut.CudaUnavailableError("the NVIDIA driver is missing")
 
     monkeypatch.setattr(_pools.streams, "get", no_cuda)
-    monkeypatch.setattr(_cuda, "current_stream", no_cuda)
+    monkeypatch.setattr(_backend.current, "current_stream", no_cuda)
     with pytest.raises(cudafut.InvalidStateError, match=r"fake GPU, which has ended .*fake_cuda\(\)") as info:
         left.then(lambda v: v).result(timeout=10)
     assert isinstance(info.value.__cause__, cudafut.CudaUnavailableError)

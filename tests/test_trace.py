@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _cuda, _events, _policy, _pools
+from cudafut import _backend, _cuda, _events, _policy, _pools
 from cudafut._trace import hooks, pool, recorder
 from tests.fakes import FakeRecord
 
@@ -149,12 +149,12 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
     monkeypatch.setattr(_events, "record", gpu.record)
     monkeypatch.setattr(_events, "_sequence", gpu.sequence)
     monkeypatch.setattr(_pools, "streams", gpu.streams)
-    monkeypatch.setattr(_cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_backend.current, "current_device", lambda: 0)
     monkeypatch.setattr(_cuda, "check_device", lambda device: device)
-    monkeypatch.setattr(_cuda, "current_stream", lambda device: _Stream(0x10))
-    monkeypatch.setattr(_cuda, "stream_wait", lambda stream, event, device: None)
+    monkeypatch.setattr(_backend.current, "current_stream", lambda device: _Stream(0x10))
+    monkeypatch.setattr(_backend.current, "stream_wait", lambda stream, event, device: None)
     monkeypatch.setattr(
-        _cuda, "call_on_streams", lambda streams, primary, fn, args, kwargs: fn(*args, **kwargs)
+        _backend.current, "call_on_streams", lambda streams, primary, fn, args, kwargs: fn(*args, **kwargs)
     )
     monkeypatch.setattr(pool, "timing", gpu.timing)
     yield gpu

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _copies, _cuda, _events, _memory, _tracked
+from cudafut import _backend, _copies, _events, _memory, _tracked
 from tests.fakes import FakeRecord
 
 S1, S2, S3, S4, COPY = 0x100, 0x200, 0x300, 0x400, 0x900
@@ -102,8 +102,8 @@ class FakeCuda:
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     cuda = FakeCuda()
     cuda.use(S1)
-    monkeypatch.setattr(_cuda, "current_stream", cuda.current_stream)
-    monkeypatch.setattr(_cuda, "stream_wait", cuda.stream_wait)
+    monkeypatch.setattr(_backend.current, "current_stream", cuda.current_stream)
+    monkeypatch.setattr(_backend.current, "stream_wait", cuda.stream_wait)
     monkeypatch.setattr(_events, "record", cuda.record)
     monkeypatch.setattr(_memory, "record_streams_of", cuda.record_streams_of)
     previous = cudafut.set_tracking(True)

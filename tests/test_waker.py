@@ -89,8 +89,8 @@ def test_pure_mode_never_loads_the_waker() -> None:
     from tests.subproc import run_python
 
     proc = run_python(
-        "import sys, cudafut\nfrom cudafut import _cuda, _notices\n"
-        "_cuda.notice_stream\nprint(_notices._load_waker(), 'cudafut._waker' in sys.modules)",
+        "import sys, cudafut\nfrom cudafut import _backend, _cuda, _notices\n"
+        "_backend.current.notice_stream\nprint(_notices._load_waker(), 'cudafut._waker' in sys.modules)",
         CUDAFUT_PURE="1",
     )
     assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr

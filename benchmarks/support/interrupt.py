@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CTRL_C = """
 import sys, time
 import cudafut
-from cudafut import _cuda
+from cudafut import _backend, _cuda
 from cudafut._kernels import GSLEEP
-cp = _cuda.cupy()
+cp = _backend.current.cupy()
 gsleep = cp.RawModule(code=GSLEEP).get_function("gsleep")
 s = cp.cuda.Stream(non_blocking=True)
 x = cp.zeros(4, dtype=cp.float32)

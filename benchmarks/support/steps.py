@@ -33,7 +33,18 @@ from typing import Any
 import cupy as cp
 
 import cudafut
-from cudafut import _compiled, _cuda, _engine, _events, _memory, _pools, _torch, _values
+from cudafut import (
+    _backend,
+    _compiled,
+    _cuda,
+    _engine,
+    _event_calls,
+    _events,
+    _memory,
+    _pools,
+    _torch,
+    _values,
+)
 from cudafut._future import CudaFuture
 from cudafut._interface import new_future, set_future
 
@@ -65,7 +76,7 @@ def steps(stream: Any, token: Any) -> None:
     libcuda = ctypes.CDLL("libcuda.so.1")
     libcuda.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     libcuda.cuEventQuery.argtypes = [ctypes.c_void_p]
-    current = _cuda.current_stream(0)
+    current = _backend.current.current_stream(0)
     consumers = [(int(current.ptr), 0, current)]
 
     def consumer(_device: int) -> tuple[int, int]:
@@ -84,15 +95,15 @@ def steps(stream: Any, token: Any) -> None:
         ("cupy rt.eventRecord", lambda: rt.eventRecord(handle, ptr)),
         ("cupy rt.eventQuery", lambda: rt.eventQuery(handle)),
         ("cupy Event() + record", lambda: cp.cuda.Event(disable_timing=True).record(stream)),
-        ("_cuda.event_record", lambda: _cuda.event_record(handle, ptr, 0)),
-        ("_cuda.event_query", lambda: _cuda.event_query(handle)),
+        ("_backend.current.event_record", lambda: _backend.current.event_record(handle, ptr, 0)),
+        ("_event_calls.event_query", lambda: _event_calls.event_query(handle)),
         ("rt.getDevice", rt.getDevice),
         ("pool acquire+release", lambda: _pools.events.release(0, _pools.events.acquire(0))),
         ("_events.record(ptr,0) (+drop)", lambda: _events.record(ptr, 0)),
         ("perf_counter", time.perf_counter),
         ("numbering (_counters)", numbered),
         ("_cuda.stream_handle(stream)", lambda: _cuda.stream_handle(stream)),
-        ("_cuda.current_stream(0)", lambda: _cuda.current_stream(0)),
+        ("_backend.current.current_stream(0)", lambda: _backend.current.current_stream(0)),
         ("cp.cuda.get_current_stream(0)", lambda: cp.cuda.get_current_stream(0)),
         ("order_foreign(token, lam)", lambda: _values.order_foreign(token, consumer)),
         ("find_devices(token)", lambda: _values.find_devices(token)),

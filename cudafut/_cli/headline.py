@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .. import _cuda, _pools
+from .. import _backend, _pools
 from .._copies import to_device, to_host
 from .._errors import CudaUnavailableError
 from .._kernels import GSLEEP
@@ -103,7 +103,7 @@ class _Gpu:
     """The spin kernel, a stream and the value the futures carry."""
 
     def __init__(self) -> None:
-        cp = _cuda.cupy()
+        cp = _backend.current.cupy()
         self.cp = cp
         self.device = int(cp.cuda.runtime.getDevice())
         name = cp.cuda.runtime.getDeviceProperties(self.device)["name"]

@@ -24,7 +24,7 @@ import sys
 import warnings
 from typing import Any
 
-from .. import _compiled, _cuda, _policy, _timer
+from .. import _backend, _compiled, _cuda, _policy, _timer
 from .._errors import CudaUnavailableError
 
 #: The optional packages reported (distribution names), besides NCCL.
@@ -196,7 +196,7 @@ def gather() -> dict[str, Any]:
     }
     check["packages"]["nccl"] = _nccl_facts(cp)
     try:
-        count = _cuda.device_count()
+        count = _backend.current.device_count()
     except CudaUnavailableError as exc:
         check["problem"] = str(exc).removesuffix(f"; {_cuda.NO_GPU_TESTING}")  # the last fix says it
         check["fix"] = _fixes(cupy_facts, driver, driver_cuda)
@@ -205,7 +205,7 @@ def gather() -> dict[str, Any]:
         check["problem"] = f"CUDA could not be initialised: {type(exc).__name__}: {exc}"
         check["fix"] = _fixes(cupy_facts, driver, driver_cuda)
         return check
-    rt = _cuda.runtime()
+    rt = _backend.current.runtime()
     for i in range(count):
         props = rt.getDeviceProperties(i)
         name = props["name"]
@@ -292,7 +292,7 @@ def unusable() -> list[str] | None:
     self-check (which takes up to a few seconds: it asks the driver, CuPy,
     and perhaps ``nvidia-smi``)."""
     try:
-        _cuda.device_count()
+        _backend.current.device_count()
     except CudaUnavailableError:
         pass
     except Exception:  # noqa: BLE001 - a broken CuPy install: the self-check says what

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from .. import _cuda
+from .. import _backend, _cuda, _event_calls
 
 if TYPE_CHECKING:
     pass
@@ -27,7 +27,7 @@ class CudaTiming:
 
     def usable(self) -> bool:
         """Whether CUDA is initialised in this process (records exist only then)."""
-        return _cuda.initialised()
+        return _backend.current.initialised()
 
     def acquire(self, device: int) -> int:
         try:
@@ -40,27 +40,27 @@ class CudaTiming:
         if len(free) < _MAX_FREE_TIMING:
             free.append(handle)
         else:
-            _cuda.event_destroy(handle)
+            _backend.current.event_destroy(handle)
 
     def record(self, handle: int, stream: int, device: int) -> None:
-        _cuda.event_record(handle, stream, device)
+        _backend.current.event_record(handle, stream, device)
 
     def ref_stream(self, device: int) -> int:
         """An idle stream of the tracer's own: the reference event recorded
         there completes at once, whatever the application's streams run."""
         stream = self._ref_streams.get(device)
         if stream is None:
-            stream = self._ref_streams[device] = _cuda.new_stream(device, 0)
+            stream = self._ref_streams[device] = _backend.current.new_stream(device, 0)
         return int(stream.ptr)
 
     def elapsed_ms(self, ref: int, handle: int) -> float | None:
         """ms from ``ref`` to ``handle``, or None while ``handle`` is pending."""
-        if _cuda.event_query(handle) != 0:
+        if _event_calls.event_query(handle) != 0:
             return None
         return _cuda.event_elapsed_ms(ref, handle)
 
     def done(self, handle: int) -> bool:
-        return bool(_cuda.event_query(handle) != _cuda.NOT_READY)
+        return bool(_event_calls.event_query(handle) != _cuda.NOT_READY)
 
 
 timing: Any = CudaTiming()

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
-from .. import _checks, _cuda, _events, _torch
+from .. import _backend, _checks, _cuda, _events, _torch
 from .._future import CudaFuture
 from .._interface import set_future
 from .._log import logger
@@ -126,7 +126,7 @@ class ProcessGroup:
         self.timeout = timeout
         self.name = name
         # Clamped by CUDA into the device's range: the highest priority.
-        self.stream = _cuda.new_stream(device, -1000) if stream is None else stream
+        self.stream = _backend.current.new_stream(device, -1000) if stream is None else stream
         # Calls reach NCCL in one order, whichever threads make them.
         self._call_lock = threading.Lock()
         # Guards the bookkeeping below; never held across an NCCL call, so
@@ -163,7 +163,7 @@ class ProcessGroup:
         self._raise_if_aborted(op)
         device = self.device
         stream = int(self.stream.ptr)
-        with _cuda.on_device(device), self._call_lock:
+        with _backend.current.on_device(device), self._call_lock:
             self._raise_if_aborted(op)
             _events.record_current(device).wait_on(stream, device)
             # Visible to the watchdog from here on: a call that blocks (the
@@ -286,7 +286,7 @@ class ProcessGroup:
             if self._aborted is None:
                 with self._lock:
                     self._aborted = "the group was destroyed"
-                with _cuda.on_device(self.device):
+                with _backend.current.on_device(self.device):
                     self._comm.destroy()
         _watchdog.forget(self)
 
@@ -466,7 +466,7 @@ def _communicator(
     _nccl.check_available()
 
     def init() -> _nccl.Communicator:
-        with _cuda.on_device(device):
+        with _backend.current.on_device(device):
             return _nccl.communicator(size, uid, rank)
 
     done, comm = _bounded(init, deadline, "cudafut-nccl-init")
@@ -608,13 +608,13 @@ def init_process_group(
         check_store(store)
     r, n, local = _env.launch_env(rank, world_size)
     _cuda.check_usable()
-    count = _cuda.device_count()
+    count = _backend.current.device_count()
     dev = _cuda.check_device(local % count if device is None and local is not None else (device or 0))
     with _world_lock:
         if _world is not None:
             raise ValueError("the process group is initialised already; call destroy_process_group() first")
         deadline = time.monotonic() + limit
-        _cuda.use_device(dev)
+        _backend.current.use_device(dev)
         make = None
         if n > 1 and store is None:
             make = functools.partial(_make_store, r, n, limit, deadline)

@@ -2,7 +2,7 @@
 cudafut.distributed that reaches CuPy (through ``cupy.cuda.nccl`` and
 ``cupyx.distributed``), as :mod:`cudafut._cuda` is for the rest of cudafut.
 
-NCCL is loaded on first use, after :func:`cudafut._cuda.cupy` has checked
+NCCL is loaded on first use, after :func:`cudafut._backend.current.cupy` has checked
 that CUDA is usable. The collectives of :class:`Communicator` enqueue on a
 stream and return: a few µs on the host each, plus what NCCL does on its
 first call to a peer (which may block until the peer calls too).
@@ -17,7 +17,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-from .. import _cuda
+from .. import _backend
 from .._errors import CudaUnavailableError
 
 _module: Any = None
@@ -33,7 +33,7 @@ def _nccl() -> Any:
 
 def _load() -> Any:
     global _module
-    _cuda.cupy()  # CUDA usable (the fork check, the driver), before NCCL loads
+    _backend.current.cupy()  # CUDA usable (the fork check, the driver), before NCCL loads
     from cupy.cuda import nccl
 
     if not getattr(nccl, "available", True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from .. import _cuda
+from .. import _backend
 from .._future import CudaFuture
 from . import _nccl
 from ._group import ProcessGroup, resolve
@@ -91,12 +91,12 @@ def _device_of(array: object, ptr: int) -> int:
     index = getattr(device, "id", None)
     if index is None:
         index = getattr(device, "index", None)
-    return int(index) if isinstance(index, int) else _cuda.pointer_device(ptr)
+    return int(index) if isinstance(index, int) else _backend.current.pointer_device(ptr)
 
 
 def _empty(group: ProcessGroup, shape: tuple[int, ...], like: _Buffer) -> Any:
-    cp = _cuda.cupy()
-    with _cuda.on_device(group.device):
+    cp = _backend.current.cupy()
+    with _backend.current.on_device(group.device):
         # On the caller's current stream, where the inputs are made.
         return cp.empty(shape, dtype=_cuda_dtype(like))
 
