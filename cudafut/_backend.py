@@ -9,9 +9,10 @@ modules hold of the previous backend), and a test replaces one call with
 ``monkeypatch.setattr(_backend.current, name, f)``. A call through it
 costs one attribute lookup more than a plain function call.
 
-The native core (cudafut/_core.pyx) still makes four of the calls as
-``_cuda.name(...)``; there they forward to :data:`current` (see
-``_cuda.NATIVE_CORE_READS``) until the native core takes this object.
+The native core (cudafut/_core.pyx) keeps its own reference to
+:data:`current`, which its :func:`on_swap` hook replaces, and calls it
+(``event_record``, ``event_create``, ``event_destroy``, ``current_stream``)
+where it cannot make the call from C.
 
 This module is the bottom of the seam: it imports nothing of cudafut's.
 """

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from . import _cuda, _future, _loops, _torch, _waiter
+from . import _future, _loops, _runtime, _torch, _waiter
 from ._errors import CancelledError
 from ._events import EventRecord, first_error
 from ._future import CudaFuture
@@ -98,7 +98,7 @@ def from_torch(torch_future: Any, *, devices: int | Iterable[int] | None = None)
         RuntimeError: PyTorch is not imported.
     """
     torch = _torch.required("from_torch()")
-    _cuda.check_usable()
+    _runtime.check_usable()
     if not _torch.is_future(torch, torch_future):
         raise TypeError(f"from_torch() takes a torch.futures.Future, not {type(torch_future).__name__}")
     fut: CudaFuture[Any] = CudaFuture(devices)
@@ -141,8 +141,8 @@ def to_asyncio(fut: CudaFuture[T], loop: asyncio.AbstractEventLoop | None) -> as
         loop = running
     elif not isinstance(loop, asyncio.AbstractEventLoop):
         raise TypeError(f"loop must be an asyncio event loop, not {type(loop).__name__}")
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
+    if _runtime.forked:  # a flag test, without a call
+        _runtime.check_usable()
     out: asyncio.Future[T] = loop.create_future()
 
     def copy(done: CudaFuture[T]) -> None:  # on the loop
@@ -201,8 +201,8 @@ def to_concurrent(fut: CudaFuture[T]) -> concurrent.futures.Future[T]:
 def to_torch(fut: CudaFuture[T]) -> Any:
     """:meth:`CudaFuture.to_torch <cudafut.CudaFuture.to_torch>`, which says what it costs and raises."""
     torch = _torch.required("to_torch()")
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
+    if _runtime.forked:  # a flag test, without a call
+        _runtime.check_usable()
 
     def tensor_devices(value: object) -> set[int]:
         return {t.get_device() for t in _torch.torch_tensors(torch, value)}

@@ -17,8 +17,8 @@ where this extension was not built). What differs is the cost:
   running Python (a model's launcher threads), for up to a switch interval
   (``cuEventRecord`` and ``cuStreamWaitEvent`` block only while a stream's
   queue is full, as CuPy's calls would). Any call the fast path cannot
-  make, or that fails, is made again through ``_cuda``'s functions (CuPy's
-  runtime), which set up the device's context or raise the
+  make, or that fails, is made again through the backend's functions
+  (``_backend.current``: CuPy's runtime), which set up the device's context or raise the
   :class:`~cudafut.CudaError` with the runtime's code and name.
 - Per stream, records are numbered under a C mutex held across
   ``cuEventRecord``, so the numbers follow the stream's order; a record
@@ -39,8 +39,9 @@ where this extension was not built). What differs is the cost:
   record) is tracked from then on. Stream states are never tracked.
 
 Under :mod:`cudafut.testing`'s fake GPU the same types are used; their
-calls go through the fake's record calls (``_cuda.RecordCalls``), and the
-pool is the fake's.
+calls go through the fake's record calls (``_event_calls.RecordCalls``), its
+other calls through the backend object this module keeps (the fake, while
+:func:`cudafut._backend.swap` has it installed), and the pool is the fake's.
 """
 
 cimport cython
@@ -62,7 +63,7 @@ import sys
 import threading
 import weakref
 
-from cudafut import _cuda
+from cudafut import _backend, _event_calls, _runtime
 
 
 cdef extern from "<dlfcn.h>" nogil:
@@ -92,7 +93,7 @@ cdef cu_event_query_t cu_event_query = NULL
 cdef cu_stream_wait_event_t cu_stream_wait_event = NULL
 cdef cu_ctx_get_device_t cu_ctx_get_device = NULL
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
-# then goes through _cuda's functions).
+# then goes through the backend's functions).
 cdef int _driver = 0
 
 # What the native calls did, for tests and benchmarks (counts()): driver
@@ -179,10 +180,19 @@ cdef inline double _now() noexcept nogil:
 
 # -- the backend ------------------------------------------------------------------
 
-# The record calls of the backend installed (_cuda.RecordCalls): CUDA's, or
-# those of cudafut.testing's fake; and CUDA's own, for the C fast path.
-cdef object _CUDA_CALLS = _cuda.CUDA
+# The record calls of the backend installed (_event_calls.RecordCalls): CUDA's,
+# or those of cudafut.testing's fake; and CUDA's own, for the C fast path.
+cdef object _CUDA_CALLS = _event_calls.CUDA
 cdef object _calls = _CUDA_CALLS
+# The backend in force (_backend.current, kept here by _swap_streams, the
+# on_swap hook below): the runtime's path of record(), the pool's misses
+# and record(x) of one CuPy array call it. CUDA's is installed already: the
+# modules that import this one (_events, _pools) import _cuda first.
+cdef object _be = _backend.current
+# Whether this is a child forked after CUDA was initialised (_runtime.forked,
+# copied by _after_fork below, which runs after _runtime's own reset): a C
+# flag the futures' paths test on every call.
+cdef bint _forked = _runtime.forked
 # The module whose ``events`` is the event pool in use, and the twin's
 # is_newest() for records made outside record() (bind()).
 cdef object _pools = None
@@ -332,28 +342,29 @@ def keep_stream(stream, long long device):
 
 
 def _swap_streams(backend):
-    global _by_handle, _by_key, _calls, _local, _backend_streams, _stream_types
-    saved = (_by_handle, _by_key, _calls, _local, _backend_streams)
-    _by_handle, _by_key, _calls, _local = {}, {}, backend, threading.local()
+    global _by_handle, _by_key, _calls, _be, _local, _backend_streams, _stream_types
+    saved = (_by_handle, _by_key, _calls, _be, _local, _backend_streams)
+    _by_handle, _by_key, _calls, _be, _local = {}, {}, backend, backend, threading.local()
     _backend_streams = tuple(getattr(backend, "stream_types", ()))
     _stream_types = None  # found again at the next record
 
     def restore():
-        global _by_handle, _by_key, _calls, _local, _backend_streams, _stream_types
-        _by_handle, _by_key, _calls, _local, _backend_streams = saved
+        global _by_handle, _by_key, _calls, _be, _local, _backend_streams, _stream_types
+        _by_handle, _by_key, _calls, _be, _local, _backend_streams = saved
         _stream_types = None
 
     return restore
 
 
-_cuda.on_swap(_swap_streams)
+_backend.on_swap(_swap_streams)
 
 
 def _after_fork():
-    # The child has no CUDA (every call goes through _cuda, which says so),
-    # and a parent's thread may have held a stream's mutex at the fork.
-    global _driver, _by_handle, _by_key, _local
+    # The child has no CUDA (every call goes through the backend, which says
+    # so), and a parent's thread may have held a stream's mutex at the fork.
+    global _driver, _by_handle, _by_key, _local, _forked
     _driver = -1
+    _forked = _runtime.forked
     _by_handle, _by_key, _local = {}, {}, threading.local()
 
 
@@ -369,7 +380,7 @@ cdef class EventRecord:
 
     ``status`` is ``None`` while the work may be pending, ``0`` once it is
     complete, or the CUDA error code the event reported. ``calls`` is the
-    backend that made it (:class:`cudafut._cuda.RecordCalls`), which it
+    backend that made it (:class:`cudafut._event_calls.RecordCalls`), which it
     asks for as long as it lives; ``pool``, the event pool its handle
     returns to when it is garbage (``None``: it owns no pooled event).
     """
@@ -634,7 +645,7 @@ def record(long long stream, long long device, confirm=None, owner=None):
             before = state.newest
             pthread_mutex_unlock(&state.lock)
         try:
-            _cuda.event_record(handle, stream, device)
+            _be.event_record(handle, stream, device)
         except BaseException:
             pool.release(device, handle)
             raise
@@ -712,7 +723,7 @@ cdef class EventPool:
         if 0 <= device < MAX_DEVICES and self._nfree[device] > 0:
             self._nfree[device] -= 1
             return self._free[device][self._nfree[device]]
-        handle = int(_cuda.event_create(device))
+        handle = int(_be.event_create(device))
         self.created += 1
         if 0 <= device < MAX_DEVICES:
             self._made[device] += 1
@@ -735,7 +746,7 @@ cdef class EventPool:
             self._nfree[device] += 1
             return 0
         if not sys.is_finalizing():
-            _cuda.event_destroy(handle)
+            _be.event_destroy(handle)
             if 0 <= device < MAX_DEVICES:
                 self._destroyed[device] += 1
         return 0
@@ -785,7 +796,7 @@ cdef object _finalize_py = None  # the Python twin's CudaFuture.__del__
 cdef object _consumers_py = None  # _engine.record_current_consumers
 cdef object _order_foreign = None  # _values.order_foreign
 cdef object _current_driver = None  # _loops.current_driver
-cdef object _mapped_pages = None  # _cuda's pages known mapped (check_stream_address)
+cdef object _mapped_pages = None  # _streams' pages known mapped (check_stream_address)
 cdef object _block_type = None  # _memory's block of the allocator wrapper
 cdef long long _page_size = 4096
 cdef object _allocate_lock = None
@@ -864,7 +875,7 @@ def record_value(value, stream, keep):
     cdef long long device
     cdef long long page
     cdef _Consumer consumer
-    if _cuda.forked or _hooks.active is not None:
+    if _forked or _hooks.active is not None:
         return None
     if _stream_types is None or (not _stream_types and "cupy" in sys.modules):
         _find_types()
@@ -874,7 +885,7 @@ def record_value(value, stream, keep):
         if _lone_array is None or type(value) is not _lone_array or "torch" in sys.modules:
             return None
         device = value.data.device_id
-        stream = _cuda.current_stream(device)
+        stream = _be.current_stream(device)
         return _set_future(value, record(stream.ptr, device, None, stream), keep)
     if type(stream) not in _stream_types:
         return None
@@ -985,15 +996,15 @@ cdef object _consume_one(object array, long long device):
     """record_current_consumers() of one CuPy array for an await or
     result(): the awaiting thread's current stream of ``device`` reads it
     from now on (_memory's block, if cudafut's allocator wrapper made it;
-    the owner is read as _cuda.owner_of reads it). A torch tensor is never
+    the owner is read as _cupy_objects.owner_of reads it). A torch tensor is never
     a CuPy array: torch's streams have nothing to record here."""
     memory = getattr(array.data, "mem", None)
     block = getattr(memory, "_owner", None)
     if type(block) is not _block_type or block.device != device:
         return None  # another allocator's memory: untracked, nothing to do for an await
     # CuPy's own getter: a block of the wrapper means CUDA is set up (and
-    # _cuda.current_stream() would only add a Python frame around it).
-    stream = _cupy_current_stream(device) if _calls is _CUDA_CALLS else _cuda.current_stream(device)
+    # the backend's current_stream() would only add a Python frame around it).
+    stream = _cupy_current_stream(device) if _calls is _CUDA_CALLS else _be.current_stream(device)
     ptr = stream.ptr
     if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
         block.add_reader(ptr, device, stream)
@@ -1050,7 +1061,7 @@ def future_await(self):
     cdef EventRecord rec
     cdef _Done done
     fut = self
-    if fut._state is _SET and not _cuda.forked and _hooks.active is None:
+    if fut._state is _SET and not _forked and _hooks.active is None:
         records = fut._records
         if len(records) == 1:
             r = records[0]
@@ -1075,7 +1086,7 @@ def future_result(self, timeout=None):
     blocks."""
     cdef EventRecord rec
     fut = self
-    if timeout is None and fut._state is _SET and not _cuda.forked and _hooks.active is None:
+    if timeout is None and fut._state is _SET and not _forked and _hooks.active is None:
         for r in fut._records:
             if type(r) is not EventRecord:
                 return _result_py(fut, timeout)

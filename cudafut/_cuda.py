@@ -33,14 +33,13 @@ under 1 µs, a query about 1.7 µs and holds the GIL, a stream wait about
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING
 
 from . import (
     _backend,
     _copy_calls,
     _event_calls,
     _ipc,
-    _lifetimes,
     _notices,
     _runtime,
     _streams,
@@ -78,20 +77,6 @@ from ._streams import PAGE_SIZE as PAGE_SIZE
 from ._streams import check_stream_address as check_stream_address
 from ._streams import mapped_pages as mapped_pages
 from ._streams import stream_handle as stream_handle
-
-#: True in a child forked after CUDA was initialised (``_runtime.forked``,
-#: kept here for the callers that test it without a call, the native core
-#: among them).
-forked = _runtime.forked
-
-
-def _after_fork_in_child() -> None:
-    # Registered after _runtime's reset, which sets its flag first.
-    global forked
-    forked = _runtime.forked
-
-
-_lifetimes.at_fork_in_child(_after_fork_in_child)
 
 
 class CudaBackend:
@@ -145,37 +130,6 @@ class CudaBackend:
 
 
 _backend.install_cuda(CudaBackend())
-
-
-# -- the native core's calls ------------------------------------------------------------
-# cudafut/_core.pyx looks these up as _cuda.name at each call (its fallbacks
-# to the runtime, the pool's misses, record(x) of one CuPy array): each
-# forwards to the backend in force, so that the fake and a test's
-# replacement reach the native core too. One Python call more than the
-# backend's own; the native core makes its common calls from C.
-
-#: What the native core reads from this module as calls of the backend.
-NATIVE_CORE_READS: Final = ("current_stream", "event_create", "event_destroy", "event_record")
-
-
-def current_stream(device: int) -> Any:
-    """``_backend.current.current_stream(device)``."""
-    return _backend.current.current_stream(device)
-
-
-def event_create(device: int) -> int:
-    """``_backend.current.event_create(device)``."""
-    return _backend.current.event_create(device)
-
-
-def event_destroy(event: int) -> None:
-    """``_backend.current.event_destroy(event)``."""
-    _backend.current.event_destroy(event)
-
-
-def event_record(event: int, stream: int, device: int) -> None:
-    """``_backend.current.event_record(event, stream, device)``."""
-    _backend.current.event_record(event, stream, device)
 
 
 if TYPE_CHECKING:  # mypy: CUDA's backend implements the interface

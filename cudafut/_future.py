@@ -35,6 +35,7 @@ from . import (
     _loops,
     _memory,
     _pools,
+    _runtime,
     _torch,
     _waiter,
 )
@@ -220,8 +221,8 @@ class CudaFuture(Generic[T]):
         """
         if self._state is not _PENDING:
             self._check_pending()
-        if _cuda.forked:  # a flag test, without a call
-            _cuda.check_usable()
+        if _runtime.forked:  # a flag test, without a call
+            _runtime.check_usable()
         # Other libraries' work (JAX's streams) before the streams recorded on
         # (docs/design.md, hazard 9); nothing for CuPy arrays and torch tensors.
         order_foreign(value, current_consumer if self._devices is None else _onto(self._devices))
@@ -417,8 +418,8 @@ class CudaFuture(Generic[T]):
             ValueError: ``timeout`` is negative or NaN.
             TypeError: ``timeout`` is not a number.
         """
-        if _cuda.forked:  # a flag test, without a call
-            _cuda.check_usable()
+        if _runtime.forked:  # a flag test, without a call
+            _runtime.check_usable()
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)
         if self._state is _SET:
@@ -465,7 +466,7 @@ class CudaFuture(Generic[T]):
                 :class:`CancelledError`).
             Exception: whatever the producer set with :meth:`set_exception`.
         """
-        if self._state is _SET and not _cuda.forked and _trace.active is None:
+        if self._state is _SET and not _runtime.forked and _trace.active is None:
             records = self._records
             if len(records) == 1:
                 record = records[0]
@@ -492,8 +493,8 @@ class CudaFuture(Generic[T]):
         """:meth:`__await__`'s general path. ``seen_pending``: the future is
         set, and its one record was seen pending just now."""
         if not seen_pending:
-            if _cuda.forked:  # a flag test, without a call
-                _cuda.check_usable()
+            if _runtime.forked:  # a flag test, without a call
+                _runtime.check_usable()
             if self._state is _SET and self._events_done():
                 if _trace.active is not None:
                     _trace.waited_at_once(self, "await")
@@ -592,8 +593,8 @@ class CudaFuture(Generic[T]):
             fn, "then()", "in the thread that sets this future (at once if it is set)", _THEN_INSTEAD
         )
         prio = _pools.check_priority(priority)
-        if _cuda.forked:  # a flag test, without a call
-            _cuda.check_usable()
+        if _runtime.forked:  # a flag test, without a call
+            _runtime.check_usable()
         child: CudaFuture[Any] = new_future("then")
         child._keep = self  # what it waits for (see __init__)
         if _trace.active is not None:
@@ -1021,8 +1022,8 @@ class CudaFuture(Generic[T]):
 
     def _block_until_done(self, timeout: float | None) -> None:
         """Block until set, then until the events complete (or one fails)."""
-        if _cuda.forked:  # a flag test, without a call
-            _cuda.check_usable()
+        if _runtime.forked:  # a flag test, without a call
+            _runtime.check_usable()
         token = _trace.wait_start(self, "result()") if _trace.active is not None else None
         deadline = check_timeout(timeout)
         self._block_until_set(deadline, timeout)

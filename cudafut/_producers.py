@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar, overload
 
-from . import _backend, _checks, _compiled, _cuda, _events, _future, _pools, _torch
+from . import _backend, _checks, _compiled, _cuda, _events, _future, _pools, _runtime, _torch
 from ._engine import record_consumers
 from ._future import CudaFuture, Priority
 from ._interface import fail_future, new_future, set_future
@@ -65,8 +65,8 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         fut = _record_value(value, stream, keep)  # the native core's fast path
         if fut is not None:
             return fut
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
+    if _runtime.forked:  # a flag test, without a call
+        _runtime.check_usable()
     if stream is None:
         order_foreign(value)  # docs/design.md, hazard 9
         torch = _torch.loaded()
@@ -143,8 +143,8 @@ def submit(
     _checks.check_callable(fn, "submit()")
     _checks.not_async(fn, "submit()", "at once, in the calling thread", _SUBMIT_INSTEAD)
     prio = _pools.check_priority(priority)
-    if _cuda.forked:  # a flag test, without a call
-        _cuda.check_usable()
+    if _runtime.forked:  # a flag test, without a call
+        _runtime.check_usable()
     dev = _backend.current.current_device() if device is None else _cuda.check_device(device)
     stream = _pools.streams.get(dev, prio)
     ptr = int(stream.ptr)
