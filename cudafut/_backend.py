@@ -34,6 +34,14 @@ class Backend(Protocol):
     both against this class. Each method's meaning, cost and blocking are
     the docstring of CUDA's function of the same name (``CudaBackend`` says
     which module holds it).
+
+    An event record keeps the backend that made it (its ``calls``) for as
+    long as it lives, and asks it ``event_query``, ``stream_wait``,
+    ``event_error`` and ``ended``: a record of the fake asks the fake, never
+    CUDA, even after the fake is removed. A backend may also name, as
+    ``stream_types``, stream types whose ``ptr`` and ``device_id`` are their
+    handle and device (the fake's): ``record(x, stream=s)``'s native fast
+    path reads them.
     """
 
     def call_on_streams(
@@ -50,8 +58,11 @@ class Backend(Protocol):
     def device_of_bus_id(self, bus_id: str) -> int: ...
     def device_synchronize(self, device: int) -> None: ...
     def devices_of_host_value(self) -> tuple[int, ...]: ...
+    def ended(self) -> str | None: ...
     def event_create(self, device: int) -> int: ...
     def event_destroy(self, event: int) -> None: ...
+    def event_error(self, code: int, device: int) -> Exception: ...
+    def event_query(self, event: int) -> int: ...
     def event_record(self, event: int, stream: int, device: int) -> None: ...
     def event_synchronize(self, event: int) -> None: ...
     def free_host(self, ptr: int) -> None: ...
@@ -175,6 +186,12 @@ def _unswap(restores: list[Callable[[], None]], saved: Backend) -> None:
     finally:
         current = saved
         _swapped = None
+
+
+def cuda() -> Backend:
+    """CUDA's backend (whether or not a fake is installed): what a record
+    made without naming its backend asks."""
+    return _cuda_backend
 
 
 def install_cuda(backend: Backend) -> None:

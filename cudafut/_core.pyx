@@ -39,9 +39,10 @@ where this extension was not built). What differs is the cost:
   record) is tracked from then on. Stream states are never tracked.
 
 Under :mod:`cudafut.testing`'s fake GPU the same types are used; their
-calls go through the fake's record calls (``_event_calls.RecordCalls``), its
-other calls through the backend object this module keeps (the fake, while
-:func:`cudafut._backend.swap` has it installed), and the pool is the fake's.
+records keep the fake's backend and ask it (``event_query``, ``stream_wait``,
+``event_error``, ``ended``), the calls this module makes go to the backend
+object it keeps (the fake, while :func:`cudafut._backend.swap` has it
+installed), and the pool is the fake's.
 """
 
 cimport cython
@@ -63,7 +64,7 @@ import sys
 import threading
 import weakref
 
-from cudafut import _backend, _event_calls, _runtime
+from cudafut import _backend, _runtime
 
 
 cdef extern from "<dlfcn.h>" nogil:
@@ -180,15 +181,14 @@ cdef inline double _now() noexcept nogil:
 
 # -- the backend ------------------------------------------------------------------
 
-# The record calls of the backend installed (_event_calls.RecordCalls): CUDA's,
-# or those of cudafut.testing's fake; and CUDA's own, for the C fast path.
-cdef object _CUDA_CALLS = _event_calls.CUDA
-cdef object _calls = _CUDA_CALLS
-# The backend in force (_backend.current, kept here by _swap_streams, the
-# on_swap hook below): the runtime's path of record(), the pool's misses
-# and record(x) of one CuPy array call it. CUDA's is installed already: the
-# modules that import this one (_events, _pools) import _cuda first.
-cdef object _be = _backend.current
+# CUDA's backend (_cuda.CudaBackend, installed already: the modules that
+# import this one, _events and _pools, import _cuda first), for the C fast
+# path; and the backend in force (_backend.current, kept here by
+# _swap_streams, the on_swap hook below): CUDA's or cudafut.testing's fake.
+# Records keep the one that made them (their ``calls``); the runtime's path
+# of record(), the pool's misses and record(x) of one CuPy array call it.
+cdef object _CUDA_BE = _backend.cuda()
+cdef object _be = _CUDA_BE
 # Whether this is a child forked after CUDA was initialised (_runtime.forked,
 # copied by _after_fork below, which runs after _runtime's own reset): a C
 # flag the futures' paths test on every call.
@@ -342,15 +342,15 @@ def keep_stream(stream, long long device):
 
 
 def _swap_streams(backend):
-    global _by_handle, _by_key, _calls, _be, _local, _backend_streams, _stream_types
-    saved = (_by_handle, _by_key, _calls, _be, _local, _backend_streams)
-    _by_handle, _by_key, _calls, _be, _local = {}, {}, backend, backend, threading.local()
+    global _by_handle, _by_key, _be, _local, _backend_streams, _stream_types
+    saved = (_by_handle, _by_key, _be, _local, _backend_streams)
+    _by_handle, _by_key, _be, _local = {}, {}, backend, threading.local()
     _backend_streams = tuple(getattr(backend, "stream_types", ()))
     _stream_types = None  # found again at the next record
 
     def restore():
-        global _by_handle, _by_key, _calls, _be, _local, _backend_streams, _stream_types
-        _by_handle, _by_key, _calls, _be, _local, _backend_streams = saved
+        global _by_handle, _by_key, _be, _local, _backend_streams, _stream_types
+        _by_handle, _by_key, _be, _local, _backend_streams = saved
         _stream_types = None
 
     return restore
@@ -380,7 +380,8 @@ cdef class EventRecord:
 
     ``status`` is ``None`` while the work may be pending, ``0`` once it is
     complete, or the CUDA error code the event reported. ``calls`` is the
-    backend that made it (:class:`cudafut._event_calls.RecordCalls`), which it
+    backend that made it (:class:`cudafut._backend.Backend`: CUDA's, the
+    default, or cudafut.testing's fake), which it
     asks for as long as it lives; ``pool``, the event pool its handle
     returns to when it is garbage (``None``: it owns no pooled event).
     """
@@ -413,7 +414,7 @@ cdef class EventRecord:
         self.stream_key = stream_key
         self.seq = seq
         self.t = t
-        self.calls = _CUDA_CALLS if calls is None else calls
+        self.calls = _CUDA_BE if calls is None else calls
         self.pool = pool
 
     @property
@@ -473,7 +474,7 @@ cdef class EventRecord:
         return state is not None and state.ordered and self.seq <= state.done
 
     cdef inline bint _fast(self) noexcept:
-        return self.calls is _CUDA_CALLS and _driver_ready()
+        return self.calls is _CUDA_BE and _driver_ready()
 
     def query(self):
         """Non-blocking: the status, asking CUDA only while it is unknown."""
@@ -606,7 +607,8 @@ def record(long long stream, long long device, confirm=None, owner=None):
     cdef long long seq
     cdef long long floor
     cdef long long before
-    cdef bint fast = _calls is _CUDA_CALLS and _driver_ready()
+    cdef object backend = _be
+    cdef bint fast = backend is _CUDA_BE and _driver_ready()
     cdef void *e
     cdef void *s = <void *>stream
     if type(pool) is EventPool:
@@ -645,7 +647,7 @@ def record(long long stream, long long device, confirm=None, owner=None):
             before = state.newest
             pthread_mutex_unlock(&state.lock)
         try:
-            _be.event_record(handle, stream, device)
+            backend.event_record(handle, stream, device)
         except BaseException:
             pool.release(device, handle)
             raise
@@ -662,7 +664,7 @@ def record(long long stream, long long device, confirm=None, owner=None):
     rec.stream_key = state.key
     rec.seq = seq
     rec.t = _now()
-    rec.calls = _calls
+    rec.calls = backend
     rec.pool = pool
     rec.state = state
     rec.floor = floor
@@ -1004,7 +1006,7 @@ cdef object _consume_one(object array, long long device):
         return None  # another allocator's memory: untracked, nothing to do for an await
     # CuPy's own getter: a block of the wrapper means CUDA is set up (and
     # the backend's current_stream() would only add a Python frame around it).
-    stream = _cupy_current_stream(device) if _calls is _CUDA_CALLS else _be.current_stream(device)
+    stream = _cupy_current_stream(device) if _be is _CUDA_BE else _be.current_stream(device)
     ptr = stream.ptr
     if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
         block.add_reader(ptr, device, stream)

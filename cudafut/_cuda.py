@@ -11,8 +11,8 @@ function typed, its docstring saying what it costs and blocks:
 ``_runtime``           start-up (CUDA found usable, refused after fork),
                        devices
 ``_streams``           stream handles, CuPy's current streams, new streams
-``_event_calls``       CUDA's event calls and stream waits; what a record
-                       asks of its backend (``RecordCalls``)
+``_event_calls``       CUDA's event calls and stream waits (a record's
+                       queries among them)
 ``_notices``           CUDA closes a descriptor when work ends
 ``_copy_calls``        copies and pinned host memory
 ``_cupy_objects``      CuPy's allocator, CUDA graphs
@@ -58,12 +58,9 @@ from ._cupy_objects import owner_of as owner_of
 from ._cupy_objects import replay_cupy_graph as replay_cupy_graph
 from ._cupy_objects import set_cupy_allocator as set_cupy_allocator
 from ._cupy_objects import wrap_cupy_allocator as wrap_cupy_allocator
-from ._event_calls import CUDA as CUDA
 from ._event_calls import NOT_READY as NOT_READY
-from ._event_calls import RecordCalls as RecordCalls
 from ._event_calls import event_elapsed_ms as event_elapsed_ms
 from ._event_calls import event_error as event_error
-from ._event_calls import record_calls as record_calls
 from ._event_calls import timing_event_create as timing_event_create
 from ._ipc import array_over as array_over
 from ._notices import set_native_notices as set_native_notices
@@ -95,8 +92,11 @@ class CudaBackend:
     device_of_bus_id = staticmethod(_ipc.device_of_bus_id)
     device_synchronize = staticmethod(_runtime.device_synchronize)
     devices_of_host_value = staticmethod(_runtime.devices_of_host_value)
+    ended = staticmethod(_event_calls.ended)
     event_create = staticmethod(_event_calls.event_create)
     event_destroy = staticmethod(_event_calls.event_destroy)
+    event_error = staticmethod(_event_calls.event_error)
+    event_query = staticmethod(_event_calls.event_query)
     event_record = staticmethod(_event_calls.event_record)
     event_synchronize = staticmethod(_event_calls.event_synchronize)
     free_host = staticmethod(_copy_calls.free_host)
@@ -120,6 +120,10 @@ class CudaBackend:
     stream_synchronize = staticmethod(_streams.stream_synchronize)
     stream_wait = staticmethod(_event_calls.stream_wait)
     use_device = staticmethod(_runtime.use_device)
+
+    #: Stream types beyond CuPy's whose ``ptr`` and ``device_id`` are their
+    #: handle and device: none (the native core finds CuPy's itself).
+    stream_types: tuple[type, ...] = ()
 
     def __init__(self) -> None:
         # Each call held by the instance itself: a call through

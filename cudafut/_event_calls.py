@@ -6,13 +6,12 @@ and callers call them there). Each call gets CuPy's runtime through
 ``_cuda.runtime()`` (a global read once CUDA is initialised), so that the
 fork check and a test's stand-in runtime reach these calls too. The native
 core (cudafut/_core.pyx) makes its records' calls from C where it can, and
-comes here, through ``_cuda``, for the rest.
+comes here, through the backend object (``_cuda.CudaBackend``), for the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
 
 from . import _backend, _runtime
 from ._errors import CudaError
@@ -99,51 +98,7 @@ def event_synchronize(event: int) -> None:
     _backend.current.runtime().eventSynchronize(event)
 
 
-# -- what an event record asks of its backend --------------------------------------------
-
-
-class RecordCalls:
-    """What an event record asks of the backend that made it: its status,
-    a stream's wait on it, the error of a status, and whether the backend
-    can still be used.
-
-    A record keeps the object of its backend for as long as it lives, so
-    that a record of :mod:`cudafut.testing`'s fake asks the fake, never
-    CUDA, even after the fake is removed. :data:`CUDA` is CUDA's (the
-    backend in force's calls, looked up at each call); the fake's backend
-    is its own.
-    """
-
-    __slots__ = ()
-
-    #: Stream types whose ``ptr`` and ``device_id`` attributes are their
-    #: handle and device, beyond CuPy's (which the native core finds once
-    #: CuPy is imported): a fast path of ``record(x, stream=s)`` reads them.
-    stream_types: tuple[type, ...] = ()
-
-    # Looked up at each call, as the core's calls are (a test may replace
-    # one; the mutation check does): the query is CUDA's alone (this
-    # module's function: a record of the fake asks the fake), the stream
-    # wait the backend in force's.
-    def event_query(self, event: int) -> int:
-        return event_query(event)
-
-    def stream_wait(self, stream: int, event: int, device: int) -> None:
-        _backend.current.stream_wait(stream, event, device)
-
-    def event_error(self, code: int, device: int) -> CudaError:
-        return event_error(code, device)
-
-    def ended(self) -> str | None:
-        """Why this backend can no longer be used, or None (CUDA: never)."""
-        return None
-
-
-#: The record calls of CUDA (see :class:`RecordCalls`).
-CUDA: Final = RecordCalls()
-
-
-def record_calls() -> Any:
-    """The record calls of the backend installed now: :data:`CUDA`, or
-    :mod:`cudafut.testing`'s fake (two global reads)."""
-    return _backend.current if _backend.faked() else CUDA
+def ended() -> str | None:
+    """Why CUDA's backend can no longer be used: never (None). The fake's
+    says so once it has ended."""
+    return None

@@ -44,8 +44,9 @@ class EventRecord:
 
     ``status`` is ``None`` while the work may be pending, ``0`` once it is
     complete, or the CUDA error code the event reported. ``calls`` is the
-    backend that made it (:class:`cudafut._event_calls.RecordCalls`: CUDA or
-    :mod:`cudafut.testing`'s fake), which it asks for as long as it lives;
+    backend that made it (:class:`cudafut._backend.Backend`: CUDA's, the
+    default, or :mod:`cudafut.testing`'s fake), which it asks for as long as
+    it lives;
     ``pool``, the event pool its handle returns to when it is garbage
     (``None``: it owns no pooled event).
     """
@@ -96,7 +97,7 @@ class EventRecord:
         #: Asked once the event completes: an error means the work did not
         #: succeed after all (an NCCL kernel that an abort ended early).
         self.confirm: Callable[[], CudaError | None] | None = None
-        self.calls: Any = _cuda.CUDA if calls is None else calls
+        self.calls: Any = _backend.cuda() if calls is None else calls
         self.pool: Any = pool
 
     def query(self) -> int | None:
@@ -172,25 +173,6 @@ class EventRecord:
                 pass
 
 
-#: The record calls of the backend installed (:func:`cudafut._event_calls.record_calls`),
-#: kept here for record(): CUDA's, or those of cudafut.testing's fake.
-_calls: Any = _cuda.CUDA
-
-
-def _swap_calls(backend: Any) -> Callable[[], None]:
-    global _calls
-    saved, _calls = _calls, backend
-
-    def restore() -> None:
-        global _calls
-        _calls = saved
-
-    return restore
-
-
-_cuda.on_swap(_swap_calls)
-
-
 def _stream_key(stream: int, device: int) -> tuple[int, ...]:
     if stream == 2:  # cudaStreamPerThread is one stream per thread
         return (device, stream, threading.get_ident())
@@ -210,8 +192,9 @@ def record(
     pool = _pools.events
     handle = pool.acquire(device)
     key = (device, stream) if stream != 2 else _stream_key(stream, device)
+    backend = _backend.current
     try:
-        _backend.current.event_record(handle, stream, device)
+        backend.event_record(handle, stream, device)
     except BaseException:
         pool.release(device, handle)
         raise
@@ -220,7 +203,7 @@ def record(
         counter = _counters.setdefault(key, itertools.count(1))  # one count, whichever thread wins
     seq = next(counter)
     _sequence[key] = seq
-    rec = EventRecord(handle, device, stream, key, seq, time.perf_counter(), _calls, pool)
+    rec = EventRecord(handle, device, stream, key, seq, time.perf_counter(), backend, pool)
     rec.confirm = confirm
     return rec
 

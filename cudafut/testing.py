@@ -209,7 +209,7 @@ class _Backend:
     (``cudafut._backend.Backend``: ``_backend.current`` while installed)."""
 
     #: The fake's stream type, whose ``ptr`` and ``device_id`` are its
-    #: handle and device (``_event_calls.RecordCalls.stream_types``).
+    #: handle and device (``stream_types``, see ``cudafut._backend.Backend``).
     stream_types = (FakeStream,)
 
     def __init__(self, devices: int, auto_complete: bool, hint_after_s: float = math.inf) -> None:
@@ -354,8 +354,8 @@ class _Backend:
         if ev is not None:  # else an event of no fake record (a test's): nothing to order
             self.wait(stream, device, ev)
 
-    # -- the record calls (cudafut._event_calls.RecordCalls): what the fake's event
-    # records ask it, for as long as they live --
+    # -- the calls of the interface that a record asks (cudafut._backend.Backend):
+    # the fake's event records ask it, for as long as they live --
 
     def event_query(self, event: int) -> int:
         ev = self._recorded.get(event)

@@ -36,7 +36,7 @@ import cupy as cp
 
 import cudafut
 from benchmarks.support.gpu import token, work
-from cudafut import _event_calls, _waiter
+from cudafut import _backend, _waiter
 from cudafut._policy import PRESETS
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -61,9 +61,11 @@ def cpu() -> float:
 
 
 def count_calls() -> None:
-    """Count event queries and waiter polls: the seam's function and the
-    driver's method, wrapped where every caller looks them up."""
-    query = _event_calls.event_query
+    """Count event queries and waiter polls: CUDA's backend's call (which
+    CUDA's records ask) and the driver's method, wrapped where every caller
+    looks them up."""
+    cuda = _backend.cuda()
+    query = cuda.event_query
     poll = _waiter.Driver.poll
 
     def counted_query(handle: int) -> int:
@@ -74,7 +76,7 @@ def count_calls() -> None:
         counts["poll"] += 1
         return poll(self, timer_fired)
 
-    _event_calls.event_query = counted_query  # type: ignore[assignment]
+    cuda.event_query = counted_query  # type: ignore[method-assign]
     _waiter.Driver.poll = counted_poll  # type: ignore[method-assign]
 
 

@@ -17,7 +17,6 @@ from cudafut import (
     _backend,
     _compiled,
     _cuda,
-    _event_calls,
     _events,
     _future,
     _lifetimes,
@@ -204,9 +203,9 @@ MUTATIONS = {
     # then() / submit(): the child's events no longer follow fn's work
     "settle_record": lambda: setattr(_future, "settle", _settle_recorded_early),
     # every event query reports "complete" at once (await, result(), done()):
-    # CUDA's query (_event_calls.event_query, which CUDA's records ask), and in
-    # the native core, whose records ask CUDA from C
-    "query": lambda: _both("query", _event_calls, "event_query", _always_complete),
+    # CUDA's query (CUDA's backend's event_query, which CUDA's records ask),
+    # and in the native core, whose records ask CUDA from C
+    "query": lambda: _both("query", _backend.cuda(), "event_query", _always_complete),
     # an await among others (asyncio) returns without waiting for its record
     "await_one": lambda: _await_one_mutated(),
     # then() children and submit() futures stop keeping their inputs alive

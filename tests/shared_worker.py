@@ -194,11 +194,11 @@ def receive_with_a_fake_event(conn: Any) -> None:
     """Import a ticket whose event is fake (never completes: CUDA is not
     asked); send whether the future is done, then the error its result()
     raises once the test kills the producer named in the ticket."""
-    from cudafut import _backend, _cuda, _event_calls, _shared
+    from cudafut import _backend, _cuda, _shared
 
     setattr(_backend.current, "device_of_bus_id", lambda bus_id: 0)  # noqa: B010 - a method replaced
     setattr(_backend.current, "ipc_open_event", lambda handle, device: 4242)  # noqa: B010
-    _event_calls.event_query = lambda event: _cuda.NOT_READY
+    setattr(_backend.current, "event_query", lambda event: _cuda.NOT_READY)  # noqa: B010
     fut = _shared.import_ticket(conn.recv())
     conn.send(fut.done())
     try:

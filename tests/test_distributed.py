@@ -14,7 +14,7 @@ import pytest
 
 import cudafut
 import cudafut.distributed as dist
-from cudafut import _event_calls, _events
+from cudafut import _backend, _events
 from cudafut.distributed import _group
 from cudafut.distributed._env import launch_env
 from cudafut.distributed._ops import check_op
@@ -398,7 +398,7 @@ class _Confirmable(_events.EventRecord):
 
 
 def test_a_record_asks_its_producer_before_it_counts_as_complete(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_event_calls, "event_query", lambda handle: 0)
+    monkeypatch.setattr(_backend.cuda(), "event_query", lambda handle: 0)
     ok = _Confirmable(-1, 0, 0x77, (0, 0x77), 1, 0.0)
     ok.confirm = lambda: None
     assert ok.query() == 0 and ok.error() is None

@@ -616,3 +616,37 @@ def test_a_record_is_not_pickled_and_has_no_pickle_state_to_set() -> None:
     assert not hasattr(NATIVE, "__pyx_unpickle_EventRecord")
     with pytest.raises(TypeError):
         pickle.dumps(rec)
+
+
+def test_the_core_calls_the_backend_in_force_and_records_keep_it(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both cores: record(), the pool's misses and current_stream go to
+    # _backend.current (the fake here), and the record asks the backend that
+    # made it, through the interface's calls.
+    backend = _backend.current
+    made: list[str] = []
+    for name in ("event_create", "event_record", "current_stream", "event_query"):
+        real = getattr(backend, name)
+
+        def call(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            made.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(backend, name, call)
+    monkeypatch.setattr(_pools, "events", _pools.EventPool())  # empty: the first acquire creates
+    rec = _events.record_current(0)
+    assert rec.calls is backend
+    assert made == ["current_stream", "event_create", "event_record"]
+    fake_cuda.complete_all()
+    assert rec.query() == 0
+    assert made[3:] == ["event_query"]
+
+
+def test_a_record_made_without_a_backend_asks_cudas(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = _backend.cuda()
+    monkeypatch.setattr(cuda, "event_query", lambda handle: 0)
+    rec = _events.EventRecord(-1, 0, 0x77, (0, 0x77), 1, 0.0)
+    assert rec.calls is cuda
+    assert rec.query() == 0 and rec.error() is None
+    assert rec.ended() is None
