@@ -200,6 +200,7 @@ cdef object _pools = None
 # (CuPy's, found once CuPy is imported; the fake's, while it runs), and the
 # array type a lone value of needs no ordering walk (cupy.ndarray).
 cdef tuple _stream_types = None
+cdef bint _cupy_found = False  # _stream_types has CuPy's: look again once CuPy is imported
 cdef object _lone_array = None
 cdef tuple _backend_streams = ()
 cdef object _cupy_current_stream = None  # cupy.cuda.get_current_stream
@@ -803,6 +804,20 @@ cdef object _block_type = None  # _memory's block of the allocator wrapper
 cdef long long _page_size = 4096
 cdef object _allocate_lock = None
 cdef object _get_running_loop = None
+# then(): the Python twin (CudaFuture.then), its helpers for what the native
+# path hands back (a step that raised, a returned future), _engine's
+# record_consumers, _values.find_devices, _pools' priorities by name.
+cdef object _then_py = None
+cdef object _then_failed = None
+cdef object _then_follows = None
+cdef object _record_consumers = None
+cdef object _find_devices = None
+cdef dict _priorities = None
+# CuPy's runtime getDevice/setDevice (found with its stream types).
+cdef object _get_device = None
+cdef object _set_device = None
+# Code flags of functions whose call makes a coroutine or an async generator.
+cdef int _ASYNC_FLAGS = 0x80 | 0x100 | 0x200
 # The CancelledError of an await on asyncio, asyncio's InvalidStateError.
 cdef object _AsyncioCancelled = None
 cdef object _AsyncioInvalidState = None
@@ -837,10 +852,12 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
 
 
 cdef bint _find_types() except -1:
-    global _stream_types, _lone_array, _cupy_current_stream
+    global _stream_types, _lone_array, _cupy_current_stream, _get_device, _set_device
+    global _cupy_found
     cupy = sys.modules.get("cupy")
     cuda = getattr(cupy, "cuda", None)
     found = list(_backend_streams)
+    _cupy_found = cuda is not None
     if cuda is not None:
         for name in ("Stream", "ExternalStream"):
             t = getattr(cuda, name, None)
@@ -849,6 +866,9 @@ cdef bint _find_types() except -1:
         ndarray = getattr(cupy, "ndarray", None)
         _lone_array = ndarray if isinstance(ndarray, type) else None
         _cupy_current_stream = getattr(cuda, "get_current_stream", None)
+        runtime = getattr(cuda, "runtime", None)
+        _get_device = getattr(runtime, "getDevice", None)
+        _set_device = getattr(runtime, "setDevice", None)
     _stream_types = tuple(found)
     return True
 
@@ -879,7 +899,7 @@ def record_value(value, stream, keep):
     cdef _Consumer consumer
     if _forked or _hooks.active is not None:
         return None
-    if _stream_types is None or (not _stream_types and "cupy" in sys.modules):
+    if _stream_types is None or (not _cupy_found and sys.modules.get("cupy") is not None):
         _find_types()
     if stream is None:
         # One CuPy array, recorded on its device's current stream (PyTorch
@@ -909,6 +929,133 @@ def record_value(value, stream, keep):
         consumer.handle = (ptr, device)
         _order_foreign(value, consumer)  # docs/design.md, hazard 9
     return _set_future(value, record(ptr, device, None, stream), keep)
+
+
+def bind_then(then_py, then_failed, then_follows, record_consumers, find_devices, priorities):
+    """Give then()'s native path what it uses of the Python modules (called
+    once, by ``_future`` at import)."""
+    global _then_py, _then_failed, _then_follows, _record_consumers, _find_devices, _priorities
+    _then_py = then_py
+    _then_failed = then_failed
+    _then_follows = then_follows
+    _record_consumers = record_consumers
+    _find_devices = find_devices
+    _priorities = dict(priorities)
+
+
+cdef inline bint _plain_function(object fn):
+    """A Python function whose call makes neither a coroutine nor an async
+    generator (what _checks.not_async passes, said without a call); other
+    callables go through the twin's checks."""
+    if type(fn) is not _FunctionType:
+        return False
+    if (<int>fn.__code__.co_flags) & _ASYNC_FLAGS:
+        return False
+    # inspect.markcoroutinefunction() marks a plain function as async.
+    return getattr(fn, "_is_coroutine_marker", None) is None
+
+
+import types as _types
+cdef object _FunctionType = _types.FunctionType
+
+
+cdef EventRecord _record_current(long long device):
+    """_events.record_current: a record on the calling thread's current stream."""
+    stream = _be.current_stream(device)
+    return record(stream.ptr, device, None, stream)
+
+
+def future_then(self, fn, *, priority="normal"):
+    """CudaFuture.then, native for a set future of one record whose work has
+    not failed, a plain function and no PyTorch (its documentation is the
+    twin's): the pool stream, ``fn`` run on it at once, the child recorded
+    there and set. The twin does the rest, and builds the child where a step
+    raised or ``fn`` returned a future."""
+    cdef EventRecord rec
+    cdef EventRecord done
+    cdef _Stream state
+    cdef long long device
+    cdef long long ptr
+    cdef long long prev
+    fut = self
+    if (fut._state is not _SET or _forked or _hooks.active is not None
+            or type(priority) is not str or not _plain_function(fn) or "torch" in sys.modules):
+        return _then_py(fut, fn, priority=priority)
+    records = fut._records
+    prio = _priorities.get(priority)
+    if prio is None or len(records) != 1 or type(records[0]) is not EventRecord:
+        return _then_py(fut, fn, priority=priority)
+    rec = <EventRecord>records[0]
+    if rec._known and rec._status:
+        return _then_py(fut, fn, priority=priority)  # failed work: the child takes the error
+    if _stream_types is None or (not _cupy_found and sys.modules.get("cupy") is not None):
+        _find_types()
+    value = fut._value
+    device = rec.device
+    try:
+        # _future._then_streams for one record: the parent's own pool stream
+        # where nothing was recorded there since (no wait), else the next one.
+        pool = _pools.streams
+        stream = None
+        state = rec.state
+        if not fut._stream_given and (
+                _is_newest(rec) if state is None else state.newest == rec.seq):
+            stream = pool.lookup(rec.stream, prio)
+        fut._stream_given = True
+        if stream is None:
+            stream = pool.get(device, prio)
+            rec.wait_on(stream.ptr, device)
+        if _lone_array is not None and type(value) is _lone_array:
+            _consume_one(value, device, stream)
+        else:
+            _record_consumers(value, {device: stream}, untracked=False)
+    except Exception as exc:
+        return _then_failed(fut, exc, True)
+    try:
+        if _be is not _CUDA_BE or _get_device is None:
+            out = _be.call_on_streams({device: stream}, device, fn, (value,), {})
+        else:
+            prev = _get_device()
+            if prev != device:
+                _set_device(device)
+            stream.__enter__()
+            try:
+                out = fn(value)
+            finally:
+                stream.__exit__(None, None, None)
+                if prev != device:
+                    _set_device(prev)
+    except BaseException as exc:  # the child carries it, type kept
+        child = _then_failed(fut, exc, False)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise  # to then()'s caller, once the child failed (as the twin)
+        return child
+    try:
+        ptr = stream.ptr
+        if type(out) is _Future:
+            return _then_follows(fut, out, (record(ptr, device, None, stream),))
+        extra = ()
+        if _lone_array is None or type(out) is not _lone_array:
+            consumer = _Consumer.__new__(_Consumer)
+            (<_Consumer>consumer).handle = (ptr, device)
+            try:
+                _order_foreign(out, consumer)  # docs/design.md, hazard 9
+            except ValueError as exc:
+                return _then_failed(fut, exc, False)
+            done = record(ptr, device, None, stream)
+            for d in _find_devices(out):
+                if d != device:
+                    extra += (_record_current(d),)
+        else:
+            done = record(ptr, device, None, stream)
+            if out.data.device_id != device:
+                extra = (_record_current(out.data.device_id),)
+    except Exception as exc:
+        return _then_failed(fut, exc, True)
+    child = _set_future(out, done, value)
+    if extra:
+        child._records = (done,) + extra
+    return child
 
 
 cdef object _set_future(object value, EventRecord rec, object keep):
@@ -994,19 +1141,21 @@ cdef object _outcome(object fut, object cancelled_error):
     return value
 
 
-cdef object _consume_one(object array, long long device):
+cdef object _consume_one(object array, long long device, object stream=None):
     """record_current_consumers() of one CuPy array for an await or
     result(): the awaiting thread's current stream of ``device`` reads it
     from now on (_memory's block, if cudafut's allocator wrapper made it;
     the owner is read as _cupy_objects.owner_of reads it). A torch tensor is never
-    a CuPy array: torch's streams have nothing to record here."""
+    a CuPy array: torch's streams have nothing to record here. With
+    ``stream`` (then()'s pool stream), record_consumers(): that stream reads it."""
     memory = getattr(array.data, "mem", None)
     block = getattr(memory, "_owner", None)
     if type(block) is not _block_type or block.device != device:
         return None  # another allocator's memory: untracked, nothing to do for an await
-    # CuPy's own getter: a block of the wrapper means CUDA is set up (and
-    # the backend's current_stream() would only add a Python frame around it).
-    stream = _cupy_current_stream(device) if _be is _CUDA_BE else _be.current_stream(device)
+    if stream is None:
+        # CuPy's own getter: a block of the wrapper means CUDA is set up (and
+        # the backend's current_stream() would only add a Python frame around it).
+        stream = _cupy_current_stream(device) if _be is _CUDA_BE else _be.current_stream(device)
     ptr = stream.ptr
     if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
         block.add_reader(ptr, device, stream)
@@ -1020,6 +1169,15 @@ cdef object _awaited_py(object fut, object cancelled_error):
 def awaited(fut, cancelled_error):
     """CudaFuture._awaited, native."""
     return _outcome(fut, cancelled_error)
+
+
+cdef int _raise_thrown(object typ, object val, object tb) except -1:
+    """Raise what a generator's ``throw(typ, val, tb)`` is given (either form)."""
+    if not isinstance(val, BaseException):
+        val = (typ() if val is None else typ(val)) if isinstance(typ, type) else typ
+    if tb is not None:
+        val = val.with_traceback(tb)
+    raise val
 
 
 @cython.final
@@ -1047,11 +1205,7 @@ cdef class _Done:
     def throw(self, typ, val=None, tb=None):
         """Raise the exception thrown in; the outcome is never taken."""
         self.fut = None
-        if not isinstance(val, BaseException):
-            val = (typ() if val is None else typ(val)) if isinstance(typ, type) else typ
-        if tb is not None:
-            val = val.with_traceback(tb)
-        raise val
+        _raise_thrown(typ, val, tb)
 
     def close(self):
         """Never take the outcome."""
@@ -1186,11 +1340,7 @@ cdef class AsyncioAwait:
     def throw(self, typ, val=None, tb=None):
         """Stop waiting and raise the exception thrown in (a cancellation)."""
         self._stop()
-        if not isinstance(val, BaseException):
-            val = (typ() if val is None else typ(val)) if isinstance(typ, type) else typ
-        if tb is not None:
-            val = val.with_traceback(tb)
-        raise val
+        _raise_thrown(typ, val, tb)
 
     def close(self):
         """Stop waiting (the awaiting coroutine is closed)."""

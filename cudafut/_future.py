@@ -1211,6 +1211,36 @@ def _run_then(
         return child._fail_later(_explained(parent, exc))
 
 
+def _then_failed(parent: CudaFuture[Any], exc: BaseException, explain: bool) -> CudaFuture[Any]:
+    """The child of the native then() (cudafut/_core.pyx), failed with
+    ``exc``: raised by a step around ``fn`` (``explain``: as
+    :func:`_run_then` explains it) or by ``fn`` itself (then the child's
+    interrupt counts as retrieved: the native then() raises it again)."""
+    child: CudaFuture[Any] = new_future("then")
+    child._keep = parent
+    if not explain and isinstance(exc, INTERRUPTS):
+        child._try_fail(exc)
+        child._retrieved = True
+        return child
+    more = child._fail_later(_explained(parent, exc) if explain and isinstance(exc, Exception) else exc)
+    if more is not None:
+        run_listeners(*more)
+    return child
+
+
+def _then_follows(
+    parent: CudaFuture[Any], out: CudaFuture[Any], records: tuple[EventRecord, ...]
+) -> CudaFuture[Any]:
+    """The child of the native then() whose ``fn`` returned the future
+    ``out``: it follows ``out``, plus ``records`` (made after ``fn``)."""
+    child: CudaFuture[Any] = new_future("then")
+    child._keep = parent
+    more = child._follow(out, records, parent._value)
+    if more is not None:
+        run_listeners(*more)
+    return child
+
+
 def _explained(fut: CudaFuture[Any], exc: Exception) -> Exception:
     """``exc``, or, where it is CUDA's absence and ``fut`` belongs to
     cudafut.testing's fake GPU that has ended, an :class:`InvalidStateError`
@@ -1393,7 +1423,11 @@ if _native is not None:
         _cuda.PAGE_SIZE,
         _memory.block_type(),
     )
+    _native.bind_then(
+        CudaFuture.then, _then_failed, _then_follows, record_consumers, find_devices, _pools.PRIORITIES
+    )
     for _name, _function in (
+        ("then", _native.future_then),
         ("__await__", _native.future_await),
         ("result", _native.future_result),
         ("__del__", _native.future_del),
@@ -1402,3 +1436,4 @@ if _native is not None:
         _function.__doc__ = _twin.__doc__  # help() and the docs read the twin's
         _function.__signature__ = inspect.signature(_twin)
         setattr(CudaFuture, _name, _function)
+    del _name, _function, _twin

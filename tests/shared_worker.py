@@ -69,7 +69,8 @@ def _answer_statistics(conn: Any) -> None:
 
 def produce_many(conn: Any, count: int, n: int) -> None:
     """Send ``count`` futures of small arrays (each ``i``), one by one, each
-    after the receiver's word; then report what this process holds."""
+    after the receiver's word "next"; the word "held" is answered with how
+    many exports this process still holds. Then report what it holds."""
     _start()
     import cupy as cp
 
@@ -77,7 +78,9 @@ def produce_many(conn: Any, count: int, n: int) -> None:
 
     for i in range(count):
         conn.send(cudafut.record(cp.full(n, i, dtype=cp.int32)))
-        conn.recv()
+        while conn.recv() == "held":
+            gc.collect()
+            conn.send(cudafut.shared_statistics().held)
     _answer_statistics(conn)
 
 

@@ -29,7 +29,7 @@ CALL_BUDGETS = {
     # query in a finalizer): the counts vary by a fraction with its timing.
     ("single", "record(x, stream=s)"): (8, 27),
     ("single", "result() of done work"): (13, 14),
-    ("single", "then() per link, on done work"): (39, 50),
+    ("single", "then() per link, on done work"): (20, 53),
     ("single", "await of done work"): (8, 11),
     # Python 3.12 counts this one a call or two higher than 3.11 under pytest.
     ("concurrent", "cudafut await (record on a stream, completed in bulk)"): (23, 53),
@@ -37,11 +37,13 @@ CALL_BUDGETS = {
 
 #: Objects tracked by the garbage collector per pending await, over what a
 #: plain asyncio future's await keeps (its task, coroutine, future...):
-#: (native core, pure core). The future, its records' tuple and the one
-#: object that does an asyncio await among others
-#: (``_loops._AsyncioAwait``); on the pure core, the event record and its
-#: stream key too (the native core's records are not tracked).
-GC_OBJECTS_OVER_PLAIN = (4.2, 6.2)
+#: (native core, pure core), the fake's events (the driver's, on a GPU) left
+#: out, counted with the collector off. The native core's: the future's lock
+#: and its records' tuple, and a tuple of ints that a collection untracks
+#: (at most 3, the bound issue 46 set); the pure core's also the event
+#: record and its stream key (the native core's records are not tracked).
+#: A hundredth or so above the whole number is the loop's own bookkeeping.
+GC_OBJECTS_OVER_PLAIN = (3.1, 5.1)
 
 NATIVE = _compiled.native() is not None
 

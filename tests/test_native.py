@@ -349,6 +349,8 @@ FUTURE_BAD_CALLS = [
     ("record_value, no arguments", lambda: NATIVE.record_value()),  # type: ignore[union-attr]
     ("future_await, not a future", lambda: NATIVE.future_await(object())),  # type: ignore[union-attr]
     ("future_await, None", lambda: NATIVE.future_await(None)),  # type: ignore[union-attr]
+    ("future_then, not a future", lambda: NATIVE.future_then(object(), lambda v: v)),  # type: ignore[union-attr]
+    ("future_then, no fn", lambda: NATIVE.future_then(None)),  # type: ignore[union-attr]
     ("awaited, not a future", lambda: NATIVE.awaited(object(), None)),  # type: ignore[union-attr]
     ("AsyncioAwait, a record without seq", lambda: NATIVE.AsyncioAwait(None, None, None, object(), None)),  # type: ignore[union-attr]
 ]
@@ -515,12 +517,143 @@ def test_record_without_a_stream_asks_the_native_path_first(
 def test_the_native_methods_keep_the_twins_signatures() -> None:
     import inspect
 
-    for name in ("result", "__await__", "__del__"):
+    for name in ("result", "__await__", "__del__", "then"):
         sig = inspect.signature(getattr(cudafut.CudaFuture, name))
         assert next(iter(sig.parameters)) == "self"
     sig = inspect.signature(cudafut.CudaFuture.result)
     assert list(sig.parameters) == ["self", "timeout"]
     assert sig.return_annotation is not inspect.Signature.empty
+    sig = inspect.signature(cudafut.CudaFuture.then)
+    assert list(sig.parameters) == ["self", "fn", "priority"]
+    assert sig.parameters["priority"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+# -- then() on a set future: the native path, and what it leaves to the twin ---------------
+
+
+def fake_cuda_current_stream() -> int:
+    """The calling thread's current stream handle of device 0, under the fake."""
+    return int(_backend.current.current_stream(0).ptr)
+
+
+@pytest.fixture
+def twin_then(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The parents whose then() callback the Python twin ran (its
+    ``_run_then``, which the native path never calls)."""
+    from cudafut import _future
+
+    ran: list[Any] = []
+    real = _future._run_then
+
+    def spy(parent: Any, fn: Any, priority: int, child: Any) -> Any:
+        ran.append(parent)
+        return real(parent, fn, priority, child)
+
+    monkeypatch.setattr(_future, "_run_then", spy)
+    return ran
+
+
+@native_only
+def test_then_of_a_set_future_runs_natively_and_makes_the_twins_child(
+    fake_cuda: testing.FakeCuda, twin_then: list[Any]
+) -> None:
+    stream = fake_cuda.stream()
+    x = np.arange(3.0)
+    parent = cudafut.record(x, stream=stream)
+    seen: list[Any] = []
+
+    def fn(v: Any) -> Any:
+        seen.append((v, fake_cuda_current_stream()))
+        return v + 1
+
+    child = parent.then(fn)
+    assert twin_then == []  # the native path
+    assert seen[0][0] is x
+    assert child._state is parent._state and child._keep is x and not child._retrieved
+    (r,) = records_of(child)
+    assert r.stream != stream.ptr  # a pool stream, made to wait for the parent
+    assert seen[0][1] == r.stream  # fn ran with it current
+    grand = child.then(lambda v: v * 2)  # the child's own pool stream: no wait, same stream
+    assert twin_then == []
+    assert records_of(grand)[0].stream == r.stream
+    fake_cuda.complete_all()
+    assert (grand.result() == (x + 1) * 2).all()
+
+
+@native_only
+@pytest.mark.parametrize(
+    "case", ["pending parent", "bound method", "priority high", "bad priority", "async fn", "traced"]
+)
+def test_then_leaves_to_the_twin_what_the_native_path_does_not_handle(
+    fake_cuda: testing.FakeCuda, twin_then: list[Any], case: str, tmp_path: Any
+) -> None:
+    stream = fake_cuda.stream()
+    parent: cudafut.CudaFuture[Any] = (
+        cudafut.CudaFuture() if case == "pending parent" else cudafut.record(np.arange(2.0), stream=stream)
+    )
+
+    class Holder:
+        def method(self, v: Any) -> Any:
+            return v
+
+    async def coro(v: Any) -> Any:
+        return v
+
+    if case == "pending parent":
+        child = parent.then(lambda v: v)
+        parent.set_result(1)
+        fake_cuda.complete_all()
+        assert child.result() == 1
+    elif case == "bound method":
+        parent.then(Holder().method)
+    elif case == "priority high":
+        parent.then(lambda v: v, priority="high")
+    elif case == "bad priority":
+        with pytest.raises(ValueError, match="priority"):
+            parent.then(lambda v: v, priority="urgent")  # type: ignore[call-overload]
+    elif case == "async fn":
+        with pytest.raises(TypeError, match="coroutine function"):
+            parent.then(coro)
+    else:
+        with cudafut.trace(tmp_path / "trace.json"):
+            parent.then(lambda v: v)
+    # Refused arguments raise before any callback is registered.
+    expected = 0 if case in ("priority high", "bad priority", "async fn") else 1
+    assert len(twin_then) == expected, case
+    fake_cuda.complete_all()
+
+
+@native_only
+@pytest.mark.parametrize("raised", [ValueError("fn broke"), KeyboardInterrupt()])
+def test_native_then_fails_the_child_with_what_fn_raised(
+    fake_cuda: testing.FakeCuda, twin_then: list[Any], raised: BaseException
+) -> None:
+    parent = cudafut.record(np.arange(2.0), stream=fake_cuda.stream())
+
+    def fn(v: Any) -> Any:
+        raise raised
+
+    if isinstance(raised, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            parent.then(fn)  # raised again to the caller, as the twin does
+        assert twin_then == []
+        return
+    child = parent.then(fn)
+    assert twin_then == []
+    with pytest.raises(ValueError, match="fn broke"):
+        child.result()
+
+
+@native_only
+def test_native_then_follows_a_future_fn_returns(fake_cuda: testing.FakeCuda, twin_then: list[Any]) -> None:
+    stream = fake_cuda.stream()
+    parent = cudafut.record(np.arange(2.0), stream=stream)
+    inner: cudafut.CudaFuture[str] = cudafut.CudaFuture()
+    child = parent.then(lambda v: inner)
+    assert twin_then == [] and not child.done()
+    inner.set_result("inner")
+    fake_cuda.complete_all()
+    assert child.result() == "inner"
 
 
 # -- every entry point, random wrong arguments: an exception or a result, never a crash ------
