@@ -888,11 +888,33 @@ cdef class _Consumer:
         return self.handle
 
 
+cdef object _record_rest = None  # _producers._record_rest: record() in Python
+
+
+def bind_record(record_rest):
+    """Give record()'s native entry the Python path it falls back on (called
+    once, by ``_producers`` at import)."""
+    global _record_rest
+    _record_rest = record_rest
+
+
+def future_record(value, *, stream=None, keep=None):
+    """cudafut.record, native (its documentation is the twin's)."""
+    fut = _record_value(value, stream, keep)
+    if fut is None:
+        return _record_rest(value, stream, keep)
+    return fut
+
+
 def record_value(value, stream, keep):
     """``record(value, stream=stream, keep=keep)``: a set future for work
     already enqueued on ``stream``, or None where the Python twin must make
     it (no stream given, a stream type it does not know, a handle not seen
     mapped yet, tracing on, a forked child)."""
+    return _record_value(value, stream, keep)
+
+
+cdef object _record_value(object value, object stream, object keep):
     cdef long long ptr
     cdef long long device
     cdef long long page
@@ -907,7 +929,12 @@ def record_value(value, stream, keep):
         if _lone_array is None or type(value) is not _lone_array or "torch" in sys.modules:
             return None
         device = value.data.device_id
-        stream = _be.current_stream(device)
+        # CuPy's own getter: a CuPy array means CUDA is set up (the backend's
+        # current_stream() would only add Python frames around it).
+        if _be is _CUDA_BE and _cupy_current_stream is not None:
+            stream = _cupy_current_stream(device)
+        else:
+            stream = _be.current_stream(device)
         return _set_future(value, record(stream.ptr, device, None, stream), keep)
     if type(stream) not in _stream_types:
         return None

@@ -11,8 +11,9 @@ where that core runs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
 from . import _backend, _checks, _compiled, _cuda, _events, _future, _pools, _runtime, _torch
 from ._engine import record_consumers
@@ -65,6 +66,11 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
         fut = _record_value(value, stream, keep)  # the native core's fast path
         if fut is not None:
             return fut
+    return _record_rest(value, stream, keep)
+
+
+def _record_rest(value: T, stream: Any, keep: object) -> CudaFuture[T]:
+    """:func:`record` for what the native core's path leaves to Python."""
     if _runtime.forked:  # a flag test, without a call
         _runtime.check_usable()
     if stream is None:
@@ -187,3 +193,13 @@ _native = _compiled.native()
 _record_value: Callable[[Any, Any, object], CudaFuture[Any] | None] | None = (
     None if _native is None else _native.record_value
 )
+if _native is not None and not TYPE_CHECKING:  # typed as the function above
+    # record() itself native too: its path without a Python frame, falling
+    # back on _record_rest; help() and the docs read the twin's.
+    _native.bind_record(_record_rest)
+    _entry = _native.future_record
+    for _attr in ("__doc__", "__name__", "__qualname__", "__module__"):
+        setattr(_entry, _attr, getattr(record, _attr))
+    _entry.__signature__ = inspect.signature(record)
+    record = _entry
+    del _entry, _attr

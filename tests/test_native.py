@@ -495,25 +495,22 @@ def test_a_stream_handle_past_63_bits_is_a_value_error(fake_cuda: testing.FakeCu
 
 
 @native_only
-def test_record_without_a_stream_asks_the_native_path_first(
-    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from cudafut import _producers
+def test_record_is_the_native_entry_which_falls_back_on_python(fake_cuda: testing.FakeCuda) -> None:
+    import inspect
 
-    asked: list[Any] = []
-    real = _producers._record_value
-    assert real is not None
-
-    def spy(value: Any, stream: Any, keep: object) -> Any:
-        asked.append(stream)
-        return real(value, stream, keep)
-
-    monkeypatch.setattr(_producers, "_record_value", spy)
-    cudafut.record(np.zeros(2))  # a NumPy array: the twin records it (the fake's current device)
+    assert cudafut.record is NATIVE.future_record  # type: ignore[union-attr]
+    assert list(inspect.signature(cudafut.record).parameters) == ["value", "stream", "keep"]
+    assert (cudafut.record.__doc__ or "").startswith("A future, already set, for GPU work already enqueued.")
+    fut = cudafut.record(np.zeros(2))  # a NumPy array: Python records it (the fake's current device)
+    assert fut.devices == (0,)
+    with pytest.raises(TypeError):
+        cudafut.record()
+    with pytest.raises(TypeError):
+        cudafut.record(np.zeros(2), fake_cuda.stream())  # stream is keyword-only
     fake_cuda.complete_all()
-    assert asked == [None]
 
 
+@native_only
 def test_the_native_methods_keep_the_twins_signatures() -> None:
     import inspect
 
@@ -672,8 +669,9 @@ from cudafut import _compiled, testing
 core = _compiled.native()
 # Global switches, each refused one by one in BAD_CALLS: a fuzzed call that
 # took its arguments would leave the core unbound (bind), on another backend
-# (_swap_streams), mutated (_mutate) or its futures' paths unbound (bind_future).
-SKIP = {"bind", "bind_future", "_swap_streams", "_mutate"}
+# (_swap_streams), mutated (_mutate) or its futures' paths unbound (bind_future,
+# bind_then, bind_record).
+SKIP = {"bind", "bind_future", "bind_then", "bind_record", "_swap_streams", "_mutate"}
 calls = 0
 with testing.fake_cuda(devices=2) as fake:
     stream = fake.stream(0)
