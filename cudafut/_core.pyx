@@ -115,19 +115,27 @@ def counts():
 cdef bint _every_query_complete = False
 cdef bint _no_stream_wait = False
 cdef bint _await_at_once = False
+cdef bint _then_record_early = False
+cdef bint _then_no_keep = False
 
 
 def _mutate(str name):
     """Disable one synchronisation point of the native core, for
-    scripts/mutation-check only: ``"query"``, ``"stream_wait"`` or
-    ``"await_one"`` (an await among others ends at once)."""
-    global _every_query_complete, _no_stream_wait, _await_at_once
+    scripts/mutation-check only: ``"query"``, ``"stream_wait"``,
+    ``"await_one"`` (an await among others ends at once),
+    ``"settle_record"`` (then()'s child is recorded before ``fn`` runs) or
+    ``"keep"`` (then()'s child keeps nothing alive)."""
+    global _every_query_complete, _no_stream_wait, _await_at_once, _then_record_early, _then_no_keep
     if name == "query":
         _every_query_complete = True
     elif name == "stream_wait":
         _no_stream_wait = True
     elif name == "await_one":
         _await_at_once = True
+    elif name == "settle_record":
+        _then_record_early = True
+    elif name == "keep":
+        _then_no_keep = True
     else:
         raise ValueError(f"no native mutation {name!r}")
 
@@ -599,6 +607,11 @@ def record(long long stream, long long device, confirm=None, owner=None):
     CuPy stream): while it lives, the handle names that stream, so the
     stream's watermark may answer for this record.
     """
+    return _record(stream, device, confirm, owner)
+
+
+cdef EventRecord _record(long long stream, long long device, object confirm, object owner):
+    """:func:`record`, called from C by the futures' paths."""
     cdef object pool = _pools.events
     cdef long long handle
     cdef _Stream state = _stream_of(stream, device, owner)
@@ -935,7 +948,7 @@ cdef object _record_value(object value, object stream, object keep):
             stream = _cupy_current_stream(device)
         else:
             stream = _be.current_stream(device)
-        return _set_future(value, record(stream.ptr, device, None, stream), keep)
+        return _set_future(value, _record(stream.ptr, device, None, stream), keep)
     if type(stream) not in _stream_types:
         return None
     handle = stream.ptr
@@ -955,7 +968,7 @@ cdef object _record_value(object value, object stream, object keep):
         consumer = _Consumer.__new__(_Consumer)
         consumer.handle = (ptr, device)
         _order_foreign(value, consumer)  # docs/design.md, hazard 9
-    return _set_future(value, record(ptr, device, None, stream), keep)
+    return _set_future(value, _record(ptr, device, None, stream), keep)
 
 
 def bind_then(then_py, then_failed, then_follows, record_consumers, find_devices, priorities):
@@ -989,7 +1002,7 @@ cdef object _FunctionType = _types.FunctionType
 cdef EventRecord _record_current(long long device):
     """_events.record_current: a record on the calling thread's current stream."""
     stream = _be.current_stream(device)
-    return record(stream.ptr, device, None, stream)
+    return _record(stream.ptr, device, None, stream)
 
 
 def future_then(self, fn, *, priority="normal"):
@@ -1038,6 +1051,9 @@ def future_then(self, fn, *, priority="normal"):
             _record_consumers(value, {device: stream}, untracked=False)
     except Exception as exc:
         return _then_failed(fut, exc, True)
+    early = None
+    if _then_record_early:  # the mutation: before fn's work
+        early = _record(stream.ptr, device, None, stream)
     try:
         if _be is not _CUDA_BE or _get_device is None:
             out = _be.call_on_streams({device: stream}, device, fn, (value,), {})
@@ -1060,7 +1076,7 @@ def future_then(self, fn, *, priority="normal"):
     try:
         ptr = stream.ptr
         if type(out) is _Future:
-            return _then_follows(fut, out, (record(ptr, device, None, stream),))
+            return _then_follows(fut, out, (_record(ptr, device, None, stream),))
         extra = ()
         if _lone_array is None or type(out) is not _lone_array:
             consumer = _Consumer.__new__(_Consumer)
@@ -1069,17 +1085,17 @@ def future_then(self, fn, *, priority="normal"):
                 _order_foreign(out, consumer)  # docs/design.md, hazard 9
             except ValueError as exc:
                 return _then_failed(fut, exc, False)
-            done = record(ptr, device, None, stream)
+            done = _record(ptr, device, None, stream) if early is None else early
             for d in _find_devices(out):
                 if d != device:
                     extra += (_record_current(d),)
         else:
-            done = record(ptr, device, None, stream)
+            done = _record(ptr, device, None, stream) if early is None else early
             if out.data.device_id != device:
                 extra = (_record_current(out.data.device_id),)
     except Exception as exc:
         return _then_failed(fut, exc, True)
-    child = _set_future(out, done, value)
+    child = _set_future(out, done, None if _then_no_keep else value)
     if extra:
         child._records = (done,) + extra
     return child

@@ -201,7 +201,8 @@ MUTATIONS = {
     # record(): likewise
     "record_record": lambda: _patch_record(_record_recorded_early),
     # then() / submit(): the child's events no longer follow fn's work
-    "settle_record": lambda: setattr(_future, "settle", _settle_recorded_early),
+    # (and in the native core's then() of a set future)
+    "settle_record": lambda: _both("settle_record", _future, "settle", _settle_recorded_early),
     # every event query reports "complete" at once (await, result(), done()):
     # CUDA's query (CUDA's backend's event_query, which CUDA's records ask),
     # and in the native core, whose records ask CUDA from C
@@ -209,7 +210,7 @@ MUTATIONS = {
     # an await among others (asyncio) returns without waiting for its record
     "await_one": lambda: _await_one_mutated(),
     # then() children and submit() futures stop keeping their inputs alive
-    "keep": lambda: setattr(_future, "settle", _settle_without_keep),
+    "keep": lambda: _both("keep", _future, "settle", _settle_without_keep),
     # record(keep=...) keeps nothing
     "record_keep": lambda: _patch_record(_record_without_keep),
     # nothing is kept alive until its events complete: a dropped pending future's

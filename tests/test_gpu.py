@@ -107,6 +107,23 @@ def test_then_chain(cp: Any, producer: Any) -> None:
     assert (leaf.result().get() == 15).all()
 
 
+def test_then_of_a_done_future_records_the_child_after_fns_work(
+    cp: Any, producer: Any, consumer: Any
+) -> None:
+    """then() of a set, completed future (the native core's own path): the
+    child's event follows what fn enqueued, however slow."""
+    _x, fut = slow(cp, producer, ms=1)
+    fut.result()  # done: then() runs fn at once
+
+    def fn(v: Any) -> Any:
+        out = cp.zeros_like(v)
+        spin_fill(out, 9, SLOW_MS)  # on then()'s pool stream, long after fn returns
+        return out
+
+    child = fut.then(fn)
+    assert (host(child.result(), consumer) == 9).all()
+
+
 def test_then_follows_a_returned_future(cp: Any, producer: Any) -> None:
     _x, fut = slow(cp, producer)
     child = fut.then(lambda v: cudafut.submit(lambda: v * 3))
