@@ -19,8 +19,7 @@ reports what it sees of a future and of a new record, with the parent
 taken to have used the fake only (the child has its copy) or real CUDA
 (``result()``, ``then()`` and ``record()`` raise ``CudaUnavailableError``,
 the documented fork error; ``done()`` asks the fake, which knows nothing of
-forks). tests/test_cores.py is the earlier, smaller check of the same kind
-(asyncio only, outcomes only).
+forks).
 
 Two worker processes, one per core, each run the same programs and print a
 trace of each (see the worker's docstring for what it holds): every op's
