@@ -10,7 +10,7 @@ once; the future is set when ``fn`` has enqueued its work (with events on
 the launcher's stream), so ``await``, ``then()``, ``wait()`` and
 ``result()`` cover both the host enqueue and the GPU work.
 
-How the launchers work, and why (docs/serving.md, "How launch() works"):
+How the launchers work, and why (docs/serving.md, "`launch()`"):
 
 - Each device has ``CUDAFUT_LAUNCH_THREADS`` launcher threads (default 2),
   started on the first launch for the device. They share one queue
@@ -371,11 +371,10 @@ def launch(
     a queue put, no CUDA call, and the GIL held throughout: a CUDA call
     made without the GIL (as the native core records events) hands the GIL
     to the launcher threads while they run a model's Python, and the caller
-    then waits for it (docs/serving.md, "How launch() works"). With the
-    events recorded here, as before, 1,000 launches in flight cost 11 µs at
-    the median and 237 µs at the 99th percentile on an H200
-    (bench-h200-stalls-f62b117.json). It blocks neither the thread nor the
-    GPU. The first launch on a device also creates its launcher threads and
+    then waits for it (docs/serving.md, "`launch()`", which shows what the
+    loop's stalls come to under 200 launches in flight beside
+    ``run_in_executor``: ``python -m benchmarks.stalls``). It blocks neither
+    the thread nor the GPU. The first launch on a device also creates its launcher threads and
     their streams.
 
     The launcher threads have PyTorch's per-thread defaults, whatever the
