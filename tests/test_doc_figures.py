@@ -64,12 +64,6 @@ DOCSTRING_CODE = re.compile(r"``.*?``|`[^`]*`", re.S)
 #: comes from (a marker's text: ``FILE.json PATH``, ``;`` between the numbers
 #: of a range). The docstring names the results file too, for its reader.
 DOCSTRING_FIGURES: dict[tuple[str, str], str] = {
-    ("cudafut/_launch.py", "11 µs"): (
-        "bench-h200-stalls-f62b117.json serve > launch > caller > launch > p50_us"
-    ),
-    ("cudafut/_launch.py", "237 µs"): (
-        "bench-h200-stalls-f62b117.json serve > launch > caller > launch > p99_us"
-    ),
     ("cudafut/_trace/api.py", "9.5 µs"): (
         "bench-h200-hostcost-034bc04.json tracing > create + set + await > extra_us"
     ),

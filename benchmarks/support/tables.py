@@ -505,9 +505,9 @@ def _log_summary(run: Run) -> str:
         outcomes: dict[str, bool] = {}
         for name, outcome in re.findall(r"^mutation (\S+): (\S+)", text, re.M):
             outcomes[name] = outcomes.get(name, False) or outcome == "caught"
-        caught = sum(outcomes.values())
-        shown = ", ".join(outcomes)
-        return f"{len(outcomes)} of the mutations run ({shown}): {caught} caught, {len(outcomes) - caught} not"
+        caught, shown = sum(outcomes.values()), ", ".join(outcomes)
+        missed = len(outcomes) - caught
+        return f"{len(outcomes)} of the mutations run ({shown}): {caught} caught, {missed} not"
     by_run: dict[str, list[str]] = {}
     label = "suite"
     for line in text.splitlines()[1:]:
