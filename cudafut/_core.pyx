@@ -894,10 +894,16 @@ cdef object _DEVICE_LIMIT = 1 << 31
 @cython.final
 @cython.no_gc
 cdef class _Consumer:
-    """``consumer(device)`` for order_foreign: the one stream recorded on."""
+    """``consumer(device)`` for order_foreign: the one stream recorded on.
+    With ``others_current`` (then()'s), arrays on other devices go before
+    those devices' current streams, as _values.current_consumer orders them."""
     cdef tuple handle
+    cdef bint others_current
 
     def __call__(self, device):
+        if self.others_current and device != self.handle[1]:
+            stream = _be.current_stream(device)
+            return (int(stream.ptr), device)
         return self.handle
 
 
@@ -1038,10 +1044,10 @@ def future_then(self, fn, *, priority="normal"):
         pool = _pools.streams
         stream = None
         state = rec.state
-        if not fut._stream_given and (
-                _is_newest(rec) if state is None else state.newest == rec.seq):
+        reuse = not fut._stream_given
+        fut._stream_given = True  # before the lookup, as the twin: one child continues there
+        if reuse and (_is_newest(rec) if state is None else state.newest == rec.seq):
             stream = pool.lookup(rec.stream, prio)
-        fut._stream_given = True
         if stream is None:
             stream = pool.get(device, prio)
             rec.wait_on(stream.ptr, device)
@@ -1053,20 +1059,24 @@ def future_then(self, fn, *, priority="normal"):
         return _then_failed(fut, exc, True)
     early = None
     if _then_record_early:  # the mutation: before fn's work
-        early = _record(stream.ptr, device, None, stream)
+        early = _record(stream.ptr, device, None, None)
     try:
         if _be is not _CUDA_BE or _get_device is None:
             out = _be.call_on_streams({device: stream}, device, fn, (value,), {})
         else:
+            # As _streams.call_on_streams: the caller's device comes back
+            # however fn (or entering the stream) ends, and whatever fn set.
             prev = _get_device()
-            if prev != device:
-                _set_device(device)
-            stream.__enter__()
             try:
-                out = fn(value)
-            finally:
-                stream.__exit__(None, None, None)
                 if prev != device:
+                    _set_device(device)
+                stream.__enter__()
+                try:
+                    out = fn(value)
+                finally:
+                    stream.__exit__(None, None, None)
+            finally:
+                if _get_device() != prev:
                     _set_device(prev)
     except BaseException as exc:  # the child carries it, type kept
         child = _then_failed(fut, exc, False)
@@ -1075,22 +1085,24 @@ def future_then(self, fn, *, priority="normal"):
         return child
     try:
         ptr = stream.ptr
-        if type(out) is _Future:
-            return _then_follows(fut, out, (_record(ptr, device, None, stream),))
+        # The child's records, as the twin's (_events.record without an owner).
+        if isinstance(out, _Future):
+            return _then_follows(fut, out, (_record(ptr, device, None, None),))
         extra = ()
         if _lone_array is None or type(out) is not _lone_array:
             consumer = _Consumer.__new__(_Consumer)
             (<_Consumer>consumer).handle = (ptr, device)
+            (<_Consumer>consumer).others_current = True
             try:
                 _order_foreign(out, consumer)  # docs/design.md, hazard 9
             except ValueError as exc:
                 return _then_failed(fut, exc, False)
-            done = _record(ptr, device, None, stream) if early is None else early
+            done = _record(ptr, device, None, None) if early is None else early
             for d in _find_devices(out):
                 if d != device:
                     extra += (_record_current(d),)
         else:
-            done = _record(ptr, device, None, stream) if early is None else early
+            done = _record(ptr, device, None, None) if early is None else early
             if out.data.device_id != device:
                 extra = (_record_current(out.data.device_id),)
     except Exception as exc:

@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -75,7 +75,9 @@ OPS = (
     "set",  # set_result(x), on a stream made current
     "set_exception",
     "cancel",
-    "then",  # then(fn): fn returns a value, raises, returns a future, records
+    # then(fn): fn returns a value, raises, returns a future, records, returns
+    # another library's array; on the high-priority pool streams
+    "then",
     "gather",
     "callback",  # add_done_callback (one in four raises)
     "remove_callback",
@@ -107,6 +109,26 @@ _stream_names: dict[int, str] = {}
 _records: dict[int | None, int] = {}
 #: A CUDA error the next event record raises (record_raises), or 0.
 _fail_next_record = 0
+
+
+class _Foreign:
+    """An array of another library on device 1 (DLPack): the stream it is
+    asked to order its work before goes into the trace."""
+
+    def __init__(self, k: int, trace: list[Any]) -> None:
+        self.k = k
+        self.trace = trace
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 1)
+
+    def __dlpack__(self, stream: Any = None) -> None:
+        self.trace.append(
+            ["ordered before", self.k, _stream_name(stream) if isinstance(stream, int) else stream]
+        )
+
+    def __repr__(self) -> str:
+        return f"<foreign array of then {self.k}>"
 
 
 def _stream_name(ptr: int) -> str:
@@ -282,6 +304,10 @@ class _Program:
                 return x if picked is None else picked[1]
             if kind == 3:  # record on the then() stream, made current
                 return cudafut.record(np.full(2, c))
+            if kind == 5:  # another library's array on device 1 (a JAX array's DLPack)
+                return _Foreign(k, self.trace)
+            if kind == 6:  # on the high-priority pool streams
+                return x + 2
             return 7
 
         return fn
@@ -398,8 +424,9 @@ class _Program:
         elif name == "cancel":
             trace.append([name, i, _outcome(fut.cancel)])
         elif name == "then":
-            fn = self.then_fn(b % 5, c)
-            trace.append([name, i, self.made(lambda: fut.then(fn))])
+            fn = self.then_fn(b % 7, c)
+            priority: Literal["normal", "high"] = "high" if b % 7 == 6 else "normal"
+            trace.append([name, i, self.made(lambda: fut.then(fn, priority=priority))])
         elif name == "gather":
             other = self.pick(b)
             assert other is not None

@@ -781,3 +781,88 @@ def test_a_record_made_without_a_backend_asks_cudas(monkeypatch: pytest.MonkeyPa
     assert rec.calls is cuda
     assert rec.query() == 0 and rec.error() is None
     assert rec.ended() is None
+
+
+class _DlpackOnDevice1:
+    """A DLPack producer on device 1 (as a JAX array): what it was asked to
+    order before."""
+
+    def __init__(self) -> None:
+        self.streams: list[Any] = []
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 1)
+
+    def __dlpack__(self, stream: Any = None) -> None:
+        self.streams.append(stream)
+
+
+def test_then_orders_fns_foreign_output_on_another_device_before_that_devices_stream() -> None:
+    with testing.fake_cuda(devices=2, auto_complete=True) as gpu:
+        parent = cudafut.record(np.ones(3), stream=gpu.stream(0))
+        out = _DlpackOnDevice1()
+        child = parent.then(lambda v: out)
+        assert out.streams == [int(_backend.current.current_stream(1).ptr)]
+        assert sorted({r.device for r in records_of(child)}) == [0, 1]
+
+
+def test_then_follows_a_returned_future_of_a_subclass(fake_cuda: testing.FakeCuda) -> None:
+    class Mine(cudafut.CudaFuture[Any]):
+        pass
+
+    fake_cuda.auto_complete = True
+    parent = cudafut.record(np.ones(3), stream=fake_cuda.stream())
+    inner = Mine()
+    inner.set_result("inner")
+    assert parent.then(lambda v: inner).result() == "inner"
+
+
+@native_only
+def test_native_then_on_cuda_gives_the_caller_its_device_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch of the native then() (CuPy's getDevice/setDevice, the
+    stream entered): the caller's device comes back whatever fn set, and
+    when entering the stream raises. CuPy's runtime is a stand-in, and
+    CUDA's backend calls the fake's."""
+    import types
+
+    from cudafut import _backend
+
+    with testing.fake_cuda(devices=2, auto_complete=True) as gpu:
+        fake = _backend.current
+        local = threading.local()
+        runtime = types.SimpleNamespace(
+            getDevice=lambda: getattr(local, "device", 0), setDevice=lambda d: setattr(local, "device", d)
+        )
+        cuda = types.ModuleType("cupy.cuda")
+        cuda.runtime = runtime  # type: ignore[attr-defined]
+        cuda.Stream = cuda.ExternalStream = type("Stream", (), {})  # type: ignore[attr-defined]
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = cuda  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        cuda_backend = _backend.cuda()
+        for name in ("event_record", "event_create", "current_stream", "event_query", "stream_wait"):
+            monkeypatch.setattr(cuda_backend, name, getattr(fake, name))
+        restore = NATIVE._swap_streams(cuda_backend)  # type: ignore[union-attr]
+        try:
+            parent = cudafut.record(np.ones(3), stream=gpu.stream(0))
+
+            def switches(v: Any) -> Any:
+                runtime.setDevice(1)  # as cupy.cuda.Device(1).use()
+                return v
+
+            child = parent.then(switches)
+            assert child.exception() is None
+            assert runtime.getDevice() == 0
+
+            runtime.setDevice(1)
+            parent = cudafut.record(np.ones(3), stream=gpu.stream(0))
+
+            def refuse(self: Any) -> None:
+                raise RuntimeError("enter failed")
+
+            monkeypatch.setattr(testing.FakeStream, "__enter__", refuse)
+            child = parent.then(lambda v: v)
+            assert isinstance(child.exception(), RuntimeError)
+            assert runtime.getDevice() == 1
+        finally:
+            restore()
