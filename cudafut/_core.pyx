@@ -62,6 +62,7 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 import itertools
 import sys
 import threading
+import types
 import weakref
 
 from cudafut import _backend, _runtime
@@ -886,6 +887,22 @@ cdef bint _find_types() except -1:
     return True
 
 
+cdef inline int _ensure_types() except -1:
+    """_find_types() where not done yet, or done before CuPy was imported."""
+    if _stream_types is None or (not _cupy_found and sys.modules.get("cupy") is not None):
+        _find_types()
+    return 0
+
+
+cdef object _current_stream(long long device):
+    """The calling thread's current stream of ``device``: CuPy's own getter
+    under CUDA's backend (the backend's current_stream() would only add
+    Python frames around it), else the backend's (the fake's)."""
+    if _be is _CUDA_BE and _cupy_current_stream is not None:
+        return _cupy_current_stream(device)
+    return _be.current_stream(device)
+
+
 # The handles and device ordinals record_value() reads into C integers.
 cdef object _HANDLE_LIMIT = 1 << 63
 cdef object _DEVICE_LIMIT = 1 << 31
@@ -902,26 +919,25 @@ cdef class _Consumer:
 
     def __call__(self, device):
         if self.others_current and device != self.handle[1]:
-            stream = _be.current_stream(device)
-            return (int(stream.ptr), device)
+            return (int(_current_stream(device).ptr), device)
         return self.handle
 
 
-cdef object _record_rest = None  # _producers._record_rest: record() in Python
+cdef object _record_twin = None  # _producers.record: the Python twin
 
 
-def bind_record(record_rest):
-    """Give record()'s native entry the Python path it falls back on (called
+def bind_record(record_twin):
+    """Give record()'s native entry the Python twin it falls back on (called
     once, by ``_producers`` at import)."""
-    global _record_rest
-    _record_rest = record_rest
+    global _record_twin
+    _record_twin = record_twin
 
 
 def future_record(value, *, stream=None, keep=None):
     """cudafut.record, native (its documentation is the twin's)."""
     fut = _record_value(value, stream, keep)
     if fut is None:
-        return _record_rest(value, stream, keep)
+        return _record_twin(value, stream=stream, keep=keep)
     return fut
 
 
@@ -940,20 +956,14 @@ cdef object _record_value(object value, object stream, object keep):
     cdef _Consumer consumer
     if _forked or _hooks.active is not None:
         return None
-    if _stream_types is None or (not _cupy_found and sys.modules.get("cupy") is not None):
-        _find_types()
+    _ensure_types()
     if stream is None:
         # One CuPy array, recorded on its device's current stream (PyTorch
         # imported: the twin, which records torch's current streams).
         if _lone_array is None or type(value) is not _lone_array or "torch" in sys.modules:
             return None
         device = value.data.device_id
-        # CuPy's own getter: a CuPy array means CUDA is set up (the backend's
-        # current_stream() would only add Python frames around it).
-        if _be is _CUDA_BE and _cupy_current_stream is not None:
-            stream = _cupy_current_stream(device)
-        else:
-            stream = _be.current_stream(device)
+        stream = _current_stream(device)
         return _set_future(value, _record(stream.ptr, device, None, stream), keep)
     if type(stream) not in _stream_types:
         return None
@@ -1001,13 +1011,12 @@ cdef inline bint _plain_function(object fn):
     return getattr(fn, "_is_coroutine_marker", None) is None
 
 
-import types as _types
-cdef object _FunctionType = _types.FunctionType
+cdef object _FunctionType = types.FunctionType
 
 
 cdef EventRecord _record_current(long long device):
     """_events.record_current: a record on the calling thread's current stream."""
-    stream = _be.current_stream(device)
+    stream = _current_stream(device)
     return _record(stream.ptr, device, None, stream)
 
 
@@ -1034,8 +1043,7 @@ def future_then(self, fn, *, priority="normal"):
     rec = <EventRecord>records[0]
     if rec._known and rec._status:
         return _then_py(fut, fn, priority=priority)  # failed work: the child takes the error
-    if _stream_types is None or (not _cupy_found and sys.modules.get("cupy") is not None):
-        _find_types()
+    _ensure_types()
     value = fut._value
     device = rec.device
     try:
@@ -1085,11 +1093,8 @@ def future_then(self, fn, *, priority="normal"):
         return child
     try:
         ptr = stream.ptr
-        # The child's records, as the twin's (_events.record without an owner).
-        if isinstance(out, _Future):
-            return _then_follows(fut, out, (_record(ptr, device, None, None),))
-        extra = ()
-        if _lone_array is None or type(out) is not _lone_array:
+        lone = _lone_array is not None and type(out) is _lone_array
+        if not lone and not isinstance(out, _Future):
             consumer = _Consumer.__new__(_Consumer)
             (<_Consumer>consumer).handle = (ptr, device)
             (<_Consumer>consumer).others_current = True
@@ -1097,14 +1102,20 @@ def future_then(self, fn, *, priority="normal"):
                 _order_foreign(out, consumer)  # docs/design.md, hazard 9
             except ValueError as exc:
                 return _then_failed(fut, exc, False)
-            done = _record(ptr, device, None, None) if early is None else early
+        # The child's record, after fn's work (and the foreign work ordered
+        # before it), as the twin's: _events.record without an owner.
+        done = _record(ptr, device, None, None) if early is None else early
+        if isinstance(out, _Future):
+            return _then_follows(fut, out, (done,))
+        # Arrays fn placed on other devices were made on those devices' streams.
+        extra = ()
+        if lone:
+            if out.data.device_id != device:
+                extra = (_record_current(out.data.device_id),)
+        else:
             for d in _find_devices(out):
                 if d != device:
                     extra += (_record_current(d),)
-        else:
-            done = _record(ptr, device, None, None) if early is None else early
-            if out.data.device_id != device:
-                extra = (_record_current(out.data.device_id),)
     except Exception as exc:
         return _then_failed(fut, exc, True)
     child = _set_future(out, done, None if _then_no_keep else value)
@@ -1208,9 +1219,7 @@ cdef object _consume_one(object array, long long device, object stream=None):
     if type(block) is not _block_type or block.device != device:
         return None  # another allocator's memory: untracked, nothing to do for an await
     if stream is None:
-        # CuPy's own getter: a block of the wrapper means CUDA is set up (and
-        # the backend's current_stream() would only add a Python frame around it).
-        stream = _cupy_current_stream(device) if _be is _CUDA_BE else _be.current_stream(device)
+        stream = _current_stream(device)
     ptr = stream.ptr
     if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
         block.add_reader(ptr, device, stream)

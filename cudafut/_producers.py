@@ -62,15 +62,6 @@ def record(value: T, *, stream: Any = None, keep: object = None) -> CudaFuture[T
             array is a host array: copy it with :func:`to_device`); or
             ``value`` holds an array whose producer cannot be ordered.
     """
-    if _record_value is not None:
-        fut = _record_value(value, stream, keep)  # the native core's fast path
-        if fut is not None:
-            return fut
-    return _record_rest(value, stream, keep)
-
-
-def _record_rest(value: T, stream: Any, keep: object) -> CudaFuture[T]:
-    """:func:`record` for what the native core's path leaves to Python."""
     if _runtime.forked:  # a flag test, without a call
         _runtime.check_usable()
     if stream is None:
@@ -186,17 +177,13 @@ def settle_launched(
     _future.settle(fut, fn, args, kwargs, streams, keep)
 
 
-# The native core's path of record(value, stream=s) (cudafut/_core.pyx), where
-# it runs: bound by _future at its import (bind_future), and tried first; it
-# returns None for every case it leaves to record() above.
+# Where the native core runs (cudafut/_core.pyx), cudafut.record is its
+# function: its path for a known stream, or one CuPy array, without a Python
+# frame, and record() above (the reference twin, CUDAFUT_PURE=1) for every
+# other case; help() and the docs read the twin's.
 _native = _compiled.native()
-_record_value: Callable[[Any, Any, object], CudaFuture[Any] | None] | None = (
-    None if _native is None else _native.record_value
-)
 if _native is not None and not TYPE_CHECKING:  # typed as the function above
-    # record() itself native too: its path without a Python frame, falling
-    # back on _record_rest; help() and the docs read the twin's.
-    _native.bind_record(_record_rest)
+    _native.bind_record(record)
     _entry = _native.future_record
     for _attr in ("__doc__", "__name__", "__qualname__", "__module__"):
         setattr(_entry, _attr, getattr(record, _attr))
