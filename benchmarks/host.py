@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,24 +171,18 @@ def _record_floor(stream: Any, token: Any, n: int = 4000) -> float:
     it with the value, kept."""
     import cupy as cp
 
-    free = [cp.cuda.Event(disable_timing=True) for _ in range(n)]
+    # n events, each taken once per timing of n records (kept is emptied between)
+    free = itertools.cycle([cp.cuda.Event(disable_timing=True) for _ in range(n)])
     kept: list[Any] = []
 
     def make() -> None:
-        event = free.pop()
+        event = next(free)
         event.record(stream)
         kept.append(_HandFuture(token, event))
 
-    times = []
-    for _ in range(8):
-        t = time.perf_counter()
-        for _ in range(n):
-            make()
-        times.append((time.perf_counter() - t) / n * 1e6)
-        free.extend(f.event for f in kept)
-        kept.clear()
+    per = _kept(kept, make, n)
     stream.synchronize()
-    return min(times[1:])
+    return per
 
 
 def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -203,33 +204,49 @@ def _meta(gpu: str, rounds: int, launches: int) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _executors(threads: int) -> Iterator[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]:
+    """``run_in_executor``'s two pools: ``threads`` threads, and the default
+    (what ``loop.run_in_executor(None, ...)`` makes); shut down after."""
+    executor = ThreadPoolExecutor(threads)
+    default = ThreadPoolExecutor()
+    try:
+        yield executor, default
+    finally:
+        executor.shutdown()
+        default.shutdown()
+
+
+def _stalls(
+    what: str,
+    one_call: float,
+    fn: Callable[[int], Any],
+    pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor],
+    rounds: int,
+    launches: int,
+) -> dict[str, Any]:
+    """One model's entry: what it is, one call's time, and every way's stalls."""
+    return {
+        "model": {"what": what, "one_call_ms": round(one_call * 1e3, 3)},
+        "ways": _rounds(fn, _ways(_launch.launcher_threads(), *pools), rounds, launches),
+    }
+
+
 def measure(
     rounds: int = 6, launches: int = 200, profiles: tuple[str, ...] = tuple(PROFILES)
 ) -> dict[str, Any]:
     """Every figure of the CPU model (see the module's docstring)."""
-    threads = _launch.launcher_threads()
     out: dict[str, Any] = {"meta": _meta("no GPU (the fake)", rounds, launches), "stalls": {}}
-    executor = ThreadPoolExecutor(threads)
-    default = ThreadPoolExecutor()  # what loop.run_in_executor(None, ...) makes
-    try:
-        with testing.fake_cuda() as fake:
-            fake.auto_complete = True
-            for profile in profiles:
-                fn = make_model(*PROFILES[profile])
-                t0 = time.perf_counter()
-                fn(0)
-                one_call = time.perf_counter() - t0
-                ops, hold, release = PROFILES[profile]
-                out["stalls"][profile] = {
-                    "model": {
-                        "what": f"{ops} operators of {hold:g} µs with the GIL and {release:g} µs without",
-                        "one_call_ms": round(one_call * 1e3, 3),
-                    },
-                    "ways": _rounds(fn, _ways(threads, executor, default), rounds, launches),
-                }
-    finally:
-        executor.shutdown()
-        default.shutdown()
+    with _executors(_launch.launcher_threads()) as pools, testing.fake_cuda() as fake:
+        fake.auto_complete = True
+        for profile in profiles:
+            fn = make_model(*PROFILES[profile])
+            t0 = time.perf_counter()
+            fn(0)
+            one_call = time.perf_counter() - t0
+            ops, hold, release = PROFILES[profile]
+            what = f"{ops} operators of {hold:g} µs with the GIL and {release:g} µs without"
+            out["stalls"][profile] = _stalls(what, one_call, fn, pools, rounds, launches)
     return out
 
 
@@ -248,11 +265,9 @@ def measure_gpu(model: str, rounds: int = 6, launches: int = 200) -> dict[str, A
     }
     cudafut.warm_launchers(served.answer, [0]).result(timeout=120)
     threads = _launch.launcher_threads()
-    executor = ThreadPoolExecutor(threads)
-    default = ThreadPoolExecutor()
-    try:
+    with _executors(threads) as pools:
         for _ in range(threads):  # the executor's threads warm too
-            executor.submit(served.answer, [0]).result()
+            pools[0].submit(served.answer, [0]).result()
         t0 = time.perf_counter()
         served.torch.cuda.synchronize()
         served.answer([0])
@@ -261,18 +276,8 @@ def measure_gpu(model: str, rounds: int = 6, launches: int = 200) -> dict[str, A
         def fn(i: int) -> Any:
             return served.answer([i % 256])
 
-        out["stalls"] = {
-            model: {
-                "model": {
-                    "what": f"examples/service {model} fp16, eager",
-                    "one_call_ms": round(one_call * 1e3, 3),
-                },
-                "ways": _rounds(fn, _ways(threads, executor, default), rounds, launches),
-            }
-        }
-    finally:
-        executor.shutdown()
-        default.shutdown()
+        what = f"examples/service {model} fp16, eager"
+        out["stalls"] = {model: _stalls(what, one_call, fn, pools, rounds, launches)}
     return out
 
 
