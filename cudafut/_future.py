@@ -53,7 +53,7 @@ from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, Ti
 from ._events import EventRecord, first_error
 from ._log import logger
 from ._trace import hooks as _trace
-from ._values import current_consumer, find_devices, normalize_devices, order_foreign
+from ._values import consumer_on, current_consumer, find_devices, normalize_devices, order_foreign
 
 __all__ = ["CudaFuture"]
 
@@ -1329,7 +1329,7 @@ def _settle_later(
         return fut._fail_later(exc)
     if not isinstance(out, CudaFuture):
         try:  # arrays fn made with other libraries (JAX): docs/design.md, hazard 9
-            order_foreign(out, lambda d: (int(streams[d].ptr), d) if d in streams else current_consumer(d))
+            order_foreign(out, consumer_on(streams))
         except ValueError as exc:
             return fut._fail_later(exc)
     # Loops, not comprehensions: each comprehension is a call (Python 3.11).

@@ -19,7 +19,7 @@ from . import _backend, _checks, _compiled, _cuda, _events, _future, _pools, _ru
 from ._engine import record_consumers
 from ._future import CudaFuture, Priority
 from ._interface import fail_future, new_future, set_future
-from ._values import current_consumer, find_devices, order_foreign
+from ._values import consumer_on, find_devices, order_foreign
 
 __all__ = ["record", "settle_launched", "submit"]
 
@@ -167,7 +167,7 @@ def settle_launched(
     until ``fut``'s events complete."""
     keep = (args, kwargs)
     try:  # other libraries' arrays among the arguments, as submit() orders them
-        order_foreign(keep, lambda d: (int(streams[d].ptr), d) if d in streams else current_consumer(d))
+        order_foreign(keep, consumer_on(streams))
     except Exception as exc:  # noqa: BLE001 - the future carries it
         fail_future(fut, exc)
         return

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterable
-from typing import Final
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
 
 from . import _backend, _cuda, _events
 
@@ -215,6 +215,19 @@ def current_consumer(device: int) -> tuple[int, int]:
     """CuPy's current stream of ``device`` in the calling thread, as a
     :data:`Consumer`: where ``set_result()`` and ``record()`` record."""
     return int(_backend.current.current_stream(device).ptr), device
+
+
+def consumer_on(streams: Mapping[int, Any]) -> Consumer:
+    """A :data:`Consumer` for work run with ``streams`` (``{device: CuPy
+    stream}``) current: an array on one of their devices is ordered before
+    that stream, one on another device before its current stream (where the
+    child's record of that device goes)."""
+
+    def consumer(device: int) -> tuple[int, int]:
+        stream = streams.get(device)
+        return current_consumer(device) if stream is None else (int(stream.ptr), device)
+
+    return consumer
 
 
 def order_foreign(value: object, consumer: Consumer = current_consumer) -> None:
