@@ -522,7 +522,13 @@ class _Backend:
 
     def fail(self, events: list[_Event], code: int) -> None:
         with self._lock:
-            self._settle([e for e in events if e.status is None], code)
+            failing = [e for e in events if e.status is None]
+            # Work runs in stream order: what the failing work follows has
+            # run first. Left pending, it would hold back a waiter that
+            # learns a stream's completions in order, as on a GPU.
+            ids = {id(e) for e in failing}
+            self._settle([e for e in self._closure(failing) if id(e) not in ids], 0)
+            self._settle(failing, code)
 
     def complete_all(self) -> None:
         with self._lock:
@@ -619,8 +625,10 @@ class FakeCuda:
         """Fail the GPU work of ``future`` with the CUDA error ``code``
         (default 700, ``cudaErrorIllegalAddress``): its pending events
         report it, so consumers raise :class:`cudafut.CudaError` with that
-        code, as for a kernel that faulted. Events it follows are left as
-        they are. A future not set yet fails when it is set.
+        code, as for a kernel that faulted. The work it follows (earlier on
+        its streams, and what they wait for) completes first, as on a GPU,
+        where work runs in stream order. A future not set yet fails when it
+        is set.
 
         Raises:
             TypeError: ``future`` is not a CudaFuture, or ``code`` not an int.

@@ -525,6 +525,26 @@ async def test_await_raises_the_failure(fake_cuda: testing.FakeCuda) -> None:
         await fut
 
 
+async def test_fail_completes_the_work_it_follows_first(fake_cuda: testing.FakeCuda) -> None:
+    # As on a GPU, where a stream runs in order: a waiter that learns a
+    # stream's completions oldest first must see the failure, and the older
+    # work done, not wait on the older record forever.
+    stream = fake_cuda.stream()
+    older = cudafut.record(np.zeros(2), stream=stream)
+    failing = cudafut.record(np.ones(2), stream=stream)
+    async with anyio.create_task_group() as tg:
+
+        async def fail_later() -> None:
+            await anyio.sleep(0.01)
+            fake_cuda.fail(failing, 719)
+
+        tg.start_soon(fail_later)
+        with anyio.fail_after(30), pytest.raises(cudafut.CudaError, match="cudaErrorLaunchFailure"):
+            await failing
+    assert older.done()
+    np.testing.assert_array_equal(older.result(timeout=0), [0, 0])
+
+
 async def test_gather_and_as_completed(fake_cuda: testing.FakeCuda) -> None:
     # One stream each: on one stream, completing the last completes all.
     futs = [cudafut.record(np.full(1, i), stream=fake_cuda.stream()) for i in range(3)]
