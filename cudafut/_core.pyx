@@ -802,36 +802,6 @@ cdef class EventPool:
 # finalizer. _future.bind_native() installs them where this core runs; each
 # falls back on the Python twin for what it does not handle itself.
 
-cdef class FutureState:
-    """The state of a :class:`cudafut.CudaFuture` as C fields: the native
-    core's base of the class (the pure core's class keeps them in
-    ``__slots__``). Python reads and writes them as attributes; the native
-    paths below, as C fields, without a lookup. Only CudaFuture derives
-    from it."""
-
-    cdef public object _callbacks
-    cdef public object _devices
-    cdef public object _exception
-    cdef public object _keep
-    cdef public object _listeners
-    cdef public object _lock
-    cdef public object _records
-    cdef public object _retrieved
-    cdef public object _set_event
-    cdef public object _state
-    cdef public object _stream_given
-    cdef public object _traceback
-    cdef public object _value
-    cdef object __weakref__
-
-
-cdef inline FutureState _future_of(object obj):
-    """``obj`` as a future's C state; TypeError for anything else (None too)."""
-    if not isinstance(obj, FutureState):
-        raise TypeError(f"expected a CudaFuture, not {type(obj).__name__}")
-    return <FutureState>obj
-
-
 cdef object _Future = None  # CudaFuture
 cdef object _SET = None
 cdef object _FAILED = None
@@ -1062,7 +1032,7 @@ def future_then(self, fn, *, priority="normal"):
     cdef long long device
     cdef long long ptr
     cdef long long prev
-    cdef FutureState fut = _future_of(self)
+    fut = self
     if (fut._state is not _SET or _forked or _hooks.active is not None
             or type(priority) is not str or not _plain_function(fn) or "torch" in sys.modules):
         return _then_py(fut, fn, priority=priority)
@@ -1156,7 +1126,7 @@ def future_then(self, fn, *, priority="normal"):
 
 cdef object _set_future(object value, EventRecord rec, object keep):
     """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future)."""
-    cdef FutureState fut = _Future.__new__(_Future)
+    fut = _Future.__new__(_Future)
     fut._lock = _allocate_lock()
     fut._devices = None
     fut._value = value
@@ -1178,11 +1148,13 @@ def future_del(self):
     complete (known, answered by its stream's watermark, or one query; never a
     confirm); else the Python twin, which keeps the value of pending work."""
     cdef EventRecord rec
-    cdef FutureState fut
-    if sys.is_finalizing() or not isinstance(self, FutureState):
-        return  # as the twin: no CUDA call while the interpreter ends
-    fut = <FutureState>self
-    state = fut._state  # None where __init__ never ran: nothing to do
+    fut = self
+    if sys.is_finalizing():  # as the twin: no CUDA call while the interpreter ends
+        return
+    try:
+        state = fut._state
+    except AttributeError:  # __init__ never ran: CudaFuture(...) refused its arguments
+        return
     if state is _SET:
         for r in fut._records:
             if type(r) is not EventRecord:
@@ -1212,11 +1184,10 @@ cdef object _query_quietly(EventRecord rec):
         return None
 
 
-cdef object _outcome(object future, object cancelled_error):
+cdef object _outcome(object fut, object cancelled_error):
     """CudaFuture._awaited: the outcome, with the value's arrays recorded as
     used by the awaiting thread's current streams."""
     cdef EventRecord rec
-    cdef FutureState fut = _future_of(future)
     state = fut._state
     if state is not _SET:
         return _awaited_py(fut, cancelled_error)  # raises (failed, cancelled)
@@ -1309,7 +1280,7 @@ def future_await(self):
     """CudaFuture.__await__, native (its documentation is the twin's)."""
     cdef EventRecord rec
     cdef _Done done
-    cdef FutureState fut = _future_of(self)
+    fut = self
     if fut._state is _SET and not _forked and _hooks.active is None:
         records = fut._records
         if len(records) == 1:
@@ -1334,7 +1305,7 @@ def future_result(self, timeout=None):
     outcome at once where every record is complete; else the twin, which
     blocks."""
     cdef EventRecord rec
-    cdef FutureState fut = _future_of(self)
+    fut = self
     if timeout is None and fut._state is _SET and not _forked and _hooks.active is None:
         for r in fut._records:
             if type(r) is not EventRecord:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, overload
+from typing import Any, Final, Generic, Literal, TypeVar, overload
 
 from . import (
     _backend,
@@ -120,39 +120,7 @@ _THEN_INSTEAD: Final = (
 )
 
 
-# The future's state: C fields of the native core's FutureState where it runs
-# (its paths read them without a lookup), else the class's own slots.
-_STATE_SLOTS: Final = (
-    "__weakref__",
-    "_callbacks",
-    "_devices",
-    "_exception",
-    "_keep",
-    "_listeners",
-    "_lock",
-    "_records",
-    "_retrieved",
-    "_set_event",
-    "_state",
-    "_stream_given",
-    "_traceback",
-    "_value",
-)
-
-
-class _PureState:
-    """The pure core's base of CudaFuture: nothing (the state is in its slots)."""
-
-    __slots__ = ()
-
-
-if TYPE_CHECKING:
-    _StateBase = _PureState
-else:
-    _StateBase = _PureState if _compiled.native() is None else _compiled.native().FutureState
-
-
-class CudaFuture(_StateBase, Generic[T]):
+class CudaFuture(Generic[T]):
     """The value of GPU work that has been enqueued and may not have run yet.
 
     Args:
@@ -177,7 +145,22 @@ class CudaFuture(_StateBase, Generic[T]):
     ``devices=None`` costs about half a µs on the host and blocks nothing.
     """
 
-    __slots__ = _STATE_SLOTS if _StateBase is _PureState else ()
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_devices",
+        "_exception",
+        "_keep",
+        "_listeners",
+        "_lock",
+        "_records",
+        "_retrieved",
+        "_set_event",
+        "_state",
+        "_stream_given",
+        "_traceback",
+        "_value",
+    )
 
     def __init__(self, devices: int | Iterable[int] | None = None) -> None:
         self._lock = threading.Lock()
