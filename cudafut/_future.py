@@ -767,7 +767,11 @@ class CudaFuture(Generic[T]):
                 driver.run_callback(fn, self)
 
         def when_done() -> None:  # runs in the driver's thread
-            pending = [r for r in self._records if r.status is None] if self._state is _SET else []
+            records = self._records
+            # A record known to have failed makes the future done (done() says
+            # so): the others, maybe on another device, are not waited for.
+            failed = self._state is not _SET or first_error(records) is not None
+            pending = [] if failed else [r for r in records if r.status is None]
             if pending:
                 driver.watch_all(pending, lambda _error: run())
             else:

@@ -683,6 +683,14 @@ class TrioDriver(LoopDriver):
             if timer is not None:
                 self._timer = None
                 timer.close()
+            # Cancelled: the run is ending. What is still watched can never
+            # fire on it; dropped, its callbacks let go of their futures and
+            # records, and of the run's objects: a callback holding the token
+            # would keep this driver in the registry (its key) for good.
+            self.watchlist.clear()
+            token = self._token()
+            if token is not None and _trio_drivers.get(token) is self:
+                del _trio_drivers[token]
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         token = self._token()
@@ -890,6 +898,12 @@ class TrioTasks:
 
 # -- the running loop's driver ---------------------------------------------------------------
 
+# An asyncio loop's driver is an attribute of the loop: a callback that the
+# driver still watches when the loop ends may hold the loop, and the loop, the
+# driver and its watches are then one cycle, collected together. Held by a
+# registry keyed weakly by the loop, the driver would hold its own key alive
+# for good (the registry below is for loops that refuse attributes).
+_DRIVER_ATTRIBUTE: Final = "_cudafut_driver"
 _asyncio_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioDriver] = (
     weakref.WeakKeyDictionary()
 )
@@ -915,9 +929,15 @@ def current_driver() -> LoopDriver | None:
         driver = _last_driver()
         if driver is not None and driver._loop() is loop:  # noqa: SLF001 - this module's class
             return driver
-        driver = _asyncio_drivers.get(loop)
+        driver = getattr(loop, _DRIVER_ATTRIBUTE, None)
         if driver is None:
-            driver = _asyncio_drivers[loop] = AsyncioDriver(loop)
+            driver = _asyncio_drivers.get(loop)
+        if driver is None:
+            driver = AsyncioDriver(loop)
+            try:
+                setattr(loop, _DRIVER_ATTRIBUTE, driver)
+            except AttributeError:  # __slots__: the registry
+                _asyncio_drivers[loop] = driver
         _last_driver = weakref.ref(driver)
         return driver
     trio = sys.modules.get("trio")

@@ -144,6 +144,16 @@ class Watchlist:
         self.pending += 1
         return watch
 
+    def clear(self) -> None:
+        """Forget every watch, as :meth:`remove` does each: for a loop that
+        ended, where none can fire any more. Their callbacks are dropped, and
+        with them what they hold (futures, records, the loop's objects)."""
+        for queue in self._queues.values():
+            for watch in queue.watches:
+                watch.callback = None
+        self._queues.clear()
+        self.pending = 0
+
     def remove(self, watch: Watch) -> None:
         """Forget a watch; a no-op if it fired or was removed already."""
         if watch.callback is not None:

@@ -522,13 +522,13 @@ class _Backend:
 
     def fail(self, events: list[_Event], code: int) -> None:
         with self._lock:
-            failing = [e for e in events if e.status is None]
-            # Work runs in stream order: what the failing work follows has
-            # run first. Left pending, it would hold back a waiter that
-            # learns a stream's completions in order, as on a GPU.
-            ids = {id(e) for e in failing}
-            self._settle([e for e in self._closure(failing) if id(e) not in ids], 0)
-            self._settle(failing, code)
+            # Work runs in stream order: what the failing work follows runs
+            # first (left pending, it would hold back a waiter that learns a
+            # stream's completions in order, as on a GPU). Oldest first, so
+            # that work between two failing records fails too (sticky).
+            failing = {id(e) for e in events if e.status is None}
+            for ev in sorted(self._closure([e for e in events if id(e) in failing]), key=lambda e: e.number):
+                self._settle([ev], code if id(ev) in failing else 0)
 
     def complete_all(self) -> None:
         with self._lock:

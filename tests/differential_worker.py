@@ -466,6 +466,9 @@ class _Program:
         elif name == "result0":
             trace.append([name, i, _outcome(lambda: fut.result(timeout=0)), _state(fut)])
         elif name == "wait0":
+            # wait() raises a failure only once it is known, which depends on
+            # when a waiter last polled: done() asks first, so both cores know.
+            fut.done()
             trace.append([name, i, _outcome(lambda: fut.wait(timeout=0)), _state(fut)])
         elif name == "exception0":
             trace.append([name, i, _outcome(lambda: _show(fut.exception(timeout=0)))])
@@ -565,17 +568,17 @@ def _events_in_use() -> dict[str, int]:
     """Per device, the events of the fake's pool still in use once the
     program's objects are garbage: none, once the watcher thread has let go
     of those it kept alive (waited for, up to 5 s)."""
-    gc.collect()  # what the program leaves in cycles (a failed future's traceback)
     deadline = time.monotonic() + 5
     while True:
+        # What the program leaves in cycles (a failed future's traceback),
+        # also those a thread's last reference left behind meanwhile.
+        gc.collect()
         _free, in_use = _pools.events.counts()
         if not any(in_use.values()):
             return {}
         if time.monotonic() > deadline:
-            gc.collect()
-            _free, in_use = _pools.events.counts()
             return {str(d): n for d, n in sorted(in_use.items()) if n}
-        time.sleep(0.0005)
+        time.sleep(0.002)
 
 
 def main() -> None:

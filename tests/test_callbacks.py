@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import anyio
+import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _waiter
+from cudafut import _waiter, testing
 from cudafut._interface import complete_with
 from cudafut._values import find_devices, gpu_arrays, placements
 from tests.fakes import FakeRecord, inject_watcher_bug, set_future
@@ -167,6 +168,26 @@ async def test_awaiting_a_child_whose_callback_raised_a_base_exception_raises_it
         with pytest.raises(Custom) as info:
             await raising
     assert info.value is exc
+
+
+@pytest.mark.anyio
+async def test_a_done_callback_runs_at_a_failure_not_after_other_devices_work(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    # done() is true at the first record known to have failed: so the done
+    # callback runs then, not once the work on the other device ends.
+    with testing.fake_cuda(devices=2, hint_after_s=None) as fake:
+        first = cudafut.record(np.ones(2), stream=fake.stream(0))
+        second = cudafut.record(np.ones(2), stream=fake.stream(1))
+        both = cudafut.gather(first, second)
+        fake.fail(first, 700)
+        assert both.done()
+        ran = anyio.Event()
+        both.add_done_callback(lambda _f: ran.set())
+        with anyio.fail_after(30):
+            await ran.wait()
+        assert not second.done()
+        fake.complete_all()
 
 
 # -- done callbacks that raise ---------------------------------------------------------

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import gc
 import os
 import sys
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from cudafut import _copies, _launch, _lifetimes, _runtime, _waiter
+import cudafut
+from cudafut import _copies, _launch, _lifetimes, _loops, _runtime, _waiter
 from tests.fakes import FakeRecord, gone
+from tests.runners import BACKENDS, run_on
 from tests.subproc import ROOT, run_python
 
 
@@ -151,3 +156,26 @@ def test_a_forked_child_gets_a_fresh_watcher_thread() -> None:
     proc = run_python(FORK, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["child 0"], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loop_ended_with_a_callback_waiting_lets_its_future_go(fake_cuda: Any, backend: str) -> None:
+    # A callback that reaches back into its loop (here: the loop, or trio's
+    # token) made the loop's waiter hold its own key in the registry of
+    # waiters, and with it every future it still watched, their records and
+    # their memory, for good.
+    refs: list[weakref.ref[Any]] = []
+
+    async def main() -> None:
+        trio = sys.modules.get("trio") if backend == "trio" else None
+        run = asyncio.get_running_loop() if trio is None else trio.lowlevel.current_trio_token()
+        fut = cudafut.record(np.ones(2), stream=fake_cuda.stream())
+        fut.add_done_callback(lambda _f: run)
+        refs.append(weakref.ref(fut))
+        # The callback's watch is added on the loop's waiter meanwhile.
+        await (asyncio.sleep(0.01) if trio is None else trio.sleep(0.01))
+
+    run_on(backend, main)
+    gc.collect()
+    assert refs[0]() is None, "the ended loop's waiter still holds the future"
+    assert not _loops._trio_drivers

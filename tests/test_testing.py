@@ -545,6 +545,19 @@ async def test_fail_completes_the_work_it_follows_first(fake_cuda: testing.FakeC
     np.testing.assert_array_equal(older.result(timeout=0), [0, 0])
 
 
+def test_fail_of_several_records_fails_the_work_between_them(fake_cuda: testing.FakeCuda) -> None:
+    # Work after a failed record on its stream fails too (CUDA's errors are
+    # sticky), even where a later failing record also follows it.
+    stream = fake_cuda.stream()
+    first = cudafut.record(np.zeros(1), stream=stream)
+    between = cudafut.record(np.ones(1), stream=stream)
+    last = cudafut.record(np.ones(1), stream=stream)
+    fake_cuda.fail(cudafut.gather(first, last), 700)
+    for fut in (first, between, last):
+        with pytest.raises(cudafut.CudaError, match="cudaErrorIllegalAddress"):
+            fut.result(timeout=0)
+
+
 async def test_gather_and_as_completed(fake_cuda: testing.FakeCuda) -> None:
     # One stream each: on one stream, completing the last completes all.
     futs = [cudafut.record(np.full(1, i), stream=fake_cuda.stream()) for i in range(3)]

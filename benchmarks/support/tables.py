@@ -169,7 +169,7 @@ def _producer(data: dict[str, Any], found: tuple[str, ...]) -> str:
 def _check_log(path: Path) -> Run:
     kind = next(k for k in CHECK_LOGS if path.name.startswith(k + "-"))
     header = path.read_text().splitlines()[0]
-    date = re.search(r"\d{4}-\d\d-\d\d", header)
+    date = re.search(r"\d{4}-\d\d-\d\d(?: \d\d:\d\d)?", header)  # a time orders runs of a day
     machine = re.search(r"\((?:one|\d) H200s?, (\d+) CPU cores\)", header)
     return Run(
         name=path.name,
