@@ -606,7 +606,8 @@ class CudaFuture(Generic[T]):
         """Call ``fn(future)`` once the future is done (GPU work complete).
 
         ``fn`` runs on the event loop that is running in the calling thread,
-        or, without one, on cudafut's watcher thread. An exception raised by
+        or, without one, on cudafut's watcher thread; if that loop ends
+        before the future is done, ``fn`` never runs. An exception raised by
         ``fn`` goes to the loop's exception handler or to the ``cudafut``
         logger; it is never lost. ``KeyboardInterrupt`` and ``SystemExit``
         too: they are reported, not raised, so that they stop neither the
@@ -770,8 +771,8 @@ class CudaFuture(Generic[T]):
             records = self._records
             # A record known to have failed makes the future done (done() says
             # so): the others, maybe on another device, are not waited for.
-            failed = self._state is not _SET or first_error(records) is not None
-            pending = [] if failed else [r for r in records if r.status is None]
+            over = self._state is not _SET or first_error(records) is not None
+            pending = [] if over else [r for r in records if r.status is None]
             if pending:
                 driver.watch_all(pending, lambda _error: run())
             else:
