@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import anyio
 import numpy as np
@@ -408,6 +408,11 @@ class _Program:
 
     def on_future(self, tg: Any, name: str, i: int, fut: cudafut.CudaFuture[Any], b: int, c: int) -> None:
         fake, trace = self.fake, self.trace
+        if name in _KNOWING:
+            # What these do depends on whether a failure of the GPU work is
+            # known yet, which depends on when a waiter last polled: done()
+            # asks first, so that both cores know the same.
+            fut.done()
         if name == "set":
             stream = self.streams[c % len(self.streams)]
 
@@ -430,6 +435,7 @@ class _Program:
         elif name == "gather":
             other = self.pick(b)
             assert other is not None
+            other[1].done()  # as fut's (_KNOWING)
             trace.append([name, i, other[0], self.made(lambda: cudafut.gather(fut, other[1]))])
         elif name == "callback":
             n = len(self.callbacks)
@@ -466,9 +472,6 @@ class _Program:
         elif name == "result0":
             trace.append([name, i, _outcome(lambda: fut.result(timeout=0)), _state(fut)])
         elif name == "wait0":
-            # wait() raises a failure only once it is known, which depends on
-            # when a waiter last polled: done() asks first, so both cores know.
-            fut.done()
             trace.append([name, i, _outcome(lambda: fut.wait(timeout=0)), _state(fut)])
         elif name == "exception0":
             trace.append([name, i, _outcome(lambda: _show(fut.exception(timeout=0)))])
@@ -478,6 +481,12 @@ class _Program:
             trace.append([name, i, _fork(fut, as_after_cuda=b % 2 == 1)])
         else:
             raise ValueError(f"no op {name!r}")
+
+
+#: Ops on a future whose outcome depends on a failure being known:
+#: ``then()`` runs ``fn`` or fails the child, ``gather()`` fails at once or
+#: waits, ``wait()`` returns or raises.
+_KNOWING: Final = frozenset({"then", "gather", "wait0"})
 
 
 def _window(window: list[Any]) -> list[Any]:
