@@ -318,7 +318,9 @@ class CudaFuture(Generic[T]):
     def done(self) -> bool:
         """Whether the future is set and its GPU work complete, or it failed.
 
-        Non-blocking: queries pending events (about 1.7 µs each).
+        Non-blocking: queries its events in order up to the first one pending
+        (about 1.7 µs each; an event known complete costs no query). A
+        failure already known of a later event makes it done too.
         """
         state = self._state
         if state is _SET:
@@ -326,10 +328,13 @@ class CudaFuture(Generic[T]):
         return state is not _PENDING
 
     def _events_done(self) -> bool:
-        for rec in self._records:
+        records = self._records
+        for rec in records:
             status = rec.query()
             if status is None:
-                return False
+                # Done all the same if another record is known to have failed,
+                # as an await, a callback and result() then are.
+                return first_error(records) is not None
             if status:
                 return True
         self._keep = None

@@ -556,8 +556,14 @@ _YIELD_EVERY_S: Final = 50e-6
 _blocking_lateness: Final[deque[float]] = deque(maxlen=32)
 
 
+def _known_failure(records: Sequence[EventRecord]) -> bool:
+    """Whether a record is known to have failed (no CUDA call)."""
+    return any(record.status for record in records)
+
+
 def block_until_complete(records: Sequence[EventRecord], deadline: float | None) -> bool:
-    """Block the calling thread until ``records`` complete or one fails.
+    """Block the calling thread until ``records`` complete or one fails (or
+    is known to have failed: records behind a pending one are not waited for).
 
     Returns ``False`` if ``deadline`` (a ``time.perf_counter()`` value) passed
     first. Polls as the wait policy says, sleeping with the GIL released, so
@@ -567,6 +573,8 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
     for record in records:
         status = record.query()
         if status is None:
+            if _known_failure(records):
+                return True  # the future failed: the caller raises it, as done() says
             if pacer is None:
                 pacer = Pacer(_blocking_lateness, name="result()")
                 pacer.new_wait(time.perf_counter())
@@ -576,6 +584,8 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
                     return False
                 when = pacer.next_poll((record,), now)
                 if when > now:
+                    if _known_failure(records):
+                        return True  # learnt meanwhile, by another thread's query
                     if deadline is not None:
                         when = min(when, deadline)
                     if _trace.active is not None:

@@ -558,6 +558,20 @@ def test_fail_of_several_records_fails_the_work_between_them(fake_cuda: testing.
             fut.result(timeout=0)
 
 
+def test_done_at_a_known_failure_behind_pending_work(fake_cuda: testing.FakeCuda) -> None:
+    # A failure known of any record makes the future done, as it makes its
+    # await and its callbacks end, even while an earlier record is pending.
+    pending = cudafut.record(np.zeros(1), stream=fake_cuda.stream())
+    failing = cudafut.record(np.ones(1), stream=fake_cuda.stream())
+    both = cudafut.gather(pending, failing)
+    fake_cuda.fail(failing, 700)
+    assert failing.done()  # the failure is known from here on
+    assert both.done()
+    assert not pending.done()
+    with pytest.raises(cudafut.CudaError, match="cudaErrorIllegalAddress"):
+        both.result(timeout=0)
+
+
 async def test_gather_and_as_completed(fake_cuda: testing.FakeCuda) -> None:
     # One stream each: on one stream, completing the last completes all.
     futs = [cudafut.record(np.full(1, i), stream=fake_cuda.stream()) for i in range(3)]
