@@ -368,6 +368,8 @@ class _Program:
             self.step(tg, "new", 0, 0, 0)
             for op in self.ops:
                 self.step(tg, *op)
+                if op[0] in _SETTLING:
+                    self.learn()
                 await self.settle()
                 if _calls:
                     self.trace.append(["calls", list(_calls)])
@@ -380,6 +382,15 @@ class _Program:
             self.trace.append(["never finished", [n for n, _, _ in self.tasks if n not in self.finished]])
             self.ending = True
             tg.cancel_scope.cancel()
+
+    def learn(self) -> None:
+        """Ask every live future done(): each failure the fake just made is
+        then known to both cores at once, so that the awaits and callbacks
+        that end at it end in this settle window, not whenever a waiter's
+        poll happens to find it."""
+        for fut in self.futs:
+            if fut is not None:
+                fut.done()
 
     def step(self, tg: Any, name: str, a: int, b: int, c: int) -> None:
         global _fail_next_record
@@ -482,6 +493,9 @@ class _Program:
         else:
             raise ValueError(f"no op {name!r}")
 
+
+#: Ops after which the worker learns what the fake settled (``learn``).
+_SETTLING: Final = frozenset({"fail", "complete", "complete_all", "auto"})
 
 #: Ops on a future whose outcome depends on a failure being known:
 #: ``then()`` runs ``fn`` or fails the child, ``gather()`` fails at once or
