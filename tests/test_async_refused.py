@@ -8,6 +8,7 @@ async callable through each call on the fake GPU."""
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,9 @@ class Model:
     def __call__(self, x: Any) -> Any:
         return x
 
+    def plain(self, x: Any) -> Any:
+        return x
+
 
 #: Every shape of async callable the check must see through.
 ASYNC_CALLABLES: dict[str, Callable[[], Callable[..., Any]]] = {
@@ -49,6 +53,20 @@ ASYNC_CALLABLES: dict[str, Callable[[], Callable[..., Any]]] = {
     "a partial of that object": lambda: functools.partial(AsyncModel()),
     "a bound async method": lambda: AsyncModel().method,
 }
+
+
+def _marked() -> Callable[..., Any]:
+    """A plain function marked as a coroutine function (Python 3.12's
+    ``inspect.markcoroutinefunction``, for one that returns an awaitable)."""
+
+    def fn(x: Any) -> Any:
+        return double(x)
+
+    return inspect.markcoroutinefunction(fn)  # type: ignore[attr-defined,no-any-return,unused-ignore]
+
+
+if hasattr(inspect, "markcoroutinefunction"):
+    ASYNC_CALLABLES["a function marked a coroutine function"] = _marked
 
 
 class Wrapper(AsyncModel):
@@ -62,6 +80,7 @@ class Wrapper(AsyncModel):
 #: Plain callables that must still be taken, with what each makes of -3.
 PLAIN_CALLABLES: dict[str, tuple[Callable[..., Any], Callable[[Any], bool]]] = {
     "def": (lambda x: x, lambda out: out == -3),
+    "a bound method": (Model().plain, lambda out: out == -3),
     "a partial": (functools.partial(np.multiply, 1), lambda out: out == -3),
     "a plain callable object": (Model(), lambda out: out == -3),
     "a builtin": (abs, lambda out: out == 3),
