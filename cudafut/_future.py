@@ -761,7 +761,7 @@ class CudaFuture(Generic[T]):
         """Call ``fn(self)`` in ``driver``'s thread once done, unless
         :meth:`remove_done_callback` removes it first (add_done_callback and
         the bridges)."""
-        entry = _DoneCallback(fn)
+        entry = _DoneCallback(fn, driver)
         with self._lock:
             if self._callbacks is None:
                 self._callbacks = [entry]
@@ -769,8 +769,10 @@ class CudaFuture(Generic[T]):
                 self._callbacks.append(entry)
 
         def run() -> None:
-            if self._claim(entry):
-                driver.run_callback(fn, self)
+            # The callbacks added before this one in the same driver's thread
+            # first: one still waiting for its watch's poll is as done.
+            for started in self._claim_through(entry):
+                driver.run_callback(started.fn, self)
 
         def when_done() -> None:  # runs in the driver's thread
             records = self._records
@@ -785,18 +787,21 @@ class CudaFuture(Generic[T]):
 
         self._on_set(lambda: driver.call_soon_threadsafe(when_done))
 
-    def _claim(self, entry: _DoneCallback) -> bool:
-        """Start a done callback unless it was removed: it can be removed no more."""
+    def _claim_through(self, entry: _DoneCallback) -> list[_DoneCallback]:
+        """Start ``entry`` and the callbacks of its driver added before it
+        that still wait, in the order added (those removed never start);
+        return them. Once started, a callback can be removed no more."""
+        started: list[_DoneCallback] = []
         with self._lock:
-            if entry.state != _WAITING:
-                return False
-            entry.state = _STARTED
             callbacks = self._callbacks
-            if callbacks is not None:
-                callbacks.remove(entry)
-                if not callbacks:
-                    self._callbacks = None
-        return True
+            if callbacks is None or entry not in callbacks:
+                return started  # started already (by a later one), or removed
+            for other in callbacks[: callbacks.index(entry) + 1]:
+                if other.driver is entry.driver and other.state == _WAITING:
+                    other.state = _STARTED
+                    started.append(other)
+            self._callbacks = [e for e in callbacks if e.state == _WAITING] or None
+        return started
 
     def _check_pending(self) -> None:
         if self._state is not _PENDING:
@@ -1139,10 +1144,11 @@ _REMOVED: Final = 2
 class _DoneCallback:
     """One ``add_done_callback`` (or bridge) callback: waiting, started or removed."""
 
-    __slots__ = ("fn", "state")
+    __slots__ = ("driver", "fn", "state")
 
-    def __init__(self, fn: Callable[[Any], object]) -> None:
+    def __init__(self, fn: Callable[[Any], object], driver: object) -> None:
         self.fn = fn
+        self.driver = driver  # the thread or loop it runs in: order holds within one
         self.state = _WAITING
 
 

@@ -190,6 +190,31 @@ async def test_a_done_callback_runs_at_a_failure_not_after_other_devices_work(
         fake.complete_all()
 
 
+@pytest.mark.anyio
+async def test_done_callbacks_run_in_the_order_added_when_a_later_one_finds_the_work_done(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    # The first callback waits for its watch's next poll; the second, added
+    # once the work is known complete, would run at once: it runs after it.
+    with testing.fake_cuda(hint_after_s=None) as fake:
+        fut = cudafut.record(np.ones(2), stream=fake.stream())
+        ran: list[int] = []
+        fut.add_done_callback(lambda _f: ran.append(0))
+        await anyio.sleep(0.001)  # the first callback's watch is on the waiter
+        fake.complete(fut)
+        assert fut.done()  # the completion is known from here on
+        both = anyio.Event()
+
+        def second(_f: object) -> None:
+            ran.append(1)
+            both.set()
+
+        fut.add_done_callback(second)
+        with anyio.fail_after(30):
+            await both.wait()
+        assert ran == [0, 1]
+
+
 # -- done callbacks that raise ---------------------------------------------------------
 
 
