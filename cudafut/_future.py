@@ -21,6 +21,7 @@ import inspect
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
@@ -794,10 +795,11 @@ class CudaFuture(Generic[T]):
         started: list[_DoneCallback] = []
         with self._lock:
             callbacks = self._callbacks
-            if callbacks is None or entry not in callbacks:
+            driver = entry.driver()
+            if callbacks is None or entry not in callbacks or driver is None:
                 return started  # started already (by a later one), or removed
             for other in callbacks[: callbacks.index(entry) + 1]:
-                if other.driver is entry.driver and other.state == _WAITING:
+                if other.driver() is driver and other.state == _WAITING:
                     other.state = _STARTED
                     started.append(other)
             self._callbacks = [e for e in callbacks if e.state == _WAITING] or None
@@ -1148,7 +1150,10 @@ class _DoneCallback:
 
     def __init__(self, fn: Callable[[Any], object], driver: object) -> None:
         self.fn = fn
-        self.driver = driver  # the thread or loop it runs in: order holds within one
+        # The thread or loop it runs in (order holds within one), weakly: a
+        # callback whose loop ended never runs, and must not keep that loop's
+        # waiter (its timer's descriptor) alive while the future lives.
+        self.driver = weakref.ref(driver)
         self.state = _WAITING
 
 

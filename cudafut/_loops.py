@@ -930,7 +930,7 @@ def current_driver() -> LoopDriver | None:
         if driver is not None and driver._loop() is loop:  # noqa: SLF001 - this module's class
             return driver
         driver = getattr(loop, _DRIVER_ATTRIBUTE, None)
-        if driver is None:
+        if driver is None or driver._loop() is not loop:  # noqa: SLF001 - this module's class
             driver = _asyncio_drivers.get(loop)
         if driver is None:
             driver = AsyncioDriver(loop)

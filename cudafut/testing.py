@@ -524,8 +524,9 @@ class _Backend:
         with self._lock:
             # Work runs in stream order: what the failing work follows runs
             # first (left pending, it would hold back a waiter that learns a
-            # stream's completions in order, as on a GPU). Oldest first, so
-            # that work between two failing records fails too (sticky).
+            # stream's completions in order, as on a GPU). Oldest first: work
+            # between two failing records then completes after a failed one it
+            # follows, and so fails (CUDA's errors are sticky: see _settle).
             failing = {id(e) for e in events if e.status is None}
             for ev in sorted(self._closure([e for e in events if id(e) in failing]), key=lambda e: e.number):
                 self._settle([ev], code if id(ev) in failing else 0)

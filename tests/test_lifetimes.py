@@ -179,3 +179,20 @@ def test_a_loop_ended_with_a_callback_waiting_lets_its_future_go(fake_cuda: Any,
     gc.collect()
     assert refs[0]() is None, "the ended loop's waiter still holds the future"
     assert not _loops._trio_drivers
+
+
+def test_a_callback_whose_loop_ended_does_not_keep_the_loops_waiter(fake_cuda: Any) -> None:
+    # The callback never runs (its loop ended first) and stays with the
+    # future; it must not keep the ended loop's waiter, and its timer's
+    # descriptor, alive for as long as the future lives.
+    fut: cudafut.CudaFuture[int] = cudafut.CudaFuture()
+    waiters: list[weakref.ref[Any]] = []
+
+    async def main() -> None:
+        fut.add_done_callback(lambda _f: None)
+        waiters.append(weakref.ref(_loops.current_driver()))
+
+    asyncio.run(main())
+    fut.set_result(1)
+    gc.collect()
+    assert waiters[0]() is None, "the ended loop's waiter is kept by the future's callback"
