@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Final
 
 from . import _backend, _compiled, _cuda, _pools
@@ -226,7 +226,8 @@ def is_newest(rec: EventRecord) -> bool:
     return _sequence.get(rec.stream_key) == rec.seq
 
 
-def first_error(records: tuple[EventRecord, ...]) -> Exception | None:
+def first_error(records: Sequence[EventRecord]) -> Exception | None:
+    """The error of the first record known to have failed, or None (no CUDA call)."""
     for rec in records:
         if rec.status:
             return rec.error()

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
 from . import _lifetimes
-from ._events import EventRecord
+from ._events import EventRecord, first_error
 from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
 from ._trace import hooks as _trace
@@ -556,11 +556,6 @@ _YIELD_EVERY_S: Final = 50e-6
 _blocking_lateness: Final[deque[float]] = deque(maxlen=32)
 
 
-def _known_failure(records: Sequence[EventRecord]) -> bool:
-    """Whether a record is known to have failed (no CUDA call)."""
-    return any(record.status for record in records)
-
-
 def block_until_complete(records: Sequence[EventRecord], deadline: float | None) -> bool:
     """Block the calling thread until ``records`` complete or one fails (or
     is known to have failed: records behind a pending one are not waited for).
@@ -573,7 +568,7 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
     for record in records:
         status = record.query()
         if status is None:
-            if _known_failure(records):
+            if first_error(records) is not None:
                 return True  # the future failed: the caller raises it, as done() says
             if pacer is None:
                 pacer = Pacer(_blocking_lateness, name="result()")
@@ -584,7 +579,7 @@ def block_until_complete(records: Sequence[EventRecord], deadline: float | None)
                     return False
                 when = pacer.next_poll((record,), now)
                 if when > now:
-                    if _known_failure(records):
+                    if first_error(records) is not None:
                         return True  # learnt meanwhile, by another thread's query
                     if deadline is not None:
                         when = min(when, deadline)

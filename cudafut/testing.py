@@ -527,8 +527,9 @@ class _Backend:
             # stream's completions in order, as on a GPU). Oldest first: work
             # between two failing records then completes after a failed one it
             # follows, and so fails (CUDA's errors are sticky: see _settle).
-            failing = {id(e) for e in events if e.status is None}
-            for ev in sorted(self._closure([e for e in events if id(e) in failing]), key=lambda e: e.number):
+            pending = [e for e in events if e.status is None]
+            failing = {id(e) for e in pending}
+            for ev in sorted(self._closure(pending), key=lambda e: e.number):
                 self._settle([ev], code if id(ev) in failing else 0)
 
     def complete_all(self) -> None:
