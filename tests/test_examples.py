@@ -40,7 +40,7 @@ def load_example(path: Path) -> ModuleType:
         return module
     finally:
         sys.path[:] = saved_path
-        for name in ("toy_model", "model", "models", "batcher", "load", "pauses"):
+        for name in ("toy_model", "model", "models", "batcher", "load", "pauses", "stalltrace"):
             if name not in saved_modules:
                 sys.modules.pop(name, None)
 

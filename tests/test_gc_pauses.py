@@ -244,3 +244,48 @@ def test_compare_runs_the_fixed_rates_and_reads_each_servers_pauses(monkeypatch:
     }
     assert set(out["resnet50"]["open"]["4000/s"]) == {"rate", "nogpu", "batch_graph"}
     assert all(pauses is not None for _, _, pauses in runs)
+
+
+def test_the_frozen_count_is_remembered_not_walked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # gc.get_freeze_count() walks the whole permanent generation (about
+    # 30 ms with PyTorch loaded): a /stats that asked it held the loop.
+    pauses = load_example(SERVICE / "pauses.py")
+    assert pauses.frozen_count() == 0
+    keep = [[i] for i in range(1000)]
+    try:
+        frozen = pauses.freeze_warm_objects()
+        assert frozen >= len(keep) and frozen == gc.get_freeze_count()
+
+        def walk() -> int:
+            raise AssertionError("frozen_count() walked the frozen objects again")
+
+        monkeypatch.setattr(gc, "get_freeze_count", walk)
+        assert pauses.frozen_count() == frozen
+    finally:
+        monkeypatch.undo()
+        gc.unfreeze()
+
+
+def test_the_stall_trace_names_what_held_the_loop(tmp_path: Path) -> None:
+    import asyncio
+    import time
+
+    stalltrace = load_example(SERVICE / "stalltrace.py")
+
+    def hold_the_loop() -> None:
+        time.sleep(0.1)  # what a walk of 300,000 objects does to the loop, three times over
+
+    async def main() -> None:
+        stop = stalltrace.start(asyncio.get_running_loop(), tmp_path, period_ms=2.0, dump_after_ms=20.0)
+        try:
+            await asyncio.sleep(0.05)
+            hold_the_loop()
+            await asyncio.sleep(0.05)
+        finally:
+            stop()
+
+    asyncio.run(main())
+    late = [json.loads(line) for line in (tmp_path / "late.jsonl").read_text().splitlines()]
+    assert any(row["late_ms"] >= 50 and row["pid"] == os.getpid() for row in late), late
+    stacks = (tmp_path / f"stacks-{os.getpid()}.txt").read_text()
+    assert "in hold_the_loop" in stacks, stacks

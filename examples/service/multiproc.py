@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection
@@ -97,7 +96,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
 from models import BAD_REQUEST, BUCKETS, MODELS, image_index, missing, top_of
-from pauses import record_from_env
+from pauses import freeze_warm_objects, frozen_count, record_from_env
 
 import cudafut
 
@@ -142,15 +141,6 @@ def _or_exit(what: str) -> Iterator[None]:
         traceback.print_exc()
         print(f"multiproc.py: {what}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
-
-
-def _freeze_warm_objects() -> None:
-    """Move what imports and warm-up left to the collector's permanent
-    generation, where full collections no longer walk it (docs/serving.md,
-    "Garbage-collection pauses"). Collected first: garbage frozen would
-    never be freed. Once, before serving: not per request."""
-    gc.collect()
-    gc.freeze()
 
 
 def gpu_main(
@@ -609,7 +599,7 @@ async def _gpu_batches(
     batches.inbox = _Inbox(loop, conns, batches.take, gone, raw=True)
     former = loop.create_task(batches.form())
     if freeze:  # the model, its graphs and the launchers live as long as this process
-        _freeze_warm_objects()
+        freeze_warm_objects()
     ready.set()
     await stopped.wait()
     former.cancel()
@@ -697,7 +687,7 @@ async def _gpu_loop(
     async with batcher:
         _Inbox(loop, conns, take, front_gone)
         if freeze:  # the model, its graphs, the batcher and the launchers live as long as this process
-            _freeze_warm_objects()
+            freeze_warm_objects()
         ready.set()
         await stopped.wait()
 
@@ -1011,7 +1001,7 @@ def front_main(
 
     async def stats(request: web.Request) -> web.Response:
         link = links[0].counts if links else {}
-        return web.json_response({**counts, **link, "pid": os.getpid(), "gc_frozen": gc.get_freeze_count()})
+        return web.json_response({**counts, **link, "pid": os.getpid(), "gc_frozen": frozen_count()})
 
     if answers is None and warm:
         # The first future received from each device would otherwise import
@@ -1042,7 +1032,7 @@ def front_main(
         site = web.TCPSite(runner, "127.0.0.1", port, reuse_port=True)
         await site.start()
         if freeze:
-            _freeze_warm_objects()
+            freeze_warm_objects()
         ready.set()
         await asyncio.Event().wait()
 

@@ -46,7 +46,9 @@ pauses"). ``--no-gc-freeze`` leaves them, for comparison. ``GET
 /stats?objects=10`` adds the tracked objects and their 10 commonest types
 (it walks them all: for measuring, not for a health check); with
 ``CUDAFUT_GC_PAUSES=FILE`` every collection of 5 ms or more is appended to
-``FILE`` (pauses.py).
+``FILE`` (pauses.py); with ``CUDAFUT_STALL_TRACE=DIR``, every beat of
+the loop 5 ms late and every thread's stack when it is 12 ms late are
+written to ``DIR`` (stalltrace.py).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
 from models import BAD_REQUEST, BUCKETS, MODELS, Served, image_index, missing, require_model_packages, top_of
-from pauses import record_from_env
+from pauses import freeze_warm_objects, frozen_count, record_from_env
+from stalltrace import start_from_env as trace_stalls_from_env
 
 import cudafut
 
@@ -212,7 +215,7 @@ def gc_stats(top: int = 0) -> dict[str, Any]:
     commonest of their types (``gc_types``), which walks every one of them
     (tens of ms for 300,000, with the loop's thread held)."""
     out: dict[str, Any] = {
-        "gc_frozen": gc.get_freeze_count(),
+        "gc_frozen": frozen_count(),  # not gc.get_freeze_count(): that walks them all
         "gc_collections": [g["collections"] for g in gc.get_stats()],
     }
     if top > 0:
@@ -279,6 +282,11 @@ def main(argv: list[str] | None = None) -> None:
         max_in_flight=args.max_in_flight,
     )
     app = make_app(compute, batcher)
+
+    async def trace_stalls(app: web.Application) -> None:
+        trace_stalls_from_env(asyncio.get_running_loop())  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
+
+    app.on_startup.append(trace_stalls)
     loop = None
     if args.loop == "uvloop":
         import uvloop
@@ -286,10 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = uvloop.new_event_loop()
     if not args.no_gc_freeze:
         # What imports, model load and warm-up left lives as long as the
-        # process: frozen, full collections stop walking it. Collected first:
-        # garbage frozen would never be freed (once, here: not per request).
-        gc.collect()
-        gc.freeze()
+        # process: frozen, full collections stop walking it (pauses.py).
+        freeze_warm_objects()
     print(f"READY {args.port}", flush=True)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, loop=loop)
 
