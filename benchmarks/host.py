@@ -310,10 +310,19 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
-    lines = ["## 5. Host costs", "", "| operation | µs |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in result.items()]
+    lines = ["## 5. Host costs", "", "| operation | µs, or ratio |", "|---|---|"]
+    lines += [f"| {label} | {value} |" for label, value in map(_row, result.items())]
     lines.append("")
     return lines
+
+
+def _row(item: tuple[str, Any]) -> tuple[str, str]:
+    """A result's key and value as the table shows them: keys end in "us"
+    (a time) or start with "ratio" (then the value is an "x")."""
+    key, value = item
+    if key.startswith("ratio "):
+        return key.removeprefix("ratio "), f"{_fmt(value)}x"
+    return key.removesuffix(" us").removesuffix(",").replace(" us (", " ("), _fmt(value)
 
 
 def _fmt(v: Any, digits: int = 2) -> str:

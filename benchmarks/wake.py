@@ -297,6 +297,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
     lines += [header, "|---" * (len(works) + 1) + "|"]
     names = list(wake[works[0]])
     for name in names:
+        if all("error" in wake[w].get(name, {}) for w in works):
+            continue  # never measured: said once under the table
         cells = []
         for w in works:
             q = wake[w].get(name, {})
@@ -312,7 +314,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     errors = {n: q["error"] for w in works for n, q in wake[w].items() if "error" in q}
     for n, e in errors.items():
-        lines.append(f"\n{n}: not measured ({e}).")
+        lines.append(f"\n{n}: not measured on this machine ({e.split(':')[0]}).")
     lines.append("")
     return lines
 

@@ -52,6 +52,15 @@ _IN_BLOCK: Final = 1
 _BY_START: Final = 2
 
 
+#: What the log and a later submit() say when the batch-forming task was
+#: cancelled while the batcher was started: most often its loop ended first.
+_FORMER_CANCELLED: Final = (
+    "a Batcher's batch-forming task was cancelled while the Batcher was started (did its loop end "
+    "before `await batcher.aclose()`?): close a started Batcher in your framework's shutdown hook "
+    "(aiohttp's on_cleanup, a lifespan's end), or use `async with cudafut.Batcher(...)`"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatcherStatistics:
     """What a :class:`Batcher` did so far (:meth:`Batcher.statistics`).
@@ -267,6 +276,7 @@ class Batcher(Generic[In, Out]):
         self._closing = False
         self._closed = False
         self._broken = None
+        self._cancelled = False  # the former was cancelled while started (its loop ended?)
         self._in_flight = 0
         self._batches = 0
         self._items = 0
@@ -330,8 +340,13 @@ class Batcher(Generic[In, Out]):
         rt = self._rt
         if rt is None or self._closing:
             if self._broken is not None:
+                why = (
+                    "was cancelled (its loop ended before aclose(), or the task was cancelled)"
+                    if self._cancelled
+                    else "ended"
+                )
                 raise InvalidStateError(
-                    "this Batcher's batch-forming task ended; create a new Batcher"
+                    f"this Batcher's batch-forming task {why}; create a new Batcher on this loop"
                 ) from self._broken
             raise InvalidStateError(
                 "this Batcher is not running: submit() inside `async with cudafut.Batcher(...) as b:`, "
@@ -440,8 +455,8 @@ class Batcher(Generic[In, Out]):
         Afterwards :meth:`submit` raises :class:`InvalidStateError`, as it
         does after an ``async with`` block. Idempotent: a second call (or
         a call from another task while one closes it) waits for the same
-        close and returns; on a batcher never started it only marks it
-        closed.
+        close and returns; on a batcher never started, or whose loop (or
+        trio run) has ended, it only marks it closed, from any loop.
 
         Cost: the wait for the queued and running batches (their GPU work
         included), without blocking the loop; then nothing. Call it on the
@@ -454,7 +469,8 @@ class Batcher(Generic[In, Out]):
         """
         if self._mode == _IN_BLOCK:
             raise InvalidStateError("this Batcher runs in an `async with` block: leaving the block closes it")
-        if self._mode == _NOT_STARTED:
+        if self._mode == _NOT_STARTED or self._loop_ended():
+            # Nothing runs or waits any more, from whatever loop this is.
             self._closing = self._closed = True
             return
         self._check_loop("aclose()")
@@ -468,6 +484,14 @@ class Batcher(Generic[In, Out]):
         if rt is not None:
             rt.wake()
         await self._done.wait()
+
+    def _loop_ended(self) -> bool:
+        """Whether the loop or run that started the batcher is over (so is
+        everything it ran)."""
+        rt = self._rt
+        if isinstance(rt, _loops.AsyncioTasks):
+            return rt.loop.is_closed()
+        return self._closed  # trio: the system task ends with its run, or closed it
 
     def _check_loop(self, call: str) -> None:
         """Raise unless the running loop is the one that started the batcher."""
@@ -494,6 +518,9 @@ class Batcher(Generic[In, Out]):
                 self._started = None
         except BaseException as exc:
             if _only_cancellations(exc):
+                if not self._closing:  # the run ended with the batcher started
+                    self._broken, self._cancelled = RuntimeError(_FORMER_CANCELLED), True
+                    logger.error("cudafut: %s", _FORMER_CANCELLED)
                 raise  # the run ends: trio cancels its system tasks
             # Raised from a system task, it would crash the whole run.
             self._broken = exc
@@ -572,10 +599,13 @@ class Batcher(Generic[In, Out]):
     def _former_ended(self, task: asyncio.Task[None]) -> None:
         if self._closing:
             return
-        error = task.exception() if not task.cancelled() else asyncio.CancelledError()
-        self._broken = error or RuntimeError("the batch-forming task returned")
+        if task.cancelled():  # most often its loop ended with the batcher still started
+            self._broken, self._cancelled = asyncio.CancelledError(_FORMER_CANCELLED), True
+            logger.error("cudafut: %s", _FORMER_CANCELLED)
+        else:
+            self._broken = task.exception() or RuntimeError("the batch-forming task returned")
+            logger.error("cudafut: a Batcher's batch-forming task ended: %r", self._broken)
         self._closing = True
-        logger.error("cudafut: a Batcher's batch-forming task ended: %r", self._broken)
         self._fail_queued()
 
     def _fail_queued(self) -> None:

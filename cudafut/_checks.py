@@ -18,7 +18,15 @@ import threading
 import types
 from typing import Final
 
-__all__ = ["NO_LIMIT", "check_callable", "is_async_callable", "not_async", "real_number", "timeout_seconds"]
+__all__ = [
+    "NO_LIMIT",
+    "check_callable",
+    "is_async_callable",
+    "not_async",
+    "real_number",
+    "returned_coroutine",
+    "timeout_seconds",
+]
 
 #: The longest a thread can wait (``threading`` refuses more with
 #: ``OverflowError``): timeouts at or beyond it mean "no limit".
@@ -132,3 +140,19 @@ def not_async(fn: object, call: str, where: str, instead: str) -> None:
             f"{call} runs fn {where}: no event loop would await the coroutine it returns. {fn!r} "
             f"is a coroutine function (async def). {instead}"
         )
+
+
+def returned_coroutine(fn: object, coro: types.CoroutineType[object, object, object]) -> TypeError:
+    """The error that fails the future of ``then()`` or ``submit()`` whose
+    ``fn`` returned the coroutine ``coro``: a plain function that calls an
+    ``async def`` one (``lambda v: afn(v)``), which :func:`not_async`
+    cannot see before it runs. Closes ``coro`` if it never started (then
+    Python does not also warn that it was never awaited, and no code of
+    it runs); one that started is someone else's, and is left as it is."""
+    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()
+    return TypeError(
+        f"fn returned a coroutine ({coro.__qualname__}), which nothing would await: then() and "
+        f"submit() run fn as a plain function, and {fn!r} must return the value (or a CudaFuture). "
+        "Await the coroutine on your loop instead, e.g. `await afn(await fut)`"
+    )

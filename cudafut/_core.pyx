@@ -65,7 +65,7 @@ import threading
 import types
 import weakref
 
-from cudafut import _backend, _runtime
+from cudafut import _backend, _checks, _runtime
 
 
 cdef extern from "<dlfcn.h>" nogil:
@@ -196,6 +196,7 @@ cdef inline double _now() noexcept nogil:
 # _swap_streams, the on_swap hook below): CUDA's or cudafut.testing's fake.
 # Records keep the one that made them (their ``calls``); the runtime's path
 # of record(), the pool's misses and record(x) of one CuPy array call it.
+cdef object _CoroutineType = types.CoroutineType
 cdef object _CUDA_BE = _backend.cuda()
 cdef object _be = _CUDA_BE
 # Whether this is a child forked after CUDA was initialised (_runtime.forked,
@@ -1091,6 +1092,8 @@ def future_then(self, fn, *, priority="normal"):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise  # to then()'s caller, once the child failed (as the twin)
         return child
+    if type(out) is _CoroutineType:  # fn called an async def: nothing would await it
+        return _then_failed(fut, _checks.returned_coroutine(fn, out), False)
     try:
         ptr = stream.ptr
         lone = _lone_array is not None and type(out) is _lone_array

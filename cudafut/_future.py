@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
+from types import CoroutineType as _CoroutineType
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeVar, overload
 
@@ -586,7 +587,9 @@ class CudaFuture(Generic[T]):
         where no event loop awaits what it returns. A coroutine function
         (``async def``, a :func:`functools.partial` of one, or an object whose
         ``__call__`` is one) is refused at the call, before anything is
-        chained.
+        chained; a plain ``fn`` that returns a coroutine (``lambda v:
+        afn(v)``) fails the child with :class:`TypeError`, the coroutine
+        closed.
 
         Raises:
             TypeError: ``fn`` is not callable, or is a coroutine function.
@@ -1328,6 +1331,7 @@ def _settle_later(
     keep: object,
 ) -> Pending | None:
     """:func:`settle`, returning ``fut``'s listeners for the caller's loop."""
+    user_fn = fn
     if _trace.active is not None:
         fn = _trace.timed_fn(fut, fn, streams)
     torch = _torch.loaded()
@@ -1348,6 +1352,8 @@ def _settle_later(
         raise
     except BaseException as exc:  # noqa: BLE001 - the future carries it, type kept
         return fut._fail_later(exc)
+    if type(out) is _CoroutineType:  # fn called an async def: nothing would await it
+        return fut._fail_later(_checks.returned_coroutine(user_fn, out))
     if not isinstance(out, CudaFuture):
         try:  # arrays fn made with other libraries (JAX): docs/design.md, hazard 9
             order_foreign(out, consumer_on(streams))

@@ -129,7 +129,9 @@ def submit(
 
     ``fn`` must be a plain function: a coroutine function (``async def``,
     a :func:`functools.partial` of one, or an object whose ``__call__`` is
-    one) is refused before anything is enqueued.
+    one) is refused before anything is enqueued; a plain ``fn`` that returns
+    a coroutine fails the future with :class:`TypeError`, the coroutine
+    closed.
 
     Raises:
         TypeError: ``fn`` is not callable, or is a coroutine function, or

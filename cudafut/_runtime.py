@@ -15,6 +15,7 @@ reach every caller).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
@@ -37,7 +38,7 @@ _count = 0
 
 _DRIVER_HINTS = {
     35: (
-        "the NVIDIA driver is missing or older than the CUDA version CuPy was "
+        "the NVIDIA driver is older than the CUDA version CuPy was "
         "built for; install a newer driver, or the cudafut extra that matches "
         "it ('cudafut[cuda12]' or 'cudafut[cuda13]')"
     ),
@@ -45,6 +46,26 @@ _DRIVER_HINTS = {
     3: "the CUDA driver failed to initialise; check `nvidia-smi` and dmesg",
     999: "the CUDA driver reported an unknown error; check `nvidia-smi`",
 }
+
+#: Status 35 where the driver's library is not there at all: not "older".
+_NO_DRIVER: Final = (
+    "no NVIDIA driver is installed (libcuda.so.1 cannot be loaded); on a machine "
+    "with an NVIDIA GPU, install its driver (https://www.nvidia.com/drivers)"
+)
+
+
+@functools.cache
+def _driver_installed() -> bool:
+    """Whether the driver's library loads (only asked after CUDA failed;
+    once: a failed load costs a search of the library path)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
 
 #: Ends every message of a machine without a usable GPU: the fake GPU.
 NO_GPU_TESTING: Final = "or test without a GPU: cudafut.testing (docs/testing.md)"
@@ -125,6 +146,8 @@ def _initialise() -> Any:
             count = rt.getDeviceCount()
         except rt.CUDARuntimeError as exc:
             hint = _DRIVER_HINTS.get(exc.status, "CUDA could not be initialised")
+            if exc.status == 35 and not _driver_installed():
+                hint = _NO_DRIVER
             raise CudaUnavailableError(f"{hint} (CUDA said: {exc}); {NO_GPU_TESTING}") from exc
         if count == 0:
             raise CudaUnavailableError(f"{_DRIVER_HINTS[100]}; {NO_GPU_TESTING}")

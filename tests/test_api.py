@@ -84,6 +84,32 @@ def test_missing_cupy_is_explained() -> None:
     assert "cudafut[cuda12]" in proc.stdout
 
 
+def test_an_old_driver_and_no_driver_are_told_apart() -> None:
+    # CUDA says cudaErrorInsufficientDriver (35) for both: the message asks
+    # whether the driver's library loads before it says "older".
+    proc = run_python(
+        """
+        import cupy, cudafut
+        from cudafut import _runtime
+
+        def no_device():
+            raise cupy.cuda.runtime.CUDARuntimeError(35)
+
+        cupy.cuda.runtime.getDeviceCount = no_device
+        for installed in (False, True):
+            _runtime._driver_installed = lambda: installed
+            try:
+                _runtime._initialise()
+            except cudafut.CudaUnavailableError as exc:
+                print(installed, exc)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    absent, old = proc.stdout.splitlines()
+    assert absent.startswith("False no NVIDIA driver is installed") and "older" not in absent
+    assert old.startswith("True the NVIDIA driver is older") and "cudafut.testing" in old
+
+
 # -- what a package index shows ------------------------------------------------
 
 REPOSITORY = "https://github.com/cudafut/cudafut"

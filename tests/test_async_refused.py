@@ -8,6 +8,7 @@ async callable through each call on the fake GPU."""
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import warnings
 from collections.abc import Callable
@@ -155,3 +156,40 @@ def test_then_and_submit_still_take_plain_callables(fake_cuda: testing.FakeCuda,
     fut = cudafut.CudaFuture[Any]()
     fut.set_result(-3)
     assert expected(fut.then(fn).result(timeout=10))
+
+
+# -- a plain function that returns a coroutine -------------------------------------
+#
+# `lambda v: double(v)` passes the check at the call (it is a plain
+# function); the coroutine it returns fails the future instead of becoming
+# its value, and is closed (no "never awaited" warning).
+
+_RETURNED = r"fn returned a coroutine \(double\), which nothing would await.*await afn\(await fut\)"
+
+
+@pytest.mark.parametrize("parent_set", [True, False], ids=["set parent", "pending parent"])
+def test_then_fails_its_child_when_fn_returns_a_coroutine(
+    fake_cuda: testing.FakeCuda, parent_set: bool
+) -> None:
+    fake_cuda.auto_complete = True
+    fut = cudafut.CudaFuture[Any]()
+    if parent_set:  # the native core's then() of a set future takes its own path
+        fut.set_result(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        child = fut.then(lambda v: double(v))
+        if not parent_set:
+            fut.set_result(3)
+        with pytest.raises(TypeError, match=_RETURNED):
+            _ = child.result(timeout=10)
+        gc.collect()  # a coroutine left unclosed would warn (as an error) here
+
+
+def test_submit_fails_its_future_when_fn_returns_a_coroutine(fake_cuda: testing.FakeCuda) -> None:
+    fake_cuda.auto_complete = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fut = cudafut.submit(lambda x: double(x), 3)
+        with pytest.raises(TypeError, match=_RETURNED):
+            _ = fut.result(timeout=10)
+        gc.collect()

@@ -487,7 +487,7 @@ def test_a_batch_former_that_dies_fails_the_queue_and_later_submits() -> None:
                 task.cancel()
             with pytest.raises(cudafut.InvalidStateError):
                 await waiting
-            with pytest.raises(cudafut.InvalidStateError, match="batch-forming task ended"):
+            with pytest.raises(cudafut.InvalidStateError, match="batch-forming task was cancelled"):
                 await batcher.submit(2)
 
     asyncio.run(main())
@@ -659,6 +659,73 @@ async def test_start_and_a_with_block_do_not_mix() -> None:
         with pytest.raises(cudafut.InvalidStateError, match="leaving the block closes it"):
             await in_block.aclose()
         assert await in_block.submit(2) == 4
+
+
+def test_a_started_batcher_whose_loop_ends_says_so_and_closes_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def serve() -> cudafut.Batcher[int, int]:
+        batcher = await cudafut.Batcher(_double).start()
+        assert await batcher.submit(1) == 2
+        return batcher  # no aclose(): the loop ends with the batcher started
+
+    with caplog.at_level("ERROR", logger="cudafut"):
+        batcher = asyncio.run(serve())
+    assert any("did its loop end before `await batcher.aclose()`" in r.getMessage() for r in caplog.records)
+
+    async def later() -> None:
+        with pytest.raises(cudafut.InvalidStateError, match=r"cancelled \(its loop ended before aclose"):
+            await batcher.submit(2)
+        await batcher.aclose()  # nothing left to close: no error, from this loop too
+        await batcher.aclose()
+
+    asyncio.run(later())
+
+
+def test_a_started_batcher_whose_trio_run_ends_says_so_and_closes_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trio = pytest.importorskip("trio")
+
+    async def serve() -> cudafut.Batcher[int, int]:
+        batcher = await cudafut.Batcher(_double).start()
+        assert await batcher.submit(1) == 2
+        return batcher
+
+    with caplog.at_level("ERROR", logger="cudafut"):
+        batcher = trio.run(serve)
+    assert any("did its loop end before `await batcher.aclose()`" in r.getMessage() for r in caplog.records)
+
+    async def later() -> None:
+        with pytest.raises(cudafut.InvalidStateError, match=r"cancelled \(its loop ended before aclose"):
+            await batcher.submit(2)
+        await batcher.aclose()
+
+    trio.run(later)
+
+
+def test_aclose_after_the_former_was_cancelled_still_waits_for_the_running_batch() -> None:
+    finished = []
+
+    async def slow(items: list[int]) -> list[int]:
+        await asyncio.sleep(0.05)
+        finished.append(items)
+        return items
+
+    async def main() -> None:
+        batcher = await cudafut.Batcher(slow, max_batch=1, max_delay_s=0).start()
+        running = asyncio.ensure_future(batcher.submit(1))
+        while batcher.statistics().batches == 0:
+            await asyncio.sleep(0)
+        for task in list(batcher._rt.tasks):
+            if task.get_coro().__name__ == "_form":
+                task.cancel()
+        while batcher._broken is None:  # the former's end is seen
+            await asyncio.sleep(0)
+        await batcher.aclose()  # the loop still runs: the batch it started ends first
+        assert finished == [[1]] and await running == 1
+
+    asyncio.run(main())
 
 
 def test_start_outside_a_running_loop_says_what_it_needs() -> None:

@@ -142,13 +142,15 @@ print(gc.get_freeze_count())
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_the_multi_process_gpu_process_freezes_before_it_is_ready(freeze: bool) -> None:
+def test_the_multi_process_gpu_process_freezes_before_it_is_ready(freeze: bool, tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", _GPU_PROCESS, str(SERVICE), "1" if freeze else "0"]
     env = {k: v for k, v in os.environ.items() if k != "CUDAFUT_GC_PAUSES"}
+    env["CUDAFUT_STALL_TRACE"] = str(tmp_path / "stalls")  # its loop's stall trace starts too
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     frozen = int(proc.stdout.strip().splitlines()[-1])
     assert frozen > 10_000 if freeze else frozen == 0
+    assert (tmp_path / "stalls" / "late.jsonl").exists()
 
 
 def test_the_comparison_table_reports_the_pauses_where_recorded() -> None:
@@ -254,7 +256,9 @@ def test_the_frozen_count_is_remembered_not_walked_again(monkeypatch: pytest.Mon
     keep = [[i] for i in range(1000)]
     try:
         frozen = pauses.freeze_warm_objects()
-        assert frozen >= len(keep) and frozen == gc.get_freeze_count()
+        # Not == gc.get_freeze_count() later: frozen objects that other
+        # threads drop leave the permanent generation.
+        assert frozen >= len(keep)
 
         def walk() -> int:
             raise AssertionError("frozen_count() walked the frozen objects again")

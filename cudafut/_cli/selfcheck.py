@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import math
 import os
 import platform
 import subprocess
@@ -125,7 +126,25 @@ def _timerfd() -> bool:
 def _policy_facts() -> dict[str, Any]:
     current = _policy.get_wait_policy()
     name = next((n for n, p in _policy.PRESETS.items() if p == current), None)
-    return {"name": name, "repr": repr(current)}
+    return {"name": name, "repr": repr(current), "summary": _policy_summary(current)}
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e3:g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:g} µs"
+
+
+def _policy_summary(policy: _policy.WaitPolicy) -> str:
+    """What a policy does, in words: the self-check's line (docs/performance.md,
+    "Choosing a policy", says what each part costs)."""
+    if math.isinf(policy.spin_s):
+        return "spins for the whole wait (a busy core per waiting loop or thread)"
+    spins = f"spins {_us(policy.spin_s)} after a new wait" if policy.spin_s > 0 else "does not spin"
+    parts = [spins, f"sleeps at most {_us(policy.max_sleep_s)} between polls"]
+    if policy.predict:
+        parts.append("spins around learnt durations")
+    if policy.notify:
+        parts.append("CUDA notices on")
+    return ", ".join(parts)
 
 
 def _fixes(cupy_facts: dict[str, Any], driver: str | None, driver_cuda: str | None) -> list[str]:
@@ -265,7 +284,7 @@ def lines(check: dict[str, Any]) -> list[str]:
     )
     row("core", check["core"])
     pol = check["policy"]
-    row("wait policy", (f"{pol['name']}: " if pol["name"] else "custom: ") + pol["repr"])
+    row("wait policy", (pol["name"] or "custom") + f": {pol['summary']}")
     return out
 
 

@@ -66,7 +66,9 @@ process has not answered a request within 30 s.
 Each process freezes what its imports and warm-up left (``gc.collect()``
 then ``gc.freeze()``, as server.py does; ``--no-gc-freeze`` to compare)
 before it says it is ready, and with ``CUDAFUT_GC_PAUSES=FILE`` appends its
-collections of 5 ms or more to ``FILE`` (pauses.py).
+collections of 5 ms or more to ``FILE`` (pauses.py); with
+``CUDAFUT_STALL_TRACE=DIR`` each process's loop stalls go to ``DIR``
+(stalltrace.py).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this
 
 from models import BAD_REQUEST, BUCKETS, MODELS, image_index, missing, top_of
 from pauses import freeze_warm_objects, frozen_count, record_from_env
+from stalltrace import start_from_env as trace_stalls_from_env
 
 import cudafut
 
@@ -600,6 +603,7 @@ async def _gpu_batches(
     former = loop.create_task(batches.form())
     if freeze:  # the model, its graphs and the launchers live as long as this process
         freeze_warm_objects()
+    trace_stalls_from_env(loop)  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
     ready.set()
     await stopped.wait()
     former.cancel()
@@ -688,6 +692,7 @@ async def _gpu_loop(
         _Inbox(loop, conns, take, front_gone)
         if freeze:  # the model, its graphs, the batcher and the launchers live as long as this process
             freeze_warm_objects()
+        trace_stalls_from_env(loop)  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
         ready.set()
         await stopped.wait()
 
@@ -1033,6 +1038,7 @@ def front_main(
         await site.start()
         if freeze:
             freeze_warm_objects()
+        trace_stalls_from_env(asyncio.get_running_loop())  # after the freeze's walk: stalltrace.py
         ready.set()
         await asyncio.Event().wait()
 

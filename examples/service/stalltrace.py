@@ -13,6 +13,10 @@ thread holding the GIL in Python code, a C call that did not release it).
 A diagnostic, not for production: each re-arm starts a thread of
 faulthandler's (tens of µs, ``1000 / period_ms`` times a second, here
 every 4 ms by default), and the heartbeat itself runs on the loop.
+faulthandler keeps one such watchdog per process: the trace replaces any
+other ``dump_traceback_later`` (pytest's ``faulthandler_timeout``), and a
+server stopped without ``stop()`` may dump one last "stall" while it
+shuts down.
 The servers of this folder start it when :data:`ENV` names a directory
 (:func:`start_from_env`).
 """
@@ -48,7 +52,11 @@ def start(
     out.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
     late_log: IO[str] = open(out / "late.jsonl", "a", buffering=1)  # noqa: SIM115 - lives as the process
-    stacks: IO[str] = open(out / f"stacks-{pid}.txt", "a", buffering=1)  # noqa: SIM115
+    try:
+        stacks: IO[str] = open(out / f"stacks-{pid}.txt", "a", buffering=1)  # noqa: SIM115
+    except OSError:
+        late_log.close()
+        raise
     period = period_ms / 1e3
     due = [loop.time() + period]
     handle: list[asyncio.TimerHandle] = []
