@@ -33,8 +33,16 @@ import cupy as cp
 import cudafut
 from cudafut import _loops, _pools, _waiter
 
-from .support.gpu import environment, quantiles, work
+from .support.common import quantiles
 from .support.interrupt import ctrl_c_during_result
+
+
+def work(ns: int, on: Any = None) -> None:
+    """``support.gpu.work``, imported at the first use: compiling its kernel
+    needs a GPU, and ``--help`` does not."""
+    from .support.gpu import work as gpu_work
+
+    gpu_work(ns, on)
 
 
 def resources() -> dict[str, float]:
@@ -312,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="results file stem (default: reliability-<gpu>)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    # Without a usable GPU: python -m cudafut's message and status 1.
+    from cudafut._cli.selfcheck import require_gpu
+
+    require_gpu()
+    from .support.gpu import environment
+
     only = set(args.only or RUNS)
     env = environment()
     res: dict[str, Any] = {"meta": {**env, "cudafut": cudafut.__version__}}

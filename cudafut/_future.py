@@ -755,7 +755,7 @@ class CudaFuture(Generic[T]):
         if isfuture.f_code is _ISFUTURE_CODE and caller is not None and caller.f_code is _WRAP_FUTURE_CODE:
             raise TypeError(
                 "asyncio.wrap_future() takes a concurrent.futures.Future; for a CudaFuture use "
-                "cudafut.wrap_future(fut) or fut.to_asyncio(), or simply await it"
+                "fut.to_asyncio() (or cudafut.wrap_future(fut)), or simply await it"
             )
         return None
 
@@ -1079,8 +1079,8 @@ class CudaFuture(Generic[T]):
         """Pickling (a ``multiprocessing`` queue or pipe) sends this future
         to another process of this machine, which gets a :class:`CudaFuture`
         of the same work: see :func:`cudafut.enqueued` and docs/processes.md.
-        Costs tens of µs of this thread (docs/processes.md, "What it
-        costs") and blocks nothing else; the GPU value stays in this
+        Costs this thread a tenth of a millisecond or more (docs/processes.md,
+        "What it costs", has the figures) and blocks nothing else; the GPU value stays in this
         process's memory (CUDA IPC) until the receiver lets go of it.
 
         Raises:

@@ -165,10 +165,11 @@ class Tracked(Generic[A]):
 
     Nothing blocks the thread or the event loop: the waits are
     ``cudaStreamWaitEvent`` calls, the GPU does the waiting. Per block, on
-    the host: about 2 µs with nothing to wait for (one ``cudaEventRecord``),
-    about 2 µs more per wait (one ``cudaEventQuery`` and one
-    ``cudaStreamWaitEvent``); a write waits at most for the writer and for one
-    reader per stream. With tracking off (``enabled=False``, or
+    the host: a few µs with nothing to wait for (one ``cudaEventRecord``;
+    docs/performance.md, "Tasks sharing arrays", has the figures), about
+    2 µs more per wait (one ``cudaEventQuery`` and one
+    ``cudaStreamWaitEvent``); a write
+    waits at most for the writer and for one reader per stream. With tracking off (``enabled=False``, or
     :func:`set_tracking`), a few hundred ns and nothing enqueued.
 
     Making one records an event on the current stream of the array's device

@@ -78,7 +78,7 @@ KNOWN = [
     Known(
         "semantics-keep",
         "docs/semantics.md",
-        "out = cudafut.record(v + 1)  # no keep= needed: wait() recorded this stream on v",
+        "out = cudafut.record(v + 1)  # no record(..., keep=v) needed: wait() recorded this stream on v",
         lambda out: out == "[1. 2. 3. 4.]",
         "[1. 2. 3. 4.]",
     ),
@@ -138,6 +138,13 @@ KNOWN = [
         "y = fut.wait() * 10  # the consumer stream waits on the GPU, the host does not",
         lambda out: out == "[ 0. 10. 20. 30.]",
         "[ 0. 10. 20. 30.]",
+    ),
+    Known(
+        "choose-set-result",
+        "docs/choose.md",
+        "fut.set_result(cp.arange(4) * 2)  # an event on the current stream, after the work",
+        lambda out: out == "[0 2 4 6]",
+        "[0 2 4 6]",
     ),
     Known(
         "choose-result",
