@@ -114,6 +114,7 @@ def test_the_server_freezes_what_warm_up_left_unless_told_not_to(tmp_path: Path,
     cmd = [sys.executable, str(SERVICE / "server.py"), "--mode", "nogpu", "--port", str(port)]
     cmd += ["--reference", str(ref_path), *([] if freeze else ["--no-gc-freeze"])]
     env = {**os.environ, "CUDAFUT_GC_PAUSES": str(tmp_path / "gc.jsonl")}
+    env["CUDAFUT_STALL_TRACE"] = str(tmp_path / "stalls")  # its loop's stall trace too
     server = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
         _wait_until_up(server, port, 60, "the server")
@@ -121,6 +122,7 @@ def test_the_server_freezes_what_warm_up_left_unless_told_not_to(tmp_path: Path,
     finally:
         server.terminate()
         server.wait(timeout=30)
+    assert (tmp_path / "stalls" / "late.jsonl").exists()
     assert len(stats["gc_collections"]) == 3 and len(stats["gc_types"]) == 5
     if freeze:  # the imports' and warm-up's objects: thousands, and few left to walk
         assert stats["gc_frozen"] > 10_000 and stats["gc_tracked"] < stats["gc_frozen"] / 10

@@ -603,9 +603,10 @@ async def _gpu_batches(
     former = loop.create_task(batches.form())
     if freeze:  # the model, its graphs and the launchers live as long as this process
         freeze_warm_objects()
-    trace_stalls_from_env(loop)  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
+    stop_trace = trace_stalls_from_env(loop)  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
     ready.set()
     await stopped.wait()
+    stop_trace()
     former.cancel()
 
 
@@ -692,9 +693,10 @@ async def _gpu_loop(
         _Inbox(loop, conns, take, front_gone)
         if freeze:  # the model, its graphs, the batcher and the launchers live as long as this process
             freeze_warm_objects()
-        trace_stalls_from_env(loop)  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
+        stop_trace = trace_stalls_from_env(loop)  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
         ready.set()
         await stopped.wait()
+        stop_trace()
 
 
 def _failed(fut: cudafut.CudaFuture[Any]) -> bool:

@@ -283,10 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     app = make_app(compute, batcher)
 
-    async def trace_stalls(app: web.Application) -> None:
-        trace_stalls_from_env(asyncio.get_running_loop())  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
+    async def trace_stalls(app: web.Application) -> AsyncIterator[None]:
+        stop = trace_stalls_from_env(asyncio.get_running_loop())  # CUDAFUT_STALL_TRACE=DIR: stalltrace.py
+        yield
+        stop()
 
-    app.on_startup.append(trace_stalls)
+    app.cleanup_ctx.insert(0, trace_stalls)  # stopped last: the batcher's close is traced too
     loop = None
     if args.loop == "uvloop":
         import uvloop

@@ -81,10 +81,12 @@ def start(
     return stop
 
 
-def start_from_env(loop: asyncio.AbstractEventLoop) -> bool:
-    """:func:`start` into the directory :data:`ENV` names, if it names one."""
+def start_from_env(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """:func:`start` into the directory :data:`ENV` names, if it names one;
+    returns its ``stop()`` (one that does nothing otherwise): call it as
+    the service shuts down, so that a slow shutdown is not dumped as a
+    stall."""
     directory = os.environ.get(ENV)
     if not directory:
-        return False
-    start(loop, directory)
-    return True
+        return lambda: None
+    return start(loop, directory)
