@@ -1079,9 +1079,10 @@ class CudaFuture(Generic[T]):
         """Pickling (a ``multiprocessing`` queue or pipe) sends this future
         to another process of this machine, which gets a :class:`CudaFuture`
         of the same work: see :func:`cudafut.enqueued` and docs/processes.md.
-        Costs this thread a tenth of a millisecond or more (docs/processes.md,
-        "What it costs", has the figures) and blocks nothing else; the GPU value stays in this
-        process's memory (CUDA IPC) until the receiver lets go of it.
+        Costs this thread a tenth of a millisecond or more
+        (docs/processes.md, "What it costs", has the figures) and blocks
+        nothing else; the GPU value stays in this process's memory (CUDA
+        IPC) until the receiver lets go of it.
 
         Raises:
             InvalidStateError: the future is pending: its work is not

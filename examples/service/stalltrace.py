@@ -17,6 +17,7 @@ faulthandler keeps one such watchdog per process: the trace replaces any
 other ``dump_traceback_later`` (pytest's ``faulthandler_timeout``), and a
 server stopped without ``stop()`` may dump one last "stall" while it
 shuts down.
+
 The servers of this folder start it when :data:`ENV` names a directory
 (:func:`start_from_env`).
 """
