@@ -328,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
 
     only = set(args.only or RUNS)
     env = environment()
-    res: dict[str, Any] = {"meta": {**env, "cudafut": cudafut.__version__}}
+    date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    producer = " ".join(["python -m benchmarks.reliability", *(argv if argv is not None else sys.argv[1:])])
+    res: dict[str, Any] = {
+        "meta": {**env, "cudafut": cudafut.__version__, "date": date, "producer": producer}
+    }
     if "cancel" in only:
         print("cancellations ...", file=sys.stderr, flush=True)
         res["cancel"] = cancel_run()

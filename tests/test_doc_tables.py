@@ -65,6 +65,17 @@ def test_the_newest_run_of_each_part_and_machine_is_kept(tmp_path: Path) -> None
     assert tables.newest(runs, "wake") is not None and tables.newest(runs, "wake").name == "new.json"  # type: ignore[union-attr]
 
 
+def test_a_caption_says_what_ran_beside_the_run(tmp_path: Path) -> None:
+    meta = {"gpu": "NVIDIA H200", "cpu_count": 32, "date": "2026-02-01 10:00:00 UTC"}
+    _write(tmp_path, "quiet.json", meta, wake={"x": 1})
+    _write(tmp_path, "shared.json", {**meta, "beside": "the serve benchmark on the other GPU"}, host={"y": 1})
+    by_name = {run.name: run for run in tables.runs(tmp_path)}
+    assert "with the serve benchmark on the other GPU;" in tables._caption(by_name["shared.json"], "cmd")
+    assert tables._caption(by_name["quiet.json"], "cmd") == (
+        "*Measured on H200, host of 32 CPUs, 2026-02-01; run it again with `cmd`.*"
+    )
+
+
 def test_a_results_file_without_meta_is_refused_with_what_to_do(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text(json.dumps({"wake": {}}))
     with pytest.raises(tables.TablesError, match="LEGACY"):

@@ -116,6 +116,21 @@ def test_compare_asks_for_the_loops_cpu_of_server_py_alone(monkeypatch: pytest.M
     assert compare._one_loop("launch") and not compare._one_loop("unknown")
 
 
+def test_the_sampler_reads_the_servers_gpus_by_bus_id_not_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVML numbers every GPU of the host and ignores CUDA_VISIBLE_DEVICES: a
+    # server on the host's second GPU is CUDA device 0 to itself, NVML's 1.
+    pytest.importorskip("aiohttp")
+    compare = load_example(SERVICE / "compare.py")
+    buses = {0: "0000:2B:00.0", 1: "0000:3C:00.0"}  # CUDA_VISIBLE_DEVICES=1,2 of a 3-GPU host
+    cuda = types.SimpleNamespace(Device=lambda i: types.SimpleNamespace(pci_bus_id=buses[i]))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    by_bus = {b"0000:1A:00.0": "nvml 0", b"0000:2B:00.0": "nvml 1", b"0000:3C:00.0": "nvml 2"}
+    nvml = types.SimpleNamespace(nvmlDeviceGetHandleByPciBusId=by_bus.__getitem__)
+    assert compare._nvml_handles(nvml, 1) == ["nvml 1"]
+    assert compare._nvml_handles(nvml, 2) == ["nvml 1", "nvml 2"]
+    assert compare._gpus("fronts", 2) == 2 and compare._gpus("batch_graph", 2) == 1
+
+
 def test_the_sampler_tells_the_main_threads_cpu_from_the_whole_servers() -> None:
     pytest.importorskip("aiohttp")
     pytest.importorskip("psutil")

@@ -107,6 +107,9 @@ class Run:
     date: str
     parts: tuple[str, ...]
     producer: str
+    #: What else ran on the host meanwhile (``meta["beside"]``), if anything:
+    #: e.g. another benchmark on the host's other GPU.
+    beside: str = ""
 
     @property
     def machine(self) -> tuple[str, int | None]:
@@ -215,6 +218,7 @@ def runs(folder: Path | None = None) -> list[Run]:
                     else ""
                 )
                 or _producer(data, held),
+                beside=meta.get("beside", ""),
             )
         )
     found += [
@@ -268,7 +272,8 @@ def _caption(run: Run, command: str, gpus: int = 1, also: str = "") -> str:
     """A table's caption: where and when, and the command that measures it
     again (``also``: what to run it with a second time, if anything)."""
     again = f", and again with `{also}`" if also else ""
-    return f"*Measured on {run.machine_text(gpus)}, {run.day}; run it again with `{command}`{again}.*"
+    beside = f", with {run.beside}" if run.beside else ""
+    return f"*Measured on {run.machine_text(gpus)}, {run.day}{beside}; run it again with `{command}`{again}.*"
 
 
 def _section_table(
@@ -289,33 +294,6 @@ def _section_table(
     return render
 
 
-def _fronts(all_runs: list[Run]) -> list[str]:
-    """Several processes on 1, 2 and 4 GPUs, as the serve section reports them."""
-    processes: dict[str, Any] = {}
-    shown: list[Run] = []
-    for gpus in ("1", "2", "4"):
-        holders = [r for r in all_runs if any(p.startswith(f"fronts: {gpus} GPU(s)") for p in r.parts)]
-        holders = [r for r in holders if r.cpu_count == 64] or holders
-        if holders:
-            run = max(holders, key=lambda r: (r.date, r.name))
-            processes[gpus] = load(run.name)
-            shown.append(run)
-    if not processes:
-        return ["*No committed result of several processes yet.*"]
-    first = shown[0]
-    caption = (
-        f"*Measured on a host of {max(gpus for gpus in processes)} H200s and "
-        f"{first.cpu_count} CPUs, {max(r.day for r in shown)}; run it again with "
-        '`CUDAFUT_BENCH_SERVE_DEVICES="1 2 4" python -m cudafut bench --only serve`.*'
-    )
-    lines = _body(section("serve").markdown(Result({"processes": processes}, {})))
-    if all("meta" not in data for data in processes.values()):
-        # Results without "meta" predate the per-batch hand-off: their
-        # fronts sent the GPU process a message per request.
-        lines = [line.replace("| fronts |", "| fronts, a message per request |") for line in lines]
-    return [caption, "", *lines]
-
-
 def _processes(all_runs: list[Run]) -> list[str]:
     """The newest run of ``examples/service/multiproc.py`` by the serve section
     (fronts and a GPU process per device, beside the same fronts without GPU
@@ -326,8 +304,15 @@ def _processes(all_runs: list[Run]) -> list[str]:
     processes = load(run.name)["serve"]["processes"]
     gpus = max(int(n) for n in processes)
     lines = section("serve").markdown(Result({"processes": processes}, load(run.name).get("meta", {})))
-    command = f'CUDAFUT_BENCH_SERVE_DEVICES="{gpus}" python -m cudafut bench --only serve'
+    counts = " ".join(sorted(processes, key=int))
+    command = f'CUDAFUT_BENCH_SERVE_DEVICES="{counts}" python -m cudafut bench --only serve'
     return [_caption(run, command, gpus), "", *_body(lines)]
+
+
+def _busy(r: dict[str, Any]) -> str:
+    """A compare.py row's GPU busy fraction, "-" where it was not recorded."""
+    busy = r.get("gpu_busy")
+    return "-" if busy is None else f"{busy * 100:.0f} %"
 
 
 def _compare_rows(model: dict[str, Any], modes: Iterable[str], limit: float | None) -> list[str]:
@@ -343,7 +328,7 @@ def _compare_rows(model: dict[str, Any], modes: Iterable[str], limit: float | No
         p99, health_p99 = r["p99_ms"] or 0, health.get("p99_ms") or 0
         rows.append(
             f"| {mode} | {r['rps']:,.0f} | {share} | {p99:.1f} | {health_p99:.2f} "
-            f"| {(r.get('gpu_busy') or 0) * 100:.0f} % | {r['wrong']} / {r['errors']} |"
+            f"| {_busy(r)} | {r['wrong']} / {r['errors']} |"
         )
     return rows
 
@@ -388,12 +373,10 @@ def _gc_pauses(all_runs: list[Run]) -> list[str]:
             r = by_mode.get("batch_graph")
             if r is None or round(by_mode.get("rate", 0)) != 4000:
                 continue
-            gc_ = r.get("gc") or {}
-            # No /health column: these runs' /stats counted the frozen objects
-            # on the loop (gc.get_freeze_count() walks them), which set their
-            # /health max; the serve tables have the loop's health.
+            gc_, health = r.get("gc") or {}, r.get("health") or {}
             rows.append(
                 f"| {label} | {r['rps']:,.0f} | {r['p99_ms']:.1f} "
+                f"| {health.get('p99_ms') or 0:.1f} / {health.get('max_ms') or 0:.1f} "
                 f"| {gc_.get('count', 0)} / {gc_.get('longest_ms') or '-'} | {r['wrong']} / {r['errors']} |"
             )
     if not rows:
@@ -401,9 +384,9 @@ def _gc_pauses(all_runs: list[Run]) -> list[str]:
     return [
         _caption(shown[0], shown[0].producer, also="--server-args=--no-gc-freeze"),
         "",
-        "| batch_graph at 4,000 req/s, open loop | req/s | p99 ms "
+        "| batch_graph at 4,000 req/s, open loop | req/s | p99 ms | /health p99 / max ms "
         "| collections >= 5 ms: count / longest ms | wrong / errors |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
         *rows,
     ]
 
@@ -420,40 +403,72 @@ def _stalls(all_runs: list[Run]) -> list[str]:
     return [_caption(run, "python -m benchmarks.stalls --model resnet50"), "", *_body(lines)]
 
 
+_DEPTHS = (
+    ("default", "defaults (max_batch=32, max_in_flight=2)"),
+    ("64x2", "max_batch=64, max_in_flight=2"),
+    ("64x4", "max_batch=64, max_in_flight=4"),
+)
+
+
 def _pipeline_depth(all_runs: list[Run]) -> list[str]:
-    """The Batcher's default depth against deeper ones, one call."""
-    rows = []
-    shown = []
-    for setting, label in (
-        ("default", "defaults (max_batch=32, max_in_flight=2)"),
-        ("64x2", "max_batch=64, max_in_flight=2"),
-        ("64x4", "max_batch=64, max_in_flight=4"),
-    ):
-        run = newest(all_runs, f"serve: depth, {setting}")
-        if run is None:
-            continue
-        shown.append(run)
+    """The Batcher's default depth against deeper ones: closed loop, and the
+    request p99 at fixed open-loop rates, each setting's server beside the
+    no-GPU server of its own run. Only runs on the machine of the newest
+    run of the defaults, so the rows compare one session's runs."""
+    first = newest(all_runs, "serve: depth, default")
+    if first is None:
+        return ["*No committed result of the pipeline depth yet.*"]
+    shown: list[tuple[str, Run]] = []
+    for setting, label in _DEPTHS:
+        run = newest([r for r in all_runs if r.machine == first.machine], f"serve: depth, {setting}")
+        if run is not None:
+            shown.append((label, run))
+    rates = sorted(
+        {
+            round(by_mode["rate"])
+            for _, run in shown
+            for key, by_mode in load(run.name)["resnet50"].get("open", {}).items()
+            if key.endswith("/s") and not key.startswith("nogpu")
+        }
+    )
+    at = " / ".join(f"{rate:,}" for rate in rates)
+    rows, baseline = [], []
+    for label, run in shown:
         model = load(run.name)["resnet50"]
-        closed = model["closed"]
-        graph = closed["batch_graph"]
+        graph = model["closed"]["batch_graph"]
+        by_rate = {round(v["rate"]): v for k, v in model.get("open", {}).items() if not k.startswith("nogpu")}
+
+        def p99s(mode: str, by_rate: dict[int, Any] = by_rate) -> str:
+            return " / ".join(
+                f"{by_rate[rate][mode]['p99_ms']:.1f}" if mode in by_rate.get(rate, {}) else "-"
+                for rate in rates
+            )
+
         rows.append(
             f"| {label} | {graph['rps']:,.0f} | {graph['p99_ms']:.1f} | {graph.get('mean_batch') or 0:.1f} "
-            f"| {(graph.get('gpu_busy') or 0) * 100:.0f} % |"
+            f"| {_busy(graph)} |" + (f" {p99s('batch_graph')} |" if rates else "")
         )
-    if not rows:
-        return ["*No committed result of the pipeline depth yet.*"]
-    return [
+        nogpu = model["closed"].get("nogpu")
+        if nogpu is not None:
+            baseline.append(
+                f"{label.split(' (')[0]}: {nogpu['rps']:,.0f} req/s closed"
+                + (f", p99 {p99s('nogpu')} ms open" if rates else "")
+            )
+    open_header = f" open loop p99 ms at {at} req/s |" if rates else ""
+    lines = [
         _caption(
-            shown[0],
-            shown[0].producer,
-            also="--server-args='--max-batch 64 --max-in-flight 2'` and "
-            "`--server-args='--max-batch 64 --max-in-flight 4'",
+            shown[0][1],
+            shown[0][1].producer,
+            also="--server-args='--max-batch 64 --max-in-flight 4'",
         ),
         "",
-        "| Batcher | req/s | p99 ms | mean batch | GPU busy |",
-        "|---|---|---|---|---|",
+        "| Batcher | closed loop req/s | p99 ms | mean batch | GPU busy |" + open_header,
+        "|---|---|---|---|---|" + ("---|" if rates else ""),
         *rows,
     ]
+    if baseline:
+        lines += ["", "The same server without GPU work, in each setting's run: " + "; ".join(baseline) + "."]
+    return lines
 
 
 def _reliability(all_runs: list[Run]) -> list[str]:
@@ -625,11 +640,9 @@ SNIPPETS: dict[str, Callable[[list[Run]], list[str]]] = {
     "tracing": _section_table("tracing"),
     "tracking": _section_table("tracking"),
     "collectives-2": _section_table("collectives", "collectives: 2 GPUs"),
-    "collectives-4": _section_table("collectives", "collectives: 4 GPUs"),
     "serve-resnet50": _section_table("serve", "serve: resnet50", "resnet50"),
     "serve-vit": _section_table("serve", "serve: vit_b_16", "vit_b_16"),
     "serve-launch": _section_table("serve", "serve: launch", "launch"),
-    "serve-processes": _fronts,
     "processes": _processes,
     "serve-depth": _pipeline_depth,
     "serve-fronts-batched": _fronts_batched,

@@ -174,10 +174,11 @@ def serving(
 
 class _Sampler:
     """The server's CPU time (its children included), its main thread's,
-    and the GPU's busy fraction over a window of wall time."""
+    and the GPU's busy fraction over a window of wall time: the mean over
+    the server's ``gpus`` (this process's CUDA devices 0..gpus-1)."""
 
-    def __init__(self, pid: int, start: float, end: float) -> None:
-        self.pid, self.start, self.end = pid, start, end
+    def __init__(self, pid: int, start: float, end: float, gpus: int = 1) -> None:
+        self.pid, self.start, self.end, self.gpus = pid, start, end, gpus
         self.cpu: float | None = None
         self.main_cpu: float | None = None
         self.gpu: float | None = None
@@ -206,7 +207,7 @@ class _Sampler:
             import pynvml
 
             pynvml.nvmlInit()
-            nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+            nvml = (pynvml, _nvml_handles(pynvml, self.gpus))
         except Exception:  # noqa: BLE001 - no NVML: no GPU figure
             nvml = None
         time.sleep(max(0.0, self.start - time.time()))
@@ -215,13 +216,27 @@ class _Sampler:
         busy: list[float] = []
         while time.time() < self.end:
             if nvml is not None:
-                busy.append(nvml[0].nvmlDeviceGetUtilizationRates(nvml[1]).gpu / 100.0)
+                rates = [nvml[0].nvmlDeviceGetUtilizationRates(h).gpu for h in nvml[1]]
+                busy.append(sum(rates) / len(rates) / 100.0)
             time.sleep(0.1)
         cpu1, main1 = self._cpu_seconds()
         self.cpu = (cpu1 - cpu0) / (self.end - self.start)
         self.main_cpu = (main1 - main0) / (self.end - self.start)
         self.stats = (stats0, _stats(self.port))
         self.gpu = float(np.mean(busy)) if busy else None
+
+
+def _nvml_handles(pynvml: Any, gpus: int) -> list[Any]:
+    """NVML's handles of this process's CUDA devices 0..gpus-1. NVML numbers
+    every GPU of the host and ignores ``CUDA_VISIBLE_DEVICES``, so the
+    devices are matched by PCI bus id, not by index."""
+    import cupy
+
+    handles = []
+    for device in range(gpus):
+        bus_id = cupy.cuda.Device(device).pci_bus_id
+        handles.append(pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode()))
+    return handles
 
 
 def pauses_file(log: Path) -> Path:
@@ -248,6 +263,7 @@ def measure(
     warmup: float,
     one_loop: bool = True,
     pauses: Path | None = None,
+    gpus: int = 1,
     **load: Any,
 ) -> dict[str, Any]:
     """One load run against the server ``proc`` on ``port``, with its CPU,
@@ -255,9 +271,10 @@ def measure(
     with ``one_loop`` (a server.py: its main thread runs the event loop)
     also its main thread's CPU; with ``pauses`` (the file its processes
     record long garbage collections in: :func:`pauses_file`) those that
-    started in the window (``gc``: :func:`pauses.summary`)."""
+    started in the window (``gc``: :func:`pauses.summary`); ``gpus``: the
+    server's GPUs (CUDA devices 0..gpus-1), whose busy fractions are averaged."""
     start = time.time() + 2.0
-    sampler = _Sampler(proc.pid, start + warmup, start + warmup + seconds)
+    sampler = _Sampler(proc.pid, start + warmup, start + warmup + seconds, gpus)
     sampler.port = port
     sampler.thread.start()
     out = run_load(port, reference=ref_path, seconds=seconds, warmup=warmup, start=start, **load)
@@ -374,7 +391,14 @@ def compare(
                 ) as proc:
                     gc_file = pauses_file(log)
                     try:
-                        r = run(proc, port, clients=clients, one_loop=_one_loop(mode), pauses=gc_file)
+                        r = run(
+                            proc,
+                            port,
+                            clients=clients,
+                            one_loop=_one_loop(mode),
+                            pauses=gc_file,
+                            gpus=_gpus(mode, devices),
+                        )
                     except BaseException:  # the server's own account of what went wrong, then the error
                         step(f"{model} {mode}: the load failed; the server's log ends:\n{_tail(log)}")
                         raise
@@ -396,14 +420,26 @@ def compare(
                                 # beyond them measures only a growing queue.
                                 rate, label = round(gpus / 2, 1), "GPU limit/2"
                             r = run(
-                                proc, port, clients=0, rate=rate, one_loop=_one_loop(mode), pauses=gc_file
+                                proc,
+                                port,
+                                clients=0,
+                                rate=rate,
+                                one_loop=_one_loop(mode),
+                                pauses=gc_file,
+                                gpus=_gpus(mode, devices),
                             )
                             row["open"].setdefault(label, {"rate": rate})[mode] = r
                             step(f"{model} {mode} open at {rate}/s: {_line(r)}")
                         if mode in OPEN_BATCHED + OPEN_FRONTS:
                             for rate in open_rates:
                                 r = run(
-                                    proc, port, clients=0, rate=rate, one_loop=_one_loop(mode), pauses=gc_file
+                                    proc,
+                                    port,
+                                    clients=0,
+                                    rate=rate,
+                                    one_loop=_one_loop(mode),
+                                    pauses=gc_file,
+                                    gpus=_gpus(mode, devices),
                                 )
                                 row["open"].setdefault(f"{rate:g}/s", {"rate": rate})[mode] = r
                                 step(f"{model} {mode} open at {rate:g}/s: {_line(r)}")
@@ -427,6 +463,12 @@ def compare(
                         row["threads"].setdefault(mode, {})[str(n)] = r
                         step(f"{model} {mode} with {n} launcher threads: {_line(r)}")
     return results
+
+
+def _gpus(mode: str, devices: int) -> int:
+    """How many GPUs the server of ``mode`` uses: ``devices`` for the
+    several-process modes, one otherwise."""
+    return devices if mode in MULTI_MODES else 1
 
 
 def _one_loop(mode: str) -> bool:
@@ -586,7 +628,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("\n".join(table(results)))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        meta = {
+            "gpu": _gpu_name(),
+            "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "producer": shlex.join(["python", "examples/service/compare.py", *(argv or sys.argv[1:])]),
+        }
+        Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=1))
+
+
+def _gpu_name() -> str:
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 if __name__ == "__main__":
