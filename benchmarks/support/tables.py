@@ -306,7 +306,22 @@ def _processes(all_runs: list[Run]) -> list[str]:
     lines = section("serve").markdown(Result({"processes": processes}, load(run.name).get("meta", {})))
     counts = " ".join(sorted(processes, key=int))
     command = f'CUDAFUT_BENCH_SERVE_DEVICES="{counts}" python -m cudafut bench --only serve'
-    return [_caption(run, command, gpus), "", *_body(lines)]
+    limits = [
+        f"{limit:,.0f} images/s with {n} GPU(s)"
+        for n in sorted(processes, key=int)
+        if (limit := processes[n].get("resnet50", {}).get("gpu_limit_images_per_s"))
+    ]
+    note = (
+        [
+            "",
+            "The GPU's own limit per GPU in this run (batch-64 graph replays back to back): "
+            + "; ".join(limits)
+            + ".",
+        ]
+        if limits
+        else []
+    )
+    return [_caption(run, command, gpus), "", *_body(lines), *note]
 
 
 def _busy(r: dict[str, Any]) -> str:
@@ -404,7 +419,7 @@ def _stalls(all_runs: list[Run]) -> list[str]:
 
 
 _DEPTHS = (
-    ("default", "defaults (max_batch=32, max_in_flight=2)"),
+    ("default", "server.py's defaults (max_batch=32, max_in_flight=2)"),
     ("64x2", "max_batch=64, max_in_flight=2"),
     ("64x4", "max_batch=64, max_in_flight=4"),
 )
@@ -614,7 +629,11 @@ def _readme_rows(all_runs: list[Run]) -> list[str]:
     row("many", "10,000 concurrent `await`s: host CPU per future", many)
     row("host", "`cudafut.record()`: host time per call", host)
     row("copies", "`to_device` of pinned memory, 16 MB to 1 GB, back to back", copies)
-    row("serve: resnet50", "ResNet-50 fp16 behind aiohttp, 64 clients (`launch` + `Batcher` + graphs)", serve)
+    row(
+        "serve: resnet50",
+        "ResNet-50 fp16 behind aiohttp, 64 clients, images already on the GPU (`launch`, `Batcher`, graphs)",
+        serve,
+    )
     row("collectives: 2 GPUs", "`all_reduce` of 64 MB, bus bandwidth", collectives, gpus=2)
     return rows
 
