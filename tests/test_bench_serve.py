@@ -100,3 +100,13 @@ def test_the_no_gpu_ceiling_is_the_higher_of_its_two_runs() -> None:
     text = "\n".join(serve.markdown({"models": {"resnet50": model}}))
     ceiling = "- resnet50: launch + Batcher + graphs at 0.50x the no-GPU ceiling (target >= 0.75: **missed**)"
     assert ceiling in text
+
+
+def test_a_goal_says_met_missed_or_not_measured() -> None:
+    assert serve._goal(5.2, 5, at_least=True) == "target >= 5: met"
+    assert serve._goal(4.9, 5, at_least=True) == "target >= 5: **missed**"
+    assert serve._goal(2.5, 2, at_least=False, unit=" ms") == "target <= 2 ms: **missed**"
+    assert serve._goal(None, 2, at_least=False, unit=" ms") == "target <= 2 ms: not measured"
+    # A goal met only because the baseline was slower says so.
+    assert serve._signed(serve._delta(1.0, 3.5)) == "-2.5 ms, the no-GPU server the slower"
+    assert serve._signed(serve._delta(None, 3.5)) == "not measured"

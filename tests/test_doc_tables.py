@@ -98,3 +98,64 @@ def test_the_readme_table_goes_between_its_markers() -> None:
     )
     with pytest.raises(tables.TablesError, match="lacks"):
         tables._with_readme_table("no markers", [])
+
+
+def _compare_run(p99: dict[str, float | None], rps: float) -> dict[str, object]:
+    """compare.py's results for ResNet-50: a closed loop and open-loop groups
+    at fixed rates (``p99``: the batch_graph p99 at each, by rate label)."""
+    row = {"rps": rps, "p99_ms": 50.0, "mean_batch": 32.0, "gpu_busy": None, "wrong": 0, "errors": 0}
+    groups: dict[str, object] = {"nogpu/2": {"rate": 300.0, "batch_graph": {**row, "p99_ms": 999.0}}}
+    for label, value in p99.items():
+        groups[label] = {"rate": float(label.removesuffix("/s")), "batch_graph": {**row, "p99_ms": value}}
+    return {"resnet50": {"closed": {"batch_graph": row, "nogpu": row}, "open": groups}}
+
+
+def test_the_depth_table_compares_one_machines_runs_at_fixed_rates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    tables.load.cache_clear()
+    here = {"gpu": "NVIDIA H200", "cpu_count": 32, "date": "2026-02-01 10:00"}
+    command = "python examples/service/compare.py --models resnet50"
+    _write(
+        tmp_path,
+        "serve-depth-h200-default.json",
+        {**here, "producer": command},
+        **_compare_run({"300/s": 9.2, "2000/s": None}, 5000.0),
+    )
+    _write(
+        tmp_path,
+        "serve-depth-h200-64x4.json",
+        {**here, "producer": f"{command} --server-args='--max-batch 64 --max-in-flight 4'"},
+        **_compare_run({"300/s": 16.6}, 7000.0),
+    )
+    elsewhere = {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-03-01 10:00", "producer": command}
+    _write(tmp_path, "serve-depth-h200-64x2.json", elsewhere, **_compare_run({"300/s": 1.0}, 9000.0))
+    try:
+        text = "\n".join(tables._pipeline_depth(tables.runs(tmp_path)))
+    finally:
+        tables.load.cache_clear()
+    assert "open loop p99 ms at 300 / 2,000 req/s" in text  # fixed rates only: not the nogpu/2 group
+    assert "| 5,000 | 50.0 | 32.0 | - | 9.2 / - |" in text  # a window without answers: "-"
+    assert "| 7,000 | 50.0 | 32.0 | - | 16.6 / - |" in text  # a rate this run did not measure: "-"
+    assert "9,000" not in text  # another machine's run is not compared
+    assert "and again with `--server-args='--max-batch 64 --max-in-flight 4'`" in text
+    assert "999" not in text
+
+
+def test_a_shared_hosts_rows_are_marked_and_the_mark_explained(tmp_path: Path) -> None:
+    meta = {"gpu": "NVIDIA H200", "cpu_count": 32, "date": "2026-02-01 10:00:00 UTC"}
+    _write(tmp_path, "a.json", {**meta, "beside": "x on the other GPU"}, wake={"x": 1})
+    _write(tmp_path, "b.json", meta, host={"y": 1})
+    by_name = {run.name: run for run in tables.runs(tmp_path)}
+    shared, alone = tables._machine_day(by_name["a.json"]), tables._machine_day(by_name["b.json"])
+    assert shared == "H200, host of 32 CPUs, 2026-02-01, *host shared*"
+    assert alone == "H200, host of 32 CPUs, 2026-02-01"
+    assert tables._shared_note([f"| r | {alone} |"]) == []
+    assert tables._shared_note([f"| r | {shared} |"]) == ["", tables.SHARED_NOTE]
+
+
+def test_a_gpu_busy_not_recorded_is_a_dash_not_zero() -> None:
+    assert tables._busy({"gpu_busy": None}) == "-"
+    assert tables._busy({"gpu_busy": 0.0}) == "0 %"
+    assert tables._busy({"gpu_busy": 0.437}) == "44 %"

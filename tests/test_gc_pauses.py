@@ -122,12 +122,13 @@ def test_the_server_freezes_what_warm_up_left_unless_told_not_to(tmp_path: Path,
     finally:
         server.terminate()
         server.wait(timeout=30)
-    assert (tmp_path / "stalls" / "late.jsonl").exists()
-    assert len(stats["gc_collections"]) == 3 and len(stats["gc_types"]) == 5
+    assert (tmp_path / "stalls" / "late.jsonl").exists(), sorted(tmp_path.rglob("*"))
+    counts = {k: v for k, v in stats.items() if k != "gc_types"}
+    assert len(stats["gc_collections"]) == 3 and len(stats["gc_types"]) == 5, stats
     if freeze:  # the imports' and warm-up's objects: thousands, and few left to walk
-        assert stats["gc_frozen"] > 10_000 and stats["gc_tracked"] < stats["gc_frozen"] / 10
+        assert stats["gc_frozen"] > 10_000 and stats["gc_tracked"] < stats["gc_frozen"] / 10, counts
     else:
-        assert stats["gc_frozen"] == 0 and stats["gc_tracked"] > 10_000
+        assert stats["gc_frozen"] == 0 and stats["gc_tracked"] > 10_000, counts
 
 
 _GPU_PROCESS = """

@@ -276,6 +276,26 @@ def _caption(run: Run, command: str, gpus: int = 1, also: str = "") -> str:
     return f"*Measured on {run.machine_text(gpus)}, {run.day}{beside}; run it again with `{command}`{again}.*"
 
 
+def _unrecorded(run: Run) -> list[str]:
+    """A note under a table whose run left a figure out, saying why
+    (``meta["gpu_busy"]``: the GPU busy column's "-")."""
+    why = load(run.name).get("meta", {}).get("gpu_busy") if run.name.endswith(".json") else None
+    return ["", f"GPU busy: {why}."] if isinstance(why, str) else []
+
+
+#: After a table with a row marked SHARED: what the mark means.
+SHARED = "host shared"
+SHARED_NOTE = (
+    f"*{SHARED}*: another benchmark ran on the host's other GPU at the same time "
+    "(the pages' captions say which)."
+)
+
+
+def _machine_day(run: Run, gpus: int = 1) -> str:
+    """A "machine, date" cell, marked where the run shared its host."""
+    return f"{run.machine_text(gpus)}, {run.day}" + (f", *{SHARED}*" if run.beside else "")
+
+
 def _section_table(
     section_name: str, part: str | None = None, key: str | None = None
 ) -> Callable[[list[Run]], list[str]]:
@@ -289,7 +309,8 @@ def _section_table(
             result = {key: result[key]} if key in result else {"models": {key: result["models"][key]}}
         lines = section(section_name).markdown(Result(result, data.get("meta", {})))
         gpus = int(part.split(": ")[1].split()[0]) if part and part.startswith("collectives") else 1
-        return [_caption(run, f"python -m cudafut bench --only {section_name}", gpus), "", *_body(lines)]
+        caption = _caption(run, f"python -m cudafut bench --only {section_name}", gpus)
+        return [caption, "", *_body(lines), *_unrecorded(run)]
 
     return render
 
@@ -371,7 +392,7 @@ def _fronts_batched(all_runs: list[Run]) -> list[str]:
     caption = _caption(run, run.producer)
     note = f"The GPU alone (batch-64 graph replays back to back): {limit:,.0f} images/s." if limit else ""
     rows = _compare_rows(model, ("nogpu_fronts", "fronts", "fronts_per_request", "litserve_fronts"), limit)
-    return [caption, "", *_COMPARE_HEADER, *rows, "", note]
+    return [caption, "", *_COMPARE_HEADER, *rows, "", note, *_unrecorded(run)]
 
 
 def _gc_pauses(all_runs: list[Run]) -> list[str]:
@@ -425,6 +446,20 @@ _DEPTHS = (
 )
 
 
+def _fixed_rates(model: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """compare.py's open-loop groups at a fixed rate (``--open-rate``, keyed
+    ``"<rate>/s"``), by rate; not those at a rate derived from a ceiling."""
+    return {
+        round(group["rate"]): group
+        for key, group in model.get("open", {}).items()
+        if key.endswith("/s") and key[:-2].replace(".", "", 1).isdigit()
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _pipeline_depth(all_runs: list[Run]) -> list[str]:
     """The Batcher's default depth against deeper ones: closed loop, and the
     request p99 at fixed open-loop rates, each setting's server beside the
@@ -438,29 +473,19 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
         run = newest([r for r in all_runs if r.machine == first.machine], f"serve: depth, {setting}")
         if run is not None:
             shown.append((label, run))
-    rates = sorted(
-        {
-            round(by_mode["rate"])
-            for _, run in shown
-            for key, by_mode in load(run.name)["resnet50"].get("open", {}).items()
-            if key.endswith("/s") and not key.startswith("nogpu")
-        }
-    )
+    rates = sorted({rate for _, run in shown for rate in _fixed_rates(load(run.name)["resnet50"])})
     at = " / ".join(f"{rate:,}" for rate in rates)
     rows, baseline = [], []
     for label, run in shown:
         model = load(run.name)["resnet50"]
         graph = model["closed"]["batch_graph"]
-        by_rate = {round(v["rate"]): v for k, v in model.get("open", {}).items() if not k.startswith("nogpu")}
+        by_rate = _fixed_rates(model)
 
         def p99s(mode: str, by_rate: dict[int, Any] = by_rate) -> str:
-            return " / ".join(
-                f"{by_rate[rate][mode]['p99_ms']:.1f}" if mode in by_rate.get(rate, {}) else "-"
-                for rate in rates
-            )
+            return " / ".join(_ms(by_rate.get(rate, {}).get(mode, {}).get("p99_ms")) for rate in rates)
 
         rows.append(
-            f"| {label} | {graph['rps']:,.0f} | {graph['p99_ms']:.1f} | {graph.get('mean_batch') or 0:.1f} "
+            f"| {label} | {graph['rps']:,.0f} | {_ms(graph['p99_ms'])} | {graph.get('mean_batch') or 0:.1f} "
             f"| {_busy(graph)} |" + (f" {p99s('batch_graph')} |" if rates else "")
         )
         nogpu = model["closed"].get("nogpu")
@@ -470,11 +495,12 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
                 + (f", p99 {p99s('nogpu')} ms open" if rates else "")
             )
     open_header = f" open loop p99 ms at {at} req/s |" if rates else ""
+    deeper = [run.producer.partition(" --server-args=")[2] for _, run in shown[1:]]
     lines = [
         _caption(
             shown[0][1],
             shown[0][1].producer,
-            also="--server-args='--max-batch 64 --max-in-flight 4'",
+            also="` and `".join(f"--server-args={args}" for args in deeper if args),
         ),
         "",
         "| Batcher | closed loop req/s | p99 ms | mean batch | GPU busy |" + open_header,
@@ -520,7 +546,7 @@ def _reliability(all_runs: list[Run]) -> list[str]:
     for check, text in describe.items():
         run = newest(all_runs, f"reliability: {check}")
         if run is not None:
-            lines.append(f"| {check} | {text(load(run.name)[check])} | {run.machine_text()}, {run.day} |")
+            lines.append(f"| {check} | {text(load(run.name)[check])} | {_machine_day(run)} |")
     for part in CHECK_LOGS.values():
         run = newest(all_runs, part)
         if run is not None:
@@ -532,6 +558,7 @@ def _reliability(all_runs: list[Run]) -> list[str]:
         "`scripts/mutation-check` (docs/reliability.md says how).*",
         "",
         *lines,
+        *_shared_note(lines),
     ]
 
 
@@ -580,7 +607,7 @@ def _readme_rows(all_runs: list[Run]) -> list[str]:
             ours, theirs = figures(load(run.name))
         except (KeyError, TypeError, ValueError):
             return  # a result without this figure: the row waits for one that has it
-        rows.append(f"| {pattern} | {ours} | {theirs} | {run.machine_text(gpus)}, {run.day} |")
+        rows.append(f"| {pattern} | {ours} | {theirs} | {_machine_day(run, gpus)} |")
 
     def wake(d: Any) -> tuple[str, str]:
         w = d["wake"]["2.0"]
@@ -639,11 +666,18 @@ def _readme_rows(all_runs: list[Run]) -> list[str]:
 
 
 def readme_table(all_runs: list[Run]) -> list[str]:
+    rows = _readme_rows(all_runs)
     return [
         "| pattern | cudafut | baseline, same run | machine, date |",
         "|---|---|---|---|",
-        *_readme_rows(all_runs),
+        *rows,
+        *_shared_note(rows),
     ]
+
+
+def _shared_note(rows: list[str]) -> list[str]:
+    """What a row's SHARED mark means, under a table that has one."""
+    return ["", SHARED_NOTE] if any(f"*{SHARED}*" in row for row in rows) else []
 
 
 #: docs/generated/<name>.md: what each is rendered from.

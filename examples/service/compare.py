@@ -215,7 +215,7 @@ class _Sampler:
         stats0 = _stats(self.port)
         busy: list[float] = []
         while time.time() < self.end:
-            if nvml is not None:
+            if nvml is not None and nvml[1]:
                 rates = [nvml[0].nvmlDeviceGetUtilizationRates(h).gpu for h in nvml[1]]
                 busy.append(sum(rates) / len(rates) / 100.0)
             time.sleep(0.1)
@@ -632,7 +632,9 @@ def main(argv: list[str] | None = None) -> None:
             "gpu": _gpu_name(),
             "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "producer": shlex.join(["python", "examples/service/compare.py", *(argv or sys.argv[1:])]),
+            "producer": shlex.join(
+                ["python", "examples/service/compare.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
         }
         Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=1))
 
