@@ -549,7 +549,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         lines += [
             "Loop stalls (a 1 ms ticker's lateness) with launches in flight; the first round apart "
             "(cold: new threads and streams), then the later rounds (`launch_warmed`: new launcher "
-            "threads, warmed by `warm_launchers()` first):",
+            "threads, warmed by `warm_launchers()` first); idle: the same ticker with nothing in flight:",
             "",
         ]
         lines += [
@@ -572,8 +572,20 @@ def markdown(result: dict[str, Any]) -> list[str]:
     for n, part in (result.get("processes") or {}).items():
         lines += [f"Several processes, {n} GPU(s) (examples/service/multiproc.py):", ""]
         lines += _compare_module().table(part)
+    if models or result.get("processes"):
+        lines += [_COLUMNS, ""]
     lines += _targets(result)
     return lines
+
+
+#: What the serving tables' columns measure, once under them.
+_COLUMNS = (
+    "Columns: `/health`, a GET every 10 ms during the load (the loop's free time); server CPU, the "
+    "server's processes' CPU seconds per second (in brackets its main thread's: the event loop, where "
+    "one loop serves); GPU busy, NVML's utilisation over the window; mean batch, the Batcher's "
+    "(its `statistics()`); GC pauses, the server's collections of 5 ms or more; wrong / errors, "
+    "answers that differ from the model run on one image, and failed requests."
+)
 
 
 def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
