@@ -12,7 +12,12 @@ thread holding the GIL in Python code, a C call that did not release it).
 
 A diagnostic, not for production: each re-arm starts a thread of
 faulthandler's (tens of µs, ``1000 / period_ms`` times a second, here
-every 4 ms by default), and the heartbeat itself runs on the loop.
+every 4 ms by default), and the heartbeat itself runs on the loop. And the
+dump reads the other threads' frames while they run, without the GIL: it
+can, rarely, crash the process it traces (CPython issues 116008 and
+140815; seen here in 2 of about 10 test runs whose loop, traced, walked
+every tracked object under a loaded CPU). Trace a server while you look
+for a stall, not while it serves.
 faulthandler keeps one such watchdog per process: the trace replaces any
 other ``dump_traceback_later`` (pytest's ``faulthandler_timeout``), and a
 server stopped without ``stop()`` may dump one last "stall" while it
