@@ -550,9 +550,7 @@ def _reliability(all_runs: list[Run]) -> list[str]:
     for part in CHECK_LOGS.values():
         run = newest(all_runs, part)
         if run is not None:
-            lines.append(
-                f"| {part.removeprefix('checks: ')} | {_log_summary(run)} | {run.machine_text()}, {run.day} |"
-            )
+            lines.append(f"| {part.removeprefix('checks: ')} | {_log_summary(run)} | {_machine_day(run)} |")
     return [
         "*Run them again with `python -m benchmarks.reliability`, `scripts/gpu-check` and "
         "`scripts/mutation-check` (docs/reliability.md says how).*",

@@ -389,16 +389,17 @@ def compare(
                     gpu_procs=gpu_procs,
                     multiproc_args=multiproc_args,
                 ) as proc:
-                    gc_file = pauses_file(log)
+                    # This server's runs, closed loop and open: what only the mode sets.
+                    run_mode = functools.partial(
+                        run,
+                        proc,
+                        port,
+                        one_loop=_one_loop(mode),
+                        pauses=pauses_file(log),
+                        gpus=_gpus(mode, devices),
+                    )
                     try:
-                        r = run(
-                            proc,
-                            port,
-                            clients=clients,
-                            one_loop=_one_loop(mode),
-                            pauses=gc_file,
-                            gpus=_gpus(mode, devices),
-                        )
+                        r = run_mode(clients=clients)
                     except BaseException:  # the server's own account of what went wrong, then the error
                         step(f"{model} {mode}: the load failed; the server's log ends:\n{_tail(log)}")
                         raise
@@ -419,28 +420,12 @@ def compare(
                                 # Half what the GPUs can do, not more: a rate
                                 # beyond them measures only a growing queue.
                                 rate, label = round(gpus / 2, 1), "GPU limit/2"
-                            r = run(
-                                proc,
-                                port,
-                                clients=0,
-                                rate=rate,
-                                one_loop=_one_loop(mode),
-                                pauses=gc_file,
-                                gpus=_gpus(mode, devices),
-                            )
+                            r = run_mode(clients=0, rate=rate)
                             row["open"].setdefault(label, {"rate": rate})[mode] = r
                             step(f"{model} {mode} open at {rate}/s: {_line(r)}")
                         if mode in OPEN_BATCHED + OPEN_FRONTS:
                             for rate in open_rates:
-                                r = run(
-                                    proc,
-                                    port,
-                                    clients=0,
-                                    rate=rate,
-                                    one_loop=_one_loop(mode),
-                                    pauses=gc_file,
-                                    gpus=_gpus(mode, devices),
-                                )
+                                r = run_mode(clients=0, rate=rate)
                                 row["open"].setdefault(f"{rate:g}/s", {"rate": rate})[mode] = r
                                 step(f"{model} {mode} open at {rate:g}/s: {_line(r)}")
             # The no-GPU ceiling again, after the other handlers: within one
