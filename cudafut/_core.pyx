@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=False, auto_pickle=False
-"""cudafut's native core: event records, their streams' state and the event
-pool as C-level types, and CUDA's event calls made from C.
+"""cudafut's native core: event records, their streams' state, the event
+pool and the future's state as C-level types, and CUDA's event calls made
+from C.
 
 The twin of ``_events.py`` (:class:`EventRecord`, :func:`record`,
 :func:`is_newest`, :func:`first_error`) and of
@@ -37,6 +38,12 @@ where this extension was not built). What differs is the cost:
   nothing that could refer back to them; one given a ``confirm`` or a
   failure (an exception, whose traceback can hold the future that holds the
   record) is tracked from then on. Stream states are never tracked.
+- The future's state is :class:`FutureCore`'s C members, CudaFuture's base
+  class here (the pure core keeps the same names in CudaFuture's
+  ``__slots__``), and ``await``, ``result()`` of done work, ``then()`` of a
+  set future and the finalizer read them as struct fields. ``await`` is
+  the type's slot, and the iterators it returns end in C (see
+  :func:`_install_iternext`).
 
 Under :mod:`cudafut.testing`'s fake GPU the same types are used; their
 records keep the fake's backend and ask it (``event_query``, ``stream_wait``,
@@ -53,6 +60,12 @@ from cudafut import _lifetimes
 
 
 cdef extern from "Python.h":
+    ctypedef PyObject* (*iternextfunc)(PyObject*) except NULL
+    # The one slot this module sets by hand (_install_iternext).
+    ctypedef struct _IterSlot "PyTypeObject":
+        iternextfunc tp_iternext
+    void PyType_Modified(_IterSlot* type)
+    void Py_INCREF(object op)
     void PyObject_GC_Track(object op)
     void PyObject_GC_UnTrack(object op)
     int PyObject_GC_IsTracked(object op)
@@ -797,11 +810,53 @@ cdef class EventPool:
 
 # -- futures: the hot paths of _future.CudaFuture -----------------------------------
 #
-# The class stays Python (its methods, documentation and slots); these are the
-# native twins of the paths every future takes: record(value, stream=s), an
-# await (done, or pending in an asyncio task among other waits), and the
-# finalizer. _future.bind_native() installs them where this core runs; each
-# falls back on the Python twin for what it does not handle itself.
+# The future's state is C members of FutureCore, CudaFuture's base where this
+# core runs (its methods and documentation stay Python, in _future.py); these
+# are the native twins of the paths every future takes: record(value,
+# stream=s), an await (done, or pending in an asyncio task among other
+# waits), result() of done work, then() of a set future and the finalizer.
+# _future.py installs them where this core runs; each falls back on the
+# Python twin for what it does not handle itself.
+
+cdef class FutureCore:
+    """CudaFuture's state as C members: the base class of
+    :class:`cudafut.CudaFuture` where the native core runs (the pure core's
+    CudaFuture keeps the same names in ``__slots__``). Python code reads and
+    sets them as attributes; the native paths below read them as C fields,
+    without a lookup. ``__await__`` is the type's own slot, so ``await fut``
+    calls it without a Python-level lookup, and ``__del__`` its finalizer.
+    A member not set yet reads None (``_state`` None: ``__init__`` never
+    ran)."""
+
+    cdef public object _lock
+    cdef public object _state
+    cdef public object _devices
+    cdef public object _value
+    cdef public object _exception
+    cdef public object _traceback
+    cdef public tuple _records
+    cdef public object _keep
+    cdef public object _listeners
+    cdef public object _set_event
+    cdef public object _callbacks
+    cdef public bint _retrieved
+    cdef public bint _stream_given
+    cdef object __weakref__
+
+    def __await__(self):
+        """``await fut``: resolve when the GPU work is done; never blocks the loop.
+
+        The native core's ``__await__`` (a type slot: ``await`` calls it
+        from C). Its whole documentation is :meth:`cudafut.CudaFuture.__await__`'s,
+        in docs/api.md and cudafut/_future.py, the pure core's twin."""
+        return _future_await(self)
+
+    def __del__(self):
+        """The finalizer: keeps the value of work still pending until it
+        completes (as the pure core's ``CudaFuture.__del__``); a future whose
+        records are known complete costs no CUDA call."""
+        _future_del(self)
+
 
 cdef object _Future = None  # CudaFuture
 cdef object _SET = None
@@ -866,6 +921,11 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
 
 
 
+# sys.modules, read on every record() and then() (whether CuPy and PyTorch
+# are imported) without looking up the attribute.
+cdef dict _modules = sys.modules
+
+
 cdef bint _find_types() except -1:
     global _stream_types, _lone_array, _cupy_current_stream, _get_device, _set_device
     global _cupy_found
@@ -890,7 +950,7 @@ cdef bint _find_types() except -1:
 
 cdef inline int _ensure_types() except -1:
     """_find_types() where not done yet, or done before CuPy was imported."""
-    if _stream_types is None or (not _cupy_found and sys.modules.get("cupy") is not None):
+    if _stream_types is None or (not _cupy_found and "cupy" in _modules):
         _find_types()
     return 0
 
@@ -961,7 +1021,7 @@ cdef object _record_value(object value, object stream, object keep):
     if stream is None:
         # One CuPy array, recorded on its device's current stream (PyTorch
         # imported: the twin, which records torch's current streams).
-        if _lone_array is None or type(value) is not _lone_array or "torch" in sys.modules:
+        if _lone_array is None or type(value) is not _lone_array or "torch" in _modules:
             return None
         device = value.data.device_id
         stream = _current_stream(device)
@@ -1033,11 +1093,12 @@ def future_then(self, fn, *, priority="normal"):
     cdef long long device
     cdef long long ptr
     cdef long long prev
-    fut = self
+    cdef FutureCore fut = self
+    cdef FutureCore child
     if (fut._state is not _SET or _forked or _hooks.active is not None
-            or type(priority) is not str or not _plain_function(fn) or "torch" in sys.modules):
+            or type(priority) is not str or not _plain_function(fn) or "torch" in _modules):
         return _then_py(fut, fn, priority=priority)
-    records = fut._records
+    cdef tuple records = fut._records
     prio = _priorities.get(priority)
     if prio is None or len(records) != 1 or type(records[0]) is not EventRecord:
         return _then_py(fut, fn, priority=priority)
@@ -1127,50 +1188,42 @@ def future_then(self, fn, *, priority="normal"):
     return child
 
 
-cdef object _set_future(object value, EventRecord rec, object keep):
-    """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future)."""
-    fut = _Future.__new__(_Future)
+cdef FutureCore _set_future(object value, EventRecord rec, object keep):
+    """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future);
+    the members not set here are None and False, as ``__init__`` leaves them."""
+    cdef FutureCore fut = FutureCore.__new__(_Future)
     fut._lock = _allocate_lock()
-    fut._devices = None
     fut._value = value
-    fut._exception = None
-    fut._traceback = None
     fut._records = (rec,)
     fut._keep = keep
-    fut._listeners = None
-    fut._set_event = None
-    fut._retrieved = False
-    fut._stream_given = False
-    fut._callbacks = None
     fut._state = _SET
     return fut
 
 
-def future_del(self):
+cdef int _future_del(FutureCore fut) except -1:
     """CudaFuture.__del__: nothing to do for a future whose records are known
     complete (known, answered by its stream's watermark, or one query; never a
     confirm); else the Python twin, which keeps the value of pending work."""
     cdef EventRecord rec
-    fut = self
     if sys.is_finalizing():  # as the twin: no CUDA call while the interpreter ends
-        return
-    try:
-        state = fut._state
-    except AttributeError:  # __init__ never ran: CudaFuture(...) refused its arguments
-        return
+        return 0
+    state = fut._state
+    if state is None:  # __init__ never ran: CudaFuture(...) refused its arguments
+        return 0
     if state is _SET:
         for r in fut._records:
             if type(r) is not EventRecord:
                 _finalize_py(fut)
-                return
+                return 0
             rec = <EventRecord>r
             if rec._known:
                 continue
             if rec._confirm is not None or _query_quietly(rec) is None:
                 _finalize_py(fut)  # pending: its value is kept until the work completes
-                return
+                return 0
     elif state is _FAILED and not fut._retrieved:
         _finalize_py(fut)
+    return 0
 
 
 cdef object _query_quietly(EventRecord rec):
@@ -1187,10 +1240,11 @@ cdef object _query_quietly(EventRecord rec):
         return None
 
 
-cdef object _outcome(object fut, object cancelled_error):
+cdef object _outcome(FutureCore fut, object cancelled_error):
     """CudaFuture._awaited: the outcome, with the value's arrays recorded as
     used by the awaiting thread's current streams."""
     cdef EventRecord rec
+    cdef tuple records
     state = fut._state
     if state is not _SET:
         return _awaited_py(fut, cancelled_error)  # raises (failed, cancelled)
@@ -1205,9 +1259,13 @@ cdef object _outcome(object fut, object cancelled_error):
     value = fut._value
     if len(records) == 1 and _lone_array is not None and type(value) is _lone_array:
         _consume_one(value, (<EventRecord>records[0]).device)
-    elif records:
+    elif records and value is not None and type(value) not in _NO_ARRAYS:
         _consumers_py(value, records, untracked=False)
     return value
+
+
+# Values that hold no GPU array (record_current_consumers would find none).
+cdef tuple _NO_ARRAYS = (int, float, bool, str, bytes, complex)
 
 
 cdef object _consume_one(object array, long long device, object stream=None):
@@ -1247,7 +1305,33 @@ cdef int _raise_thrown(object typ, object val, object tb) except -1:
     raise val
 
 
+cdef extern from *:
+    """
+    /* End an iteration with value (what an await evaluates to): set
+       StopIteration(value), return NULL. Cython's raise would add a
+       traceback entry (a frame object) to every await, dropped at once. */
+    static PyObject *cudafut_return(PyObject *value) {
+        PyObject *args = PyTuple_Pack(1, value);  /* value is the one argument, a tuple too */
+        if (args != NULL) {
+            PyErr_SetObject(PyExc_StopIteration, args);
+            Py_DECREF(args);
+        }
+        return NULL;
+    }
+    """
+    PyObject* _return "cudafut_return"(object value)
+
+
+cdef void _install_iternext(type cls, iternextfunc fn) noexcept:
+    """Make ``fn`` the tp_iternext of ``cls`` (one of this module's final
+    classes, at import): the loop's ``await`` calls it directly; ``__next__``
+    stays the Python-level entry, with the same behaviour."""
+    (<_IterSlot*>cls).tp_iternext = fn
+    PyType_Modified(<_IterSlot*>cls)
+
+
 @cython.final
+@cython.freelist(8)
 cdef class _Done:
     """What ``await`` of a done future iterates: nothing, then its outcome;
     a generator's ``send``, ``throw`` and ``close`` too. Tracked by the
@@ -1279,11 +1363,24 @@ cdef class _Done:
         self.fut = None
 
 
-def future_await(self):
-    """CudaFuture.__await__, native (its documentation is the twin's)."""
+cdef PyObject* _done_next(PyObject* op) except NULL:
+    """_Done's tp_iternext: as its ``__next__``."""
+    cdef _Done self = <_Done>op
+    fut = self.fut
+    if fut is None:
+        return NULL  # exhausted: NULL without an exception
+    self.fut = None
+    return _return(_outcome(fut, None))
+
+
+_install_iternext(_Done, _done_next)
+
+
+cdef object _future_await(FutureCore fut):
+    """CudaFuture.__await__ (FutureCore's slot)."""
     cdef EventRecord rec
     cdef _Done done
-    fut = self
+    cdef tuple records
     if fut._state is _SET and not _forked and _hooks.active is None:
         records = fut._records
         if len(records) == 1:
@@ -1308,7 +1405,7 @@ def future_result(self, timeout=None):
     outcome at once where every record is complete; else the twin, which
     blocks."""
     cdef EventRecord rec
-    fut = self
+    cdef FutureCore fut = self
     if timeout is None and fut._state is _SET and not _forked and _hooks.active is None:
         for r in fut._records:
             if type(r) is not EventRecord:
@@ -1372,21 +1469,24 @@ cdef class AsyncioAwait:
         return self
 
     def __next__(self):
+        if self._state == A_FIRED or (self._state == A_NEW and _await_at_once):
+            raise StopIteration(self._finished())
+        return self._step()
+
+    cdef object _finished(self):
+        """The outcome, once fired (or, under the mutation, at once)."""
+        future = self._future
+        finish = self._finish
+        self._state = A_FINISHED
+        self._future = None
+        self._context = None
+        if finish is awaited:
+            return _outcome(future, _AsyncioCancelled)
+        return finish(future, _AsyncioCancelled)
+
+    cdef object _step(self):
+        """``__next__`` in any state but fired: start waiting, or raise."""
         cdef int state = self._state
-        if state == A_FIRED:
-            future = self._future
-            finish = self._finish
-            self._state = A_FINISHED
-            self._future = None
-            self._context = None
-            if finish is awaited:
-                value = _outcome(future, _AsyncioCancelled)
-            else:
-                value = finish(future, _AsyncioCancelled)
-            raise StopIteration(value)
-        if state == A_NEW and _await_at_once:
-            self._state = A_FIRED  # the mutation: as if the record had completed
-            return self.__next__()
         if state == A_NEW:
             if _get_running_loop() is not self._loop:
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
@@ -1480,3 +1580,16 @@ cdef class AsyncioAwait:
         self._message = msg
         self._schedule()
         return True
+
+
+cdef PyObject* _asyncio_await_next(PyObject* op) except NULL:
+    """AsyncioAwait's tp_iternext: as its ``__next__``."""
+    cdef AsyncioAwait self = <AsyncioAwait>op
+    if self._state == A_FIRED or (self._state == A_NEW and _await_at_once):
+        return _return(self._finished())
+    out = self._step()
+    Py_INCREF(out)
+    return <PyObject*>out
+
+
+_install_iternext(AsyncioAwait, _asyncio_await_next)

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from types import CoroutineType as _CoroutineType
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, overload
 
 from . import (
     _backend,
@@ -122,7 +122,25 @@ _THEN_INSTEAD: Final = (
 )
 
 
-class CudaFuture(Generic[T]):
+# The native core (cudafut/_core.pyx), where it runs, keeps a future's state
+# in C members: its FutureCore is the class's base, holding what __slots__
+# names here in the pure core.
+_native = _compiled.native()
+
+
+class _PureCore:
+    """The pure core's base of CudaFuture (its state is in CudaFuture's slots)."""
+
+    __slots__ = ()
+
+
+if TYPE_CHECKING:
+    _Base = _PureCore
+else:
+    _Base = _PureCore if _native is None else _native.FutureCore
+
+
+class CudaFuture(_Base, Generic[T]):
     """The value of GPU work that has been enqueued and may not have run yet.
 
     Args:
@@ -148,20 +166,24 @@ class CudaFuture(Generic[T]):
     """
 
     __slots__ = (
-        "__weakref__",
-        "_callbacks",
-        "_devices",
-        "_exception",
-        "_keep",
-        "_listeners",
-        "_lock",
-        "_records",
-        "_retrieved",
-        "_set_event",
-        "_state",
-        "_stream_given",
-        "_traceback",
-        "_value",
+        (
+            "__weakref__",
+            "_callbacks",
+            "_devices",
+            "_exception",
+            "_keep",
+            "_listeners",
+            "_lock",
+            "_records",
+            "_retrieved",
+            "_set_event",
+            "_state",
+            "_stream_given",
+            "_traceback",
+            "_value",
+        )
+        if _native is None
+        else ()  # FutureCore's members
     )
 
     def __init__(self, devices: int | Iterable[int] | None = None) -> None:
@@ -1432,10 +1454,9 @@ def set_exporter(export: Callable[[CudaFuture[Any]], tuple[Any, tuple[Any, ...]]
 # The native core (cudafut/_core.pyx) takes over the paths every future takes,
 # where it was built: record(value, stream=s) (cudafut/_producers.py binds it), an await (of a done future, or
 # of a pending one in an asyncio task among other waits), result() of done
-# work and the finalizer.
+# work, then() of a set future and the finalizer.
 # CudaFuture's methods above stay the reference (CUDAFUT_PURE=1), and the
 # native paths fall back on them for every case they do not handle.
-_native = _compiled.native()
 if _native is not None:
     _native.bind_future(
         CudaFuture,
@@ -1456,12 +1477,14 @@ if _native is not None:
     )
     for _name, _function in (
         ("then", _native.future_then),
-        ("__await__", _native.future_await),
         ("result", _native.future_result),
-        ("__del__", _native.future_del),
     ):
         _twin = getattr(CudaFuture, _name)
-        _function.__doc__ = _twin.__doc__  # help() and the docs read the twin's
+        _function.__doc__ = _twin.__doc__  # help() reads the twin's
         _function.__signature__ = inspect.signature(_twin)
         setattr(CudaFuture, _name, _function)
+    # FutureCore's own __await__ and __del__ are the type's slots: without
+    # the twins in the class, await and the finalizer call them from C.
+    for _name in ("__await__", "__del__"):
+        delattr(CudaFuture, _name)
     del _name, _function, _twin

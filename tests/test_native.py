@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _backend, _compiled, _events, _lifetimes, _pools, testing
+from cudafut import CudaFuture, _backend, _compiled, _events, _lifetimes, _pools, testing
 from cudafut._interface import records_of
 from tests.subproc import run_python
 
@@ -347,8 +347,10 @@ def test_a_dropped_record_gives_its_event_back_to_its_pool(fake_cuda: testing.Fa
 
 FUTURE_BAD_CALLS = [
     ("record_value, no arguments", lambda: NATIVE.record_value()),  # type: ignore[union-attr]
-    ("future_await, not a future", lambda: NATIVE.future_await(object())),  # type: ignore[union-attr]
-    ("future_await, None", lambda: NATIVE.future_await(None)),  # type: ignore[union-attr]
+    ("__await__, not a future", lambda: NATIVE.FutureCore.__await__(object())),  # type: ignore[union-attr]
+    ("__await__, None", lambda: NATIVE.FutureCore.__await__(None)),  # type: ignore[union-attr]
+    ("__del__, not a future", lambda: NATIVE.FutureCore.__del__(object())),  # type: ignore[union-attr]
+    ("future_result, not a future", lambda: NATIVE.future_result(object())),  # type: ignore[union-attr]
     ("future_then, not a future", lambda: NATIVE.future_then(object(), lambda v: v)),  # type: ignore[union-attr]
     ("future_then, no fn", lambda: NATIVE.future_then(None)),  # type: ignore[union-attr]
     ("awaited, not a future", lambda: NATIVE.awaited(object(), None)),  # type: ignore[union-attr]
@@ -364,8 +366,23 @@ def test_the_futures_native_paths_refuse_wrong_arguments(fake_cuda: testing.Fake
 
 
 @native_only
-def test_the_native_finalizer_ignores_what_is_no_future() -> None:
-    NATIVE.future_del(object())  # type: ignore[union-attr]  # no __init__ ran: nothing to do
+def test_the_native_finalizer_ignores_a_future_whose_init_never_ran() -> None:
+    fut = CudaFuture.__new__(CudaFuture)
+    fut.__del__()  # its state reads None: nothing to do
+    del fut
+    NATIVE.FutureCore.__del__(NATIVE.FutureCore())  # type: ignore[union-attr]
+
+
+@native_only
+def test_the_native_core_is_the_futures_base_and_its_slots() -> None:
+    assert CudaFuture.__mro__[1] is NATIVE.FutureCore  # type: ignore[union-attr]
+    # Neither twin in the class: await and the finalizer are the base's C slots.
+    assert "__await__" not in vars(CudaFuture)
+    assert "__del__" not in vars(CudaFuture)
+    fut = CudaFuture.__new__(CudaFuture)
+    assert fut._state is None  # a member not set yet reads None
+    with pytest.raises(AttributeError):
+        fut.unknown = 1  # no __dict__: only the members
 
 
 @native_only
@@ -514,7 +531,7 @@ def test_record_is_the_native_entry_which_falls_back_on_python(fake_cuda: testin
 def test_the_native_methods_keep_the_twins_signatures() -> None:
     import inspect
 
-    for name in ("result", "__await__", "__del__", "then"):
+    for name in ("result", "then"):  # __await__ and __del__: FutureCore's slots
         sig = inspect.signature(getattr(cudafut.CudaFuture, name))
         assert next(iter(sig.parameters)) == "self"
     sig = inspect.signature(cudafut.CudaFuture.result)
@@ -664,6 +681,7 @@ FUZZ = """
 import random, sys
 import numpy as np
 import cudafut
+from cudafut import CudaFuture
 from cudafut import _compiled, testing
 
 core = _compiled.native()

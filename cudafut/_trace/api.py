@@ -233,7 +233,7 @@ def trace(
         gpu_timing: ``None`` (default): time the GPU work when CUDA is in
             use; ``False``: record host events only, no timing event.
 
-    Costs, only while recording: 8.0 µs more host time per future
+    Costs, only while recording: 4.6 µs more host time per future
     created, set and awaited (an H200, bench-h200-tracing.json;
     docs/tracing.md has more figures), two CUDA timing events per
     stream a ``then()``/``submit()`` runs on and one per event a producer
