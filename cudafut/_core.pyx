@@ -60,8 +60,12 @@ from cudafut import _lifetimes
 
 
 cdef extern from "Python.h":
+    # The two slots this module sets by hand (_install_iternext, install_await).
+    ctypedef struct PyAsyncMethods:
+        void *am_await
+    ctypedef struct _AsyncSlot "PyTypeObject":
+        PyAsyncMethods *tp_as_async
     ctypedef PyObject* (*iternextfunc)(PyObject*) except NULL
-    # The one slot this module sets by hand (_install_iternext).
     ctypedef struct _IterSlot "PyTypeObject":
         iternextfunc tp_iternext
     void PyType_Modified(_IterSlot* type)
@@ -858,6 +862,20 @@ cdef class FutureCore:
         _future_del(self)
 
 
+def install_await(type cls not None):
+    """Give ``cls`` (CudaFuture: a subclass of FutureCore with no
+    ``__await__`` of its own) FutureCore's ``am_await`` slot itself, so that
+    ``await fut`` calls it from C. CPython gives a Python subclass its
+    generic slot instead, which looks ``__await__`` up and calls it: Cython
+    lists the method in the type's dict as a plain method, not as a slot's
+    wrapper. A later subclass of ``cls`` gets the generic slot again (the
+    same behaviour, a few ns slower)."""
+    if not issubclass(cls, FutureCore) or "__await__" in cls.__dict__:
+        raise TypeError(f"{cls!r} is not a subclass of FutureCore without an __await__ of its own")
+    (<_AsyncSlot*>cls).tp_as_async.am_await = (<_AsyncSlot*>FutureCore).tp_as_async.am_await
+    PyType_Modified(<_IterSlot*>cls)
+
+
 cdef object _Future = None  # CudaFuture
 cdef object _SET = None
 cdef object _FAILED = None
@@ -1081,7 +1099,7 @@ cdef EventRecord _record_current(long long device):
     return _record(stream.ptr, device, None, stream)
 
 
-def future_then(self, fn, *, priority="normal"):
+def future_then(FutureCore self not None, fn, *, priority="normal"):
     """CudaFuture.then, native for a set future of one record whose work has
     not failed, a plain function and no PyTorch (its documentation is the
     twin's): the pool stream, ``fn`` run on it at once, the child recorded
@@ -1291,7 +1309,7 @@ cdef object _awaited_py(object fut, object cancelled_error):
     return type(fut)._awaited(fut, cancelled_error)
 
 
-def awaited(fut, cancelled_error):
+def awaited(FutureCore fut not None, cancelled_error):
     """CudaFuture._awaited, native."""
     return _outcome(fut, cancelled_error)
 
@@ -1400,7 +1418,7 @@ cdef object _future_await(FutureCore fut):
     return _await_py(fut, False)
 
 
-def future_result(self, timeout=None):
+def future_result(FutureCore self not None, timeout=None):
     """CudaFuture.result, native (its documentation is the twin's): the
     outcome at once where every record is complete; else the twin, which
     blocks."""

@@ -1487,4 +1487,5 @@ if _native is not None:
     # the twins in the class, await and the finalizer call them from C.
     for _name in ("__await__", "__del__"):
         delattr(CudaFuture, _name)
+    _native.install_await(CudaFuture)
     del _name, _function, _twin

@@ -10,8 +10,10 @@ native core can show it (the watermark, the counters), the test says so.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import sys
+import sysconfig
 import threading
 import weakref
 from typing import Any
@@ -351,6 +353,11 @@ FUTURE_BAD_CALLS = [
     ("__await__, None", lambda: NATIVE.FutureCore.__await__(None)),  # type: ignore[union-attr]
     ("__del__, not a future", lambda: NATIVE.FutureCore.__del__(object())),  # type: ignore[union-attr]
     ("future_result, not a future", lambda: NATIVE.future_result(object())),  # type: ignore[union-attr]
+    ("future_result, None", lambda: NATIVE.future_result(None)),  # type: ignore[union-attr]
+    ("future_then, None", lambda: NATIVE.future_then(None, lambda v: v)),  # type: ignore[union-attr]
+    ("awaited, None", lambda: NATIVE.awaited(None, None)),  # type: ignore[union-attr]
+    ("install_await, not a subclass", lambda: NATIVE.install_await(int)),  # type: ignore[union-attr]
+    ("install_await, None", lambda: NATIVE.install_await(None)),  # type: ignore[union-attr]
     ("future_then, not a future", lambda: NATIVE.future_then(object(), lambda v: v)),  # type: ignore[union-attr]
     ("future_then, no fn", lambda: NATIVE.future_then(None)),  # type: ignore[union-attr]
     ("awaited, not a future", lambda: NATIVE.awaited(object(), None)),  # type: ignore[union-attr]
@@ -373,12 +380,31 @@ def test_the_native_finalizer_ignores_a_future_whose_init_never_ran() -> None:
     NATIVE.FutureCore.__del__(NATIVE.FutureCore())  # type: ignore[union-attr]
 
 
+def _am_await(cls: type) -> int:
+    """``cls``'s ``tp_as_async->am_await``: the C function ``await`` calls
+    (PyTypeObject's 11th word on a build with the GIL; ``am_await`` is the
+    first word of what it points to)."""
+    words = ctypes.cast(id(cls), ctypes.POINTER(ctypes.c_void_p))
+    as_async = ctypes.cast(words[10], ctypes.POINTER(ctypes.c_void_p))
+    return int(as_async[0] or 0)
+
+
 @native_only
+@pytest.mark.skipif(
+    bool(sysconfig.get_config_var("Py_GIL_DISABLED")), reason="a free-threaded build lays types out otherwise"
+)
 def test_the_native_core_is_the_futures_base_and_its_slots() -> None:
     assert CudaFuture.__mro__[1] is NATIVE.FutureCore  # type: ignore[union-attr]
     # Neither twin in the class: await and the finalizer are the base's C slots.
     assert "__await__" not in vars(CudaFuture)
     assert "__del__" not in vars(CudaFuture)
+    assert _am_await(CudaFuture) == _am_await(NATIVE.FutureCore)  # type: ignore[union-attr]
+
+    class Plain:
+        def __await__(self) -> Any:
+            yield
+
+    assert _am_await(Plain) != _am_await(NATIVE.FutureCore)  # type: ignore[union-attr]  # the generic slot
     fut = CudaFuture.__new__(CudaFuture)
     assert fut._state is None  # a member not set yet reads None
     with pytest.raises(AttributeError):
