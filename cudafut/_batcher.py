@@ -181,6 +181,7 @@ class Batcher(Generic[In, Out]):
     _async: bool
     _queue: collections.deque[tuple[Any, Any, float, tuple[EventRecord, ...]]]
     _broken: BaseException | None
+    _former_cancelled: bool
     _rt: Any
     _nursery_cm: Any
     _mode: int
@@ -276,7 +277,7 @@ class Batcher(Generic[In, Out]):
         self._closing = False
         self._closed = False
         self._broken = None
-        self._cancelled = False  # the former was cancelled while started (its loop ended?)
+        self._former_cancelled = False  # while started (its loop ended?)
         self._in_flight = 0
         self._batches = 0
         self._items = 0
@@ -342,7 +343,7 @@ class Batcher(Generic[In, Out]):
             if self._broken is not None:
                 why = (
                     "was cancelled (its loop ended before aclose(), or the task was cancelled)"
-                    if self._cancelled
+                    if self._former_cancelled
                     else "ended"
                 )
                 raise InvalidStateError(
@@ -519,8 +520,7 @@ class Batcher(Generic[In, Out]):
         except BaseException as exc:
             if _only_cancellations(exc):
                 if not self._closing:  # the run ended with the batcher started
-                    self._broken, self._cancelled = RuntimeError(_FORMER_CANCELLED), True
-                    logger.error("cudafut: %s", _FORMER_CANCELLED)
+                    self._former_was_cancelled(RuntimeError(_FORMER_CANCELLED))
                 raise  # the run ends: trio cancels its system tasks
             # Raised from a system task, it would crash the whole run.
             self._broken = exc
@@ -600,13 +600,19 @@ class Batcher(Generic[In, Out]):
         if self._closing:
             return
         if task.cancelled():  # most often its loop ended with the batcher still started
-            self._broken, self._cancelled = asyncio.CancelledError(_FORMER_CANCELLED), True
-            logger.error("cudafut: %s", _FORMER_CANCELLED)
+            self._former_was_cancelled(asyncio.CancelledError(_FORMER_CANCELLED))
         else:
             self._broken = task.exception() or RuntimeError("the batch-forming task returned")
             logger.error("cudafut: a Batcher's batch-forming task ended: %r", self._broken)
         self._closing = True
         self._fail_queued()
+
+    def _former_was_cancelled(self, error: BaseException) -> None:
+        """The batch former was cancelled while the batcher was started: a
+        later submit() says so (from ``error``), and the log says what to do."""
+        self._broken = error
+        self._former_cancelled = True
+        logger.error("cudafut: %s", _FORMER_CANCELLED)
 
     def _fail_queued(self) -> None:
         while self._queue:

@@ -493,6 +493,56 @@ def test_a_batch_former_that_dies_fails_the_queue_and_later_submits() -> None:
     asyncio.run(main())
 
 
+def test_a_former_that_fails_after_a_cancelled_item_says_it_ended_not_cancelled() -> None:
+    gate = asyncio.Event()
+
+    async def run_batch(items: list[int]) -> list[int]:
+        await gate.wait()
+        return items
+
+    async def main() -> None:
+        async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0, max_in_flight=1) as batcher:
+            first = asyncio.ensure_future(batcher.submit(1))
+            while batcher.statistics().batches == 0:
+                await asyncio.sleep(0)
+            gone = asyncio.ensure_future(batcher.submit(2))  # queued behind the batch in flight
+            await asyncio.sleep(0)
+            gone.cancel()  # its caller went away: the former will count it, cancelled
+            gate.set()
+            assert await first == 1
+            while batcher.statistics().cancelled == 0:
+                await asyncio.sleep(0)
+
+            async def broken(deadline: float | None) -> None:
+                raise RuntimeError("the former broke")
+
+            batcher._rt.sleep = broken  # its next wait fails
+            assert await batcher.submit(3) == 3
+            for _ in range(5):
+                await asyncio.sleep(0)
+            with pytest.raises(cudafut.InvalidStateError, match="batch-forming task ended;"):
+                await batcher.submit(4)
+
+    asyncio.run(main())
+
+
+def test_statistics_count_cancelled_items_only_after_the_former_was_cancelled() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    async def main() -> None:
+        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60) as batcher:
+            for task in list(batcher._rt.tasks):
+                task.cancel()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert batcher.statistics().cancelled == 0  # no item was cancelled
+            with pytest.raises(cudafut.InvalidStateError, match="batch-forming task was cancelled"):
+                await batcher.submit(1)
+
+    asyncio.run(main())
+
+
 def test_submit_outside_any_loop_is_an_invalid_state_error() -> None:
     async def run_batch(items: list[int]) -> list[int]:
         return items
