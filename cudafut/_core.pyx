@@ -870,8 +870,14 @@ def install_await(type cls not None):
     lists the method in the type's dict as a plain method, not as a slot's
     wrapper. A later subclass of ``cls`` gets the generic slot again (the
     same behaviour, a few ns slower)."""
-    if not issubclass(cls, FutureCore) or "__await__" in cls.__dict__:
-        raise TypeError(f"{cls!r} is not a subclass of FutureCore without an __await__ of its own")
+    owner = None
+    if issubclass(cls, FutureCore):
+        for k in cls.__mro__:  # where cls's __await__ comes from
+            if "__await__" in k.__dict__:
+                owner = k
+                break
+    if owner is not FutureCore:
+        raise TypeError(f"{cls!r} is not a subclass of FutureCore whose __await__ is FutureCore's")
     (<_AsyncSlot*>cls).tp_as_async.am_await = (<_AsyncSlot*>FutureCore).tp_as_async.am_await
     PyType_Modified(<_IterSlot*>cls)
 

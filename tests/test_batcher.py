@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -493,6 +494,15 @@ def test_a_batch_former_that_dies_fails_the_queue_and_later_submits() -> None:
     asyncio.run(main())
 
 
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Yield to the loop until ``condition()`` holds: a bounded spin."""
+    for _ in range(10_000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    pytest.fail(what)
+
+
 def test_a_former_that_fails_after_a_cancelled_item_says_it_ended_not_cancelled() -> None:
     gate = asyncio.Event()
 
@@ -503,15 +513,13 @@ def test_a_former_that_fails_after_a_cancelled_item_says_it_ended_not_cancelled(
     async def main() -> None:
         async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0, max_in_flight=1) as batcher:
             first = asyncio.ensure_future(batcher.submit(1))
-            while batcher.statistics().batches == 0:
-                await asyncio.sleep(0)
+            await _until(lambda: batcher.statistics().batches > 0, "the first batch never started")
             gone = asyncio.ensure_future(batcher.submit(2))  # queued behind the batch in flight
             await asyncio.sleep(0)
             gone.cancel()  # its caller went away: the former will count it, cancelled
             gate.set()
             assert await first == 1
-            while batcher.statistics().cancelled == 0:
-                await asyncio.sleep(0)
+            await _until(lambda: batcher.statistics().cancelled > 0, "the cancelled item was never counted")
 
             async def broken(deadline: float | None) -> None:
                 raise RuntimeError("the former broke")

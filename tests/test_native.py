@@ -347,6 +347,15 @@ def test_a_dropped_record_gives_its_event_back_to_its_pool(fake_cuda: testing.Fa
 # -- the futures' native paths (record_value, the await, the finalizer) ------------------
 
 
+class _OwnAwait(CudaFuture[Any]):
+    def __await__(self) -> Any:
+        return super().__await__()
+
+
+class _InheritsAwait(_OwnAwait):
+    pass
+
+
 FUTURE_BAD_CALLS = [
     ("record_value, no arguments", lambda: NATIVE.record_value()),  # type: ignore[union-attr]
     ("__await__, not a future", lambda: NATIVE.FutureCore.__await__(object())),  # type: ignore[union-attr]
@@ -358,6 +367,8 @@ FUTURE_BAD_CALLS = [
     ("awaited, None", lambda: NATIVE.awaited(None, None)),  # type: ignore[union-attr]
     ("install_await, not a subclass", lambda: NATIVE.install_await(int)),  # type: ignore[union-attr]
     ("install_await, None", lambda: NATIVE.install_await(None)),  # type: ignore[union-attr]
+    ("install_await, an __await__ of its own", lambda: NATIVE.install_await(_OwnAwait)),  # type: ignore[union-attr]
+    ("install_await, one inherited", lambda: NATIVE.install_await(_InheritsAwait)),  # type: ignore[union-attr]
     ("future_then, not a future", lambda: NATIVE.future_then(object(), lambda v: v)),  # type: ignore[union-attr]
     ("future_then, no fn", lambda: NATIVE.future_then(None)),  # type: ignore[union-attr]
     ("awaited, not a future", lambda: NATIVE.awaited(object(), None)),  # type: ignore[union-attr]
