@@ -891,6 +891,7 @@ cdef object _await_py = None  # CudaFuture._await (the general await)
 cdef object _result_py = None  # the Python twin's CudaFuture.result
 cdef object _finalize_py = None  # the Python twin's CudaFuture.__del__
 cdef object _consumers_py = None  # _engine.record_current_consumers
+cdef tuple _scalars = ()  # _values.SCALARS: values that hold no GPU array
 cdef object _order_foreign = None  # _values.order_foreign
 cdef object _current_driver = None  # _loops.current_driver
 cdef object _mapped_pages = None  # _streams' pages known mapped (check_stream_address)
@@ -918,13 +919,16 @@ cdef object _AsyncioInvalidState = None
 
 
 def bind_future(future, states, hooks, await_py, result_py, finalize_py, consumers_py,
-                order_foreign, current_driver, mapped_pages, long long page_size, block_type):
+                order_foreign, current_driver, mapped_pages, long long page_size, block_type,
+                tuple scalars):
     """Give the futures' native paths what they use of the Python modules
     (called once, by ``_future`` at import)."""
     global _Future, _SET, _FAILED, _CANCELLED, _hooks, _await_py, _result_py, _finalize_py
     global _consumers_py, _order_foreign, _current_driver, _mapped_pages, _page_size
     global _allocate_lock, _get_running_loop, _AsyncioCancelled, _AsyncioInvalidState, _block_type
+    global _scalars
     _block_type = block_type
+    _scalars = scalars
     import _thread
     import asyncio
     _Future = future
@@ -1283,13 +1287,9 @@ cdef object _outcome(FutureCore fut, object cancelled_error):
     value = fut._value
     if len(records) == 1 and _lone_array is not None and type(value) is _lone_array:
         _consume_one(value, (<EventRecord>records[0]).device)
-    elif records and value is not None and type(value) not in _NO_ARRAYS:
+    elif records and value is not None and type(value) not in _scalars and not isinstance(value, _scalars):
         _consumers_py(value, records, untracked=False)
     return value
-
-
-# Values that hold no GPU array (record_current_consumers would find none).
-cdef tuple _NO_ARRAYS = (int, float, bool, str, bytes, complex)
 
 
 cdef object _consume_one(object array, long long device, object stream=None):

@@ -55,7 +55,7 @@ from ._errors import CancelledError, CudaUnavailableError, InvalidStateError, Ti
 from ._events import EventRecord, first_error
 from ._log import logger
 from ._trace import hooks as _trace
-from ._values import consumer_on, current_consumer, find_devices, normalize_devices, order_foreign
+from ._values import SCALARS, consumer_on, current_consumer, find_devices, normalize_devices, order_foreign
 
 __all__ = ["CudaFuture"]
 
@@ -1471,6 +1471,7 @@ if _native is not None:
         _cuda.mapped_pages(),
         _cuda.PAGE_SIZE,
         _memory.block_type(),
+        SCALARS,
     )
     _native.bind_then(
         CudaFuture.then, _then_failed, _then_follows, record_consumers, find_devices, _pools.PRIORITIES

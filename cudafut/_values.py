@@ -128,7 +128,7 @@ def _walk(value: object, visit: Visit, seen: set[int], tensor: type | None) -> N
     if type(value) is _ndarray:  # the common case: one CuPy array
         visit(value, value.data.device_id)  # type: ignore[attr-defined]
         return
-    if isinstance(value, _SCALARS) or value is None:
+    if isinstance(value, SCALARS) or value is None:
         return
     items = _items(value, visit, seen, tensor)
     if items is None:
@@ -147,8 +147,10 @@ def _walk(value: object, visit: Visit, seen: set[int], tensor: type | None) -> N
             stack.pop()
 
 
-#: Leaves that are never GPU arrays, skipped at once.
-_SCALARS: Final = (str, bytes, int, float, complex)
+#: Leaves that are never GPU arrays, skipped at once (also by the native
+#: core's await and result(), which test ``type(v) in SCALARS`` first: the
+#: commonest first).
+SCALARS: Final = (int, float, str, bytes, complex)
 
 
 def _items(value: object, visit: Visit, seen: set[int], tensor: type | None) -> Iterable[object] | None:
@@ -159,7 +161,7 @@ def _items(value: object, visit: Visit, seen: set[int], tensor: type | None) -> 
             return None
         seen.add(id(value))
         return value.values() if isinstance(value, dict) else value
-    if isinstance(value, _SCALARS) or value is None:
+    if isinstance(value, SCALARS) or value is None:
         return None
     if type(value) is _ndarray:  # a CuPy array: no __cuda_array_interface__ dict
         visit(value, value.data.device_id)  # type: ignore[attr-defined]
