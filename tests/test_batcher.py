@@ -495,11 +495,12 @@ def test_a_batch_former_that_dies_fails_the_queue_and_later_submits() -> None:
 
 
 async def _until(condition: Callable[[], bool], what: str) -> None:
-    """Yield to the loop until ``condition()`` holds: a bounded spin."""
+    """Yield to the loop (asyncio's or trio's) until ``condition()`` holds:
+    a bounded spin, which fails with ``what``."""
     for _ in range(10_000):
         if condition():
             return
-        await asyncio.sleep(0)
+        await anyio.sleep(0)
     pytest.fail(what)
 
 
@@ -535,11 +536,8 @@ def test_a_former_that_fails_after_a_cancelled_item_says_it_ended_not_cancelled(
 
 
 def test_statistics_count_cancelled_items_only_after_the_former_was_cancelled() -> None:
-    async def run_batch(items: list[int]) -> list[int]:
-        return items
-
     async def main() -> None:
-        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60) as batcher:
+        async with cudafut.Batcher(_double, max_batch=64, max_delay_s=60) as batcher:
             for task in list(batcher._rt.tasks):
                 task.cancel()
             for _ in range(5):
@@ -651,8 +649,7 @@ async def _double(items: list[int]) -> list[int]:
 
 
 async def _until_queued(batcher: cudafut.Batcher[Any, Any], n: int) -> None:
-    while batcher.statistics().queued < n:
-        await anyio.sleep(0)
+    await _until(lambda: batcher.statistics().queued >= n, f"{n} items were never queued")
 
 
 async def test_start_and_aclose_from_different_tasks_as_a_frameworks_hooks_do() -> None:
@@ -773,8 +770,7 @@ def test_aclose_after_the_former_was_cancelled_still_waits_for_the_running_batch
     async def main() -> None:
         batcher = await cudafut.Batcher(slow, max_batch=1, max_delay_s=0).start()
         running = asyncio.ensure_future(batcher.submit(1))
-        while batcher.statistics().batches == 0:
-            await asyncio.sleep(0)
+        await _until(lambda: batcher.statistics().batches > 0, "the batch never started")
         for task in list(batcher._rt.tasks):
             if task.get_coro().__name__ == "_form":
                 task.cancel()
