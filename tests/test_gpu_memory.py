@@ -238,7 +238,8 @@ def test_then_and_submit_mark_their_pool_streams() -> None:
     child = fut.then(lambda v: v + 1)
     block = _memory._block_of(x)
     assert block is not None and block.readers, "then() did not mark its stream"
-    sub = cudafut.submit(lambda v: v * 2, x)
+    with a:  # submit() orders after the caller's current stream; x was made on a
+        sub = cudafut.submit(lambda v: v * 2, x)
     assert len(block.readers) >= 1
     assert float(child.result()[0]) == 2.0 and float(sub.result()[0]) == 2.0
 

@@ -8,6 +8,10 @@ system's wake-up delay. These tests assert that bound, with a generous
 allowance for the wake-up delay of a virtual machine (``_OS_WAKE_S``), far
 below what the unbounded waiter cost: under the default policy (timed
 polls) and with CUDA notices on (``notify=True``, off by default).
+
+Each job is followed by the same job waited for by ``stream.synchronize()``,
+and the bound is over what that blocked wait saw: when other processes
+share the GPU, their kernels delay ours, and that delay is not the waiter's.
 """
 
 from __future__ import annotations
@@ -39,14 +43,31 @@ def _balanced(request: pytest.FixtureRequest) -> Iterator[None]:
     cudafut.set_wait_policy(old)
 
 
-def _check(extras: list[float]) -> None:
-    bound = cudafut.get_wait_policy().max_sleep_s + _OS_WAKE_S
+def _median_p90(extras: list[float]) -> tuple[float, float]:
     tail = sorted(extras[1:])  # the 2 ms jobs after the long one
-    median, p90 = tail[len(tail) // 2], tail[(len(tail) * 9) // 10]
-    assert median <= bound, (
-        f"2 ms jobs noticed {median * 1e3:.2f} ms late at the median (bound {bound * 1e3} ms)"
+    return tail[len(tail) // 2], tail[(len(tail) * 9) // 10]
+
+
+def _check(extras: list[float], blocked: list[float]) -> None:
+    bound = cudafut.get_wait_policy().max_sleep_s + _OS_WAKE_S
+    (median, p90), (ref_median, ref_p90) = _median_p90(extras), _median_p90(blocked)
+    assert median <= bound + ref_median, (
+        f"2 ms jobs noticed {median * 1e3:.2f} ms late at the median (bound {bound * 1e3} ms"
+        f" over a blocked wait's {ref_median * 1e3:.2f} ms)"
     )
-    assert p90 <= bound, f"2 ms jobs noticed {p90 * 1e3:.2f} ms late at p90 (bound {bound * 1e3} ms)"
+    assert p90 <= bound + ref_p90, (
+        f"2 ms jobs noticed {p90 * 1e3:.2f} ms late at p90 (bound {bound * 1e3} ms"
+        f" over a blocked wait's {ref_p90 * 1e3:.2f} ms)"
+    )
+
+
+def _blocked(stream: Any, out: Any, ms: float) -> float:
+    """How late ``stream.synchronize()`` sees the same job end."""
+    t = time.perf_counter()
+    with stream:
+        kernels.spin_fill(out, 1.0, ms)
+    stream.synchronize()
+    return time.perf_counter() - t - ms / 1e3
 
 
 def _launch(stream: Any, out: Any, ms: float) -> cudafut.CudaFuture[Any]:
@@ -63,12 +84,13 @@ async def test_await_after_a_step_down_is_noticed_within_the_bound(anyio_backend
     out = cp.zeros(1, dtype=cp.float32)
     kernels.spin_fill(out, 0.0, 0.0)  # compile and load before timing
     cp.cuda.Device().synchronize()
-    extras = []
+    extras, blocked = [], []
     for ms in _STEP_MS:
         t = time.perf_counter()
         await _launch(stream, out, ms)
         extras.append(time.perf_counter() - t - ms / 1e3)
-    _check(extras)
+        blocked.append(_blocked(stream, out, ms))
+    _check(extras, blocked)
 
 
 def test_result_after_a_step_down_is_noticed_within_the_bound() -> None:
@@ -77,9 +99,10 @@ def test_result_after_a_step_down_is_noticed_within_the_bound() -> None:
     out = cp.zeros(1, dtype=cp.float32)
     kernels.spin_fill(out, 0.0, 0.0)
     cp.cuda.Device().synchronize()
-    extras = []
+    extras, blocked = [], []
     for ms in _STEP_MS:
         t = time.perf_counter()
         _launch(stream, out, ms).result()
         extras.append(time.perf_counter() - t - ms / 1e3)
-    _check(extras)
+        blocked.append(_blocked(stream, out, ms))
+    _check(extras, blocked)
