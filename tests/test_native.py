@@ -337,11 +337,13 @@ def test_records_are_not_tracked_by_the_cyclic_gc(fake_cuda: testing.FakeCuda) -
 def _tracked() -> int:
     """The objects the cyclic GC tracks, less the fake GPU's events: they
     stand for CUDA events, C handles on a GPU."""
-    fake_event = testing._Event  # type: ignore[attr-defined]
+    fake_event = testing._Event
     return sum(1 for o in gc.get_objects() if type(o) is not fake_event)
 
 
-async def _tracked_per_pending_await(make: Callable[[], Any], n: int) -> float:
+async def _tracked_per_pending_await(
+    make: Callable[[], Any], n: int
+) -> tuple[float, list[asyncio.Future[None]]]:
     """How many more tracked objects each further task awaiting ``make()``'s
     pending awaitable holds: counted over a second ``n`` tasks, so what the
     first ``n`` built once (pools, lists' growth) is not counted."""
@@ -349,7 +351,8 @@ async def _tracked_per_pending_await(make: Callable[[], Any], n: int) -> float:
     async def wait(awaitable: Any) -> None:
         await awaitable
 
-    counts, tasks = [], []
+    counts: list[int] = []
+    tasks: list[asyncio.Future[None]] = []
     for _ in range(2):
         tasks += [asyncio.ensure_future(wait(make())) for _ in range(n)]
         for _ in range(3):  # every task reaches its await
@@ -357,7 +360,7 @@ async def _tracked_per_pending_await(make: Callable[[], Any], n: int) -> float:
         gc.collect()
         counts.append(_tracked())
     assert not any(t.done() for t in tasks)
-    return (counts[1] - counts[0]) / n, tasks  # type: ignore[return-value]
+    return (counts[1] - counts[0]) / n, tasks
 
 
 def test_a_pending_await_holds_few_objects_for_the_gc(fake_cuda: testing.FakeCuda) -> None:
