@@ -1441,6 +1441,221 @@ def future_result(FutureCore self not None, timeout=None):
     return _result_py(fut, timeout)
 
 
+# -- the waiter's watch list ---------------------------------------------------------
+
+cdef object _waiter = None  # cudafut._waiter: its predictor, read when a poll learns
+
+
+def bind_waiter(waiter):
+    """Give the watch list the waiter module (called once, by ``_waiter``
+    at import)."""
+    global _waiter
+    _waiter = waiter
+
+
+cdef class Watch:
+    """The twin of ``_waiter.Watch`` (see there): one waiter's interest in
+    one record, an entry of its stream's queue itself."""
+
+    cdef public object record
+    cdef public object callback
+    cdef public long long seq
+
+    def __init__(self, record, callback):
+        self.record = record
+        self.callback = callback
+        self.seq = record.seq
+
+
+cdef Watch _gone():
+    cdef Watch watch = Watch.__new__(Watch)
+    watch.seq = -1
+    return watch
+
+
+# What replaces a queue entry once passed: it holds no record.
+cdef Watch _GONE = _gone()
+
+
+@cython.final
+cdef class _Queue:
+    """The twin of ``_waiter._Queue``: one stream's watches, sorted by the
+    record's number on the stream (arrival order among equals); those
+    before ``head`` are gone."""
+
+    cdef public list watches
+    cdef public Py_ssize_t head
+
+    def __cinit__(self):
+        self.watches = []
+        self.head = 0
+
+    def add(self, Watch watch not None):
+        self._add(watch)
+
+    cdef void _add(self, Watch watch) except *:
+        cdef list watches = self.watches
+        cdef Py_ssize_t lo = self.head
+        cdef Py_ssize_t hi = len(watches)
+        cdef Py_ssize_t mid
+        if hi == 0 or (<Watch>watches[hi - 1]).seq <= watch.seq:
+            watches.append(watch)
+            return
+        while lo < hi:  # bisect right, by seq
+            mid = (lo + hi) // 2
+            if watch.seq < (<Watch>watches[mid]).seq:
+                hi = mid
+            else:
+                lo = mid + 1
+        watches.insert(lo, watch)
+
+    def advance(self, Py_ssize_t to):
+        self._advance(to)
+
+    cdef void _advance(self, Py_ssize_t to) except *:
+        """Forget the watches before ``to``."""
+        cdef list watches = self.watches
+        cdef Py_ssize_t i
+        for i in range(self.head, to):
+            watches[i] = _GONE  # releases the record (and its event) now
+        if to > 32 and to * 2 > len(watches):
+            del watches[:to]
+            to = 0
+        self.head = to
+
+
+cdef inline object _status_of(object record):
+    if type(record) is EventRecord:
+        return (<EventRecord>record)._query()
+    return record.query()
+
+
+cdef class Watchlist:
+    """The twin of ``_waiter.Watchlist`` (see there): pending records in one
+    queue per stream; not thread-safe by design."""
+
+    cdef dict _queues
+    cdef public Py_ssize_t pending
+    cdef bint _learn
+
+    def __init__(self, learn=True):
+        self._queues = {}
+        self.pending = 0
+        self._learn = bool(learn)
+
+    @property
+    def streams(self):
+        """Number of streams with watched records (dead watches included)."""
+        return len(self._queues)
+
+    def add(self, record, callback):
+        return self.add_watch(Watch(record, callback))
+
+    def add_watch(self, Watch watch not None):
+        """Add a watch made by the caller (its ``callback`` set)."""
+        cdef _Queue queue
+        record = watch.record
+        key = (<EventRecord>record).stream_key if type(record) is EventRecord else record.stream_key
+        q = self._queues.get(key)
+        if q is None:
+            queue = _Queue.__new__(_Queue)
+            self._queues[key] = queue
+        else:
+            queue = <_Queue>q
+        queue._add(watch)
+        self.pending += 1
+        return watch
+
+    def clear(self):
+        """Forget every watch, as :meth:`remove` does each."""
+        cdef _Queue queue
+        cdef Watch watch
+        for q in self._queues.values():
+            queue = <_Queue>q
+            for w in queue.watches:
+                watch = <Watch>w
+                watch.callback = None
+        self._queues.clear()
+        self.pending = 0
+
+    def remove(self, Watch watch not None):
+        """Forget a watch; a no-op if it fired or was removed already."""
+        if watch.callback is not None:
+            watch.callback = None
+            self.pending -= 1
+            if self.pending == 0:
+                self._queues.clear()  # drop dead entries: an idle list holds nothing
+
+    def poll(self, double now, long long limit=1 << 62):
+        """Query the oldest live record of each stream; return what fired
+        (``(callback, record)`` pairs), at most ``limit`` callbacks."""
+        cdef list fired = []
+        cdef dict queues = self._queues
+        cdef _Queue queue
+        cdef list watches
+        cdef Watch watch
+        cdef Py_ssize_t i, n
+        cdef bint first
+        for key in list(queues):
+            if len(fired) >= limit:
+                break
+            queue = <_Queue>queues[key]
+            watches = queue.watches
+            i = queue.head
+            n = len(watches)
+            first = True
+            while i < n:
+                watch = <Watch>watches[i]
+                callback = watch.callback
+                if callback is not None:
+                    if len(fired) >= limit:
+                        break
+                    record = watch.record
+                    if _status_of(record) is None:
+                        if type(record) is EventRecord:
+                            (<EventRecord>record).seen = now
+                        else:
+                            record.seen = now
+                        break
+                    if first:
+                        if self._learn:  # later ones completed unseen: they teach nothing
+                            _waiter.predictor.observe(record, now)
+                        first = False
+                        if record.ordered and n - i > 2:
+                            # Ask the newest: if it is complete, the stream's
+                            # watermark answers every older one from memory.
+                            _status_of((<Watch>watches[n - 1]).record)
+                    watch.callback = None
+                    self.pending -= 1
+                    fired.append((callback, record))
+                i += 1
+            if i >= n:
+                del queues[key]
+            else:
+                queue._advance(i)
+        return fired
+
+    def oldest(self):
+        """The oldest live record of each stream: what the next poll queries."""
+        cdef list out = []
+        cdef _Queue queue
+        cdef list watches
+        cdef Py_ssize_t i, n
+        for key, q in list(self._queues.items()):
+            queue = <_Queue>q
+            watches = queue.watches
+            i = queue.head
+            n = len(watches)
+            while i < n and (<Watch>watches[i]).callback is None:
+                i += 1
+            if i < n:
+                queue._advance(i)
+                out.append((<Watch>watches[queue.head]).record)
+            else:
+                del self._queues[key]
+        return out
+
+
 # -- one await in an asyncio task ---------------------------------------------------
 
 # The states of an AsyncioAwait.
@@ -1453,16 +1668,13 @@ cdef enum:
 
 
 @cython.final
-cdef class AsyncioAwait:
+cdef class AsyncioAwait(Watch):
     """The twin of ``_loops._AsyncioAwait`` (see there): one ``await`` of a
     future whose one record is pending, in an asyncio task; the watch in the
     waiter's list, the iterator ``__await__`` returns and the future the
     task waits on, with C members and methods the task calls without a
     Python frame."""
 
-    cdef public object record
-    cdef public long long seq
-    cdef public object callback
     cdef public bint _asyncio_future_blocking
     cdef object _driver
     cdef object _loop

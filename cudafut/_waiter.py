@@ -25,13 +25,14 @@ from __future__ import annotations
 import abc
 import bisect
 import functools
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
-from . import _lifetimes
+from . import _compiled, _lifetimes
 from ._events import EventRecord, first_error
 from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
@@ -223,6 +224,15 @@ class Watchlist:
             else:
                 del self._queues[key]
         return out
+
+
+# The native core's twins (cudafut/_core.pyx) where it runs: the watch, the
+# queues and the list, with C members and typed loops; the classes above
+# stay the reference (CUDAFUT_PURE=1).
+_native = _compiled.native()
+if _native is not None:
+    _native.bind_waiter(sys.modules[__name__])
+    globals().update(Watch=_native.Watch, Watchlist=_native.Watchlist)
 
 
 class _Group:
