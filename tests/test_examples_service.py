@@ -72,6 +72,16 @@ def test_the_comparison_table_has_a_row_per_handler() -> None:
     assert "| 1 thread(s) |" in text
 
 
+def test_compare_records_the_command_that_measures_again() -> None:
+    # Committed results name their command in their caption: without the
+    # output path (``--json``) or an empty option.
+    compare = load_example(SERVICE / "compare.py")
+    argv = ["--models", "resnet50", "--server-args=", "--json", "/tmp/x.json", "--seconds", "5"]
+    assert compare._producer(argv) == "python examples/service/compare.py --models resnet50 --seconds 5"
+    argv = ["--server-args=--max-batch 64", "--json=/tmp/y.json"]
+    assert compare._producer(argv) == "python examples/service/compare.py '--server-args=--max-batch 64'"
+
+
 def test_compare_asks_for_the_loops_cpu_of_server_py_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     # LitServe's and multiproc.py's main processes supervise others: their
     # main thread is no event loop, so no row of theirs reports one.

@@ -617,11 +617,24 @@ def main(argv: list[str] | None = None) -> None:
             "gpu": _gpu_name(),
             "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "producer": shlex.join(
-                ["python", "examples/service/compare.py", *(argv if argv is not None else sys.argv[1:])]
-            ),
+            "producer": _producer(argv if argv is not None else sys.argv[1:]),
         }
         Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=1))
+
+
+def _producer(argv: list[str]) -> str:
+    """The command that measures again: ``argv`` without where the results
+    went (``--json``) nor empty options."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--json":
+            skip = True
+        elif not arg.startswith("--json=") and not arg.endswith("="):
+            kept.append(arg)
+    return shlex.join(["python", "examples/service/compare.py", *kept])
 
 
 def _gpu_name() -> str:
