@@ -1516,6 +1516,11 @@ cdef class _Queue:
         """Forget the watches before ``to``."""
         cdef list watches = self.watches
         cdef Py_ssize_t i
+        # Checked: the module indexes without bounds checks, and a queue
+        # compacted under a walk (a record's query or finalizer reentering
+        # the list) would be written past its end.
+        if not self.head <= to <= len(watches):
+            raise IndexError(f"a queue of {len(watches)} watches cannot advance from {self.head} to {to}")
         for i in range(self.head, to):
             watches[i] = _GONE  # releases the record (and its event) now
         if to > 32 and to * 2 > len(watches):
@@ -1586,6 +1591,7 @@ cdef class Watchlist:
             if self.pending == 0:
                 self._queues.clear()  # drop dead entries: an idle list holds nothing
 
+    @cython.boundscheck(True)  # a reentered list may shrink under the walk: IndexError, not a crash
     def poll(self, double now, long long limit=1 << 62):
         """Query the oldest live record of each stream; return what fired
         (``(callback, record)`` pairs), at most ``limit`` callbacks."""
@@ -1635,6 +1641,7 @@ cdef class Watchlist:
                 queue._advance(i)
         return fired
 
+    @cython.boundscheck(True)  # as poll()
     def oldest(self):
         """The oldest live record of each stream: what the next poll queries."""
         cdef list out = []

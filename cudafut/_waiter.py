@@ -102,6 +102,8 @@ class _Queue:
     def advance(self, to: int) -> None:
         """Forget the watches before ``to``."""
         watches = self.watches
+        if not self.head <= to <= len(watches):  # as the native twin, which must check
+            raise IndexError(f"a queue of {len(watches)} watches cannot advance from {self.head} to {to}")
         for i in range(self.head, to):
             watches[i] = _GONE  # releases the record (and its event) now
         if to > 32 and to * 2 > len(watches):

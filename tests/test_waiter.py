@@ -148,3 +148,36 @@ def test_the_timer_fires_at_the_time_asked_and_can_be_disarmed() -> None:
     finally:
         timer.close()
     timer.close()  # idempotent
+
+
+class _ReentrantRecord(FakeRecord):
+    """A pending record whose query calls ``hook`` (a finalizer, a backend
+    reentering the list)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, stream: int, seq: int) -> None:
+        super().__init__(stream, seq)
+        self.hook: Callable[[], object] | None = None
+
+    def query(self) -> int | None:
+        if self.hook is not None:
+            self.hook()
+        return super().query()
+
+
+def test_a_queue_compacted_under_a_poll_raises_instead_of_corrupting_the_list() -> None:
+    # A query that reenters the list (oldest() advances and compacts a queue
+    # with more than 32 gone watches) shortens the queue the poll is walking.
+    # The native list indexes without bounds checks: it must raise as the
+    # pure one does, not write past the list's end.
+    wl = _waiter.Watchlist()
+    stream = 9_000_001
+    records = [_ReentrantRecord(stream, seq) for seq in range(1, 41)]
+    watches = [wl.add(r, lambda _r: None) for r in records]
+    for w in watches[:38]:
+        wl.remove(w)
+    records[38].hook = wl.oldest
+    with pytest.raises(IndexError, match="cannot advance"):
+        wl.poll(time.perf_counter())
+    assert wl.pending == 2
