@@ -10,14 +10,12 @@ native core can show it (the watermark, the counters), the test says so.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import gc
 import sys
 import sysconfig
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -332,61 +330,6 @@ def test_records_are_not_tracked_by_the_cyclic_gc(fake_cuda: testing.FakeCuda) -
     rec = records_of(_record_on(_pools.streams.get(0, 0)))[0]
     assert not gc.is_tracked(rec)
     fake_cuda.complete_all()
-
-
-def _tracked() -> int:
-    """The objects the cyclic GC tracks, less the fake GPU's events: they
-    stand for CUDA events, C handles on a GPU."""
-    fake_event = testing._Event
-    return sum(1 for o in gc.get_objects() if type(o) is not fake_event)
-
-
-async def _tracked_per_pending_await(
-    make: Callable[[], Any], n: int
-) -> tuple[float, list[asyncio.Future[None]]]:
-    """How many more tracked objects each further task awaiting ``make()``'s
-    pending awaitable holds: counted over a second ``n`` tasks, so what the
-    first ``n`` built once (pools, lists' growth) is not counted."""
-
-    async def wait(awaitable: Any) -> None:
-        await awaitable
-
-    counts: list[int] = []
-    tasks: list[asyncio.Future[None]] = []
-    for _ in range(2):
-        tasks += [asyncio.ensure_future(wait(make())) for _ in range(n)]
-        for _ in range(3):  # every task reaches its await
-            await asyncio.sleep(0)
-        gc.collect()
-        counts.append(_tracked())
-    assert not any(t.done() for t in tasks)
-    return (counts[1] - counts[0]) / n, tasks
-
-
-def test_a_pending_await_holds_few_objects_for_the_gc(fake_cuda: testing.FakeCuda) -> None:
-    # Serving thousands of requests, every tracked object a pending await holds
-    # lengthens each full collection. Against a plain asyncio future awaited the
-    # same way: the CudaFuture, its lock and the await's helper; the pure core
-    # adds its EventRecord, a Python object.
-    stream = fake_cuda.stream()
-    x = np.zeros(2)
-
-    async def main() -> tuple[float, float]:
-        loop = asyncio.get_running_loop()
-        plain, plain_tasks = await _tracked_per_pending_await(loop.create_future, 1000)
-        for t in plain_tasks:
-            t.cancel()
-        ours, tasks = await _tracked_per_pending_await(lambda: cudafut.record(x, stream=stream), 1000)
-        fake_cuda.complete_all()
-        await asyncio.gather(*tasks, *plain_tasks, return_exceptions=True)
-        return plain, ours
-
-    plain, ours = asyncio.run(main())
-    allowed = 3 if NATIVE is not None else 4
-    # Rounded: the interpreter's own structures grow by a few objects now and then.
-    assert round(ours - plain) <= allowed, (
-        f"{ours:.2f} tracked objects per pending await, {plain:.2f} for asyncio's"
-    )
 
 
 def test_a_dropped_record_gives_its_event_back_to_its_pool(fake_cuda: testing.FakeCuda) -> None:
