@@ -161,7 +161,8 @@ class Batcher(Generic[In, Out]):
             batch, in seconds (default 0.002).
         buckets: the batch sizes ``run_batch`` accepts, or None (default:
             any size up to ``max_batch``).
-        max_in_flight: the most batches running at once (default 2).
+        max_in_flight: the most batches running at once (default 4;
+            docs/serving.md measures depths).
         device: the device whose launcher threads run a plain
             ``run_batch`` (default: the current device when the batch runs).
 
@@ -228,7 +229,7 @@ class Batcher(Generic[In, Out]):
         max_batch: int | None = None,
         max_delay_s: float = 0.002,
         buckets: Sequence[int] | None = None,
-        max_in_flight: int = 2,
+        max_in_flight: int = 4,
         device: int | None = None,
     ) -> None:
         if not callable(run_batch):

@@ -431,6 +431,15 @@ def test_numpy_integers_and_a_zero_delay_are_accepted() -> None:
     assert type(batcher.max_batch) is int and type(batcher.buckets[0]) is int
 
 
+def test_the_default_pipeline_is_the_largest_bucket_by_four_in_flight() -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    batcher = cudafut.Batcher(run_batch, buckets=(1, 8, 32))
+    assert (batcher.max_batch, batcher.max_in_flight) == (32, 4)
+    assert cudafut.Batcher(run_batch).max_batch == 64
+
+
 def test_run_batch_must_be_callable() -> None:
     with pytest.raises(TypeError, match="run_batch must be a function"):
         cudafut.Batcher(42)  # type: ignore[call-overload]

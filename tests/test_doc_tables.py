@@ -101,9 +101,11 @@ def test_the_readme_table_goes_between_its_markers() -> None:
 
 
 def _compare_run(p99: dict[str, float | None], rps: float) -> dict[str, object]:
-    """compare.py's results for ResNet-50: a closed loop and open-loop groups
-    at fixed rates (``p99``: the batch_graph p99 at each, by rate label)."""
-    row = {"rps": rps, "p99_ms": 50.0, "mean_batch": 32.0, "gpu_busy": None, "wrong": 0, "errors": 0}
+    """compare.py's results for ResNet-50, 256 clients: a closed loop, open
+    loop at half the no-GPU rate, and at fixed rates (``p99``: the
+    batch_graph p99 at each, by rate label)."""
+    row = {"clients": 256, "rps": rps, "p99_ms": 50.0, "mean_batch": 32.0, "gpu_busy": None}
+    row.update(wrong=0, errors=0)
     groups: dict[str, object] = {"nogpu/2": {"rate": 300.0, "batch_graph": {**row, "p99_ms": 999.0}}}
     for label, value in p99.items():
         groups[label] = {"rate": float(label.removesuffix("/s")), "batch_graph": {**row, "p99_ms": value}}
@@ -123,24 +125,26 @@ def test_the_depth_table_compares_one_machines_runs_at_fixed_rates(
         {**here, "producer": command},
         **_compare_run({"300/s": 9.2, "2000/s": None}, 5000.0),
     )
+    shallow = f"{command} --server-args='--max-batch 32 --max-in-flight 2'"
     _write(
         tmp_path,
-        "serve-depth-h200-64x4.json",
-        {**here, "producer": f"{command} --server-args='--max-batch 64 --max-in-flight 4'"},
+        "serve-depth-h200-32x2.json",
+        {**here, "producer": shallow},
         **_compare_run({"300/s": 16.6}, 7000.0),
     )
     elsewhere = {"gpu": "NVIDIA H200", "cpu_count": 16, "date": "2026-03-01 10:00", "producer": command}
-    _write(tmp_path, "serve-depth-h200-64x2.json", elsewhere, **_compare_run({"300/s": 1.0}, 9000.0))
+    _write(tmp_path, "serve-depth-h200-32x2c64.json", elsewhere, **_compare_run({"300/s": 1.0}, 9000.0))
     try:
         text = "\n".join(tables._pipeline_depth(tables.runs(tmp_path)))
     finally:
         tables.load.cache_clear()
-    assert "open loop p99 ms at 300 / 2,000 req/s" in text  # fixed rates only: not the nogpu/2 group
-    assert "| 5,000 | 50.0 | 32.0 | - | 9.2 / - |" in text  # a window without answers: "-"
-    assert "| 7,000 | 50.0 | 32.0 | - | 16.6 / - |" in text  # a rate this run did not measure: "-"
+    # Fixed rates only: half the no-GPU rate has a column of its own.
+    assert "open loop p99 ms at 300 / 2,000 req/s" in text
+    # A window without answers, a rate this run did not measure: "-".
+    assert "| 256 | 5,000 | 50.0 | 32.0 | - | 9.2 / - | 300: 5,000 served, p99 999.0 |" in text
+    assert "| 256 | 7,000 | 50.0 | 32.0 | - | 16.6 / - | 300: 7,000 served, p99 999.0 |" in text
     assert "9,000" not in text  # another machine's run is not compared
-    assert "and again with `--server-args='--max-batch 64 --max-in-flight 4'`" in text
-    assert "999" not in text
+    assert f"run it again with `{command}`, and again with `{shallow}`" in text
 
 
 def test_a_shared_hosts_rows_are_marked_and_the_mark_explained(tmp_path: Path) -> None:

@@ -12,6 +12,11 @@ polls) and with CUDA notices on (``notify=True``, off by default).
 Each job is followed by the same job waited for by ``stream.synchronize()``,
 and the bound is over what that blocked wait saw: when other processes
 share the GPU, their kernels delay ours, and that delay is not the waiter's.
+A sequence that misses the bound runs once more, on a fresh stream, and
+the test fails only if both miss: other processes' threads on the host's
+CPUs delay a sleeping thread's wake-up now and then (the blocked wait does
+not sleep in the same way), while a waiter that oversleeps after a step
+down misses every time.
 """
 
 from __future__ import annotations
@@ -48,17 +53,21 @@ def _median_p90(extras: list[float]) -> tuple[float, float]:
     return tail[len(tail) // 2], tail[(len(tail) * 9) // 10]
 
 
-def _check(extras: list[float], blocked: list[float]) -> None:
+def _miss(extras: list[float], blocked: list[float]) -> str | None:
+    """What a sequence's lateness misses of the bound, or None."""
     bound = cudafut.get_wait_policy().max_sleep_s + _OS_WAKE_S
     (median, p90), (ref_median, ref_p90) = _median_p90(extras), _median_p90(blocked)
-    assert median <= bound + ref_median, (
-        f"2 ms jobs noticed {median * 1e3:.2f} ms late at the median (bound {bound * 1e3} ms"
-        f" over a blocked wait's {ref_median * 1e3:.2f} ms)"
-    )
-    assert p90 <= bound + ref_p90, (
-        f"2 ms jobs noticed {p90 * 1e3:.2f} ms late at p90 (bound {bound * 1e3} ms"
-        f" over a blocked wait's {ref_p90 * 1e3:.2f} ms)"
-    )
+    if median > bound + ref_median:
+        return (
+            f"2 ms jobs noticed {median * 1e3:.2f} ms late at the median (bound {bound * 1e3} ms"
+            f" over a blocked wait's {ref_median * 1e3:.2f} ms)"
+        )
+    if p90 > bound + ref_p90:
+        return (
+            f"2 ms jobs noticed {p90 * 1e3:.2f} ms late at p90 (bound {bound * 1e3} ms"
+            f" over a blocked wait's {ref_p90 * 1e3:.2f} ms)"
+        )
+    return None
 
 
 def _blocked(stream: Any, out: Any, ms: float) -> float:
@@ -76,33 +85,43 @@ def _launch(stream: Any, out: Any, ms: float) -> cudafut.CudaFuture[Any]:
     return cudafut.record(out, stream=stream)
 
 
-@pytest.mark.anyio
-@pytest.mark.no_asyncio_debug(reason="asserts a latency bound: debug mode adds work to every loop callback")
-async def test_await_after_a_step_down_is_noticed_within_the_bound(anyio_backend: Any) -> None:
+def _attempts() -> Iterator[tuple[Any, Any, list[float], list[float]]]:
+    """Up to two runs of the sequence, each on a fresh stream (nothing learnt
+    on it): yields the stream, the kernel's output and the lists the run
+    fills (lateness through the waiter, then through a blocked wait); ends
+    once a run is within the bound, fails the test if both miss."""
     cp = _backend.current.cupy()
-    stream = cp.cuda.Stream(non_blocking=True)  # fresh: nothing learnt on it
     out = cp.zeros(1, dtype=cp.float32)
     kernels.spin_fill(out, 0.0, 0.0)  # compile and load before timing
     cp.cuda.Device().synchronize()
-    extras, blocked = [], []
-    for ms in _STEP_MS:
-        t = time.perf_counter()
-        await _launch(stream, out, ms)
-        extras.append(time.perf_counter() - t - ms / 1e3)
-        blocked.append(_blocked(stream, out, ms))
-    _check(extras, blocked)
+    misses = []
+    for _ in range(2):
+        extras: list[float] = []
+        blocked: list[float] = []
+        stream = cp.cuda.Stream(non_blocking=True)
+        yield stream, out, extras, blocked
+        miss = _miss(extras, blocked)
+        if miss is None:
+            return
+        misses.append(miss)
+    pytest.fail("; then ".join(misses))
+
+
+@pytest.mark.anyio
+@pytest.mark.no_asyncio_debug(reason="asserts a latency bound: debug mode adds work to every loop callback")
+async def test_await_after_a_step_down_is_noticed_within_the_bound(anyio_backend: Any) -> None:
+    for stream, out, extras, blocked in _attempts():
+        for ms in _STEP_MS:
+            t = time.perf_counter()
+            await _launch(stream, out, ms)
+            extras.append(time.perf_counter() - t - ms / 1e3)
+            blocked.append(_blocked(stream, out, ms))
 
 
 def test_result_after_a_step_down_is_noticed_within_the_bound() -> None:
-    cp = _backend.current.cupy()
-    stream = cp.cuda.Stream(non_blocking=True)
-    out = cp.zeros(1, dtype=cp.float32)
-    kernels.spin_fill(out, 0.0, 0.0)
-    cp.cuda.Device().synchronize()
-    extras, blocked = [], []
-    for ms in _STEP_MS:
-        t = time.perf_counter()
-        _launch(stream, out, ms).result()
-        extras.append(time.perf_counter() - t - ms / 1e3)
-        blocked.append(_blocked(stream, out, ms))
-    _check(extras, blocked)
+    for stream, out, extras, blocked in _attempts():
+        for ms in _STEP_MS:
+            t = time.perf_counter()
+            _launch(stream, out, ms).result()
+            extras.append(time.perf_counter() - t - ms / 1e3)
+            blocked.append(_blocked(stream, out, ms))

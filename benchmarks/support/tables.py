@@ -439,10 +439,14 @@ def _stalls(all_runs: list[Run]) -> list[str]:
     return [_caption(run, "python -m benchmarks.stalls --model resnet50"), "", *_body(lines)]
 
 
+#: The pipeline-depth runs (``serve-depth-<machine>-<setting>.json``), in
+#: the table's order: the Batcher's defaults first, each at 256 clients and
+#: at the serve section's 64.
 _DEPTHS = (
-    ("default", "server.py's defaults (max_batch=32, max_in_flight=2)"),
-    ("64x2", "max_batch=64, max_in_flight=2"),
-    ("64x4", "max_batch=64, max_in_flight=4"),
+    ("default", "the defaults: max_batch=64 (the largest bucket), max_in_flight=4"),
+    ("32x2", "max_batch=32, max_in_flight=2 (server.py's defaults before)"),
+    ("defaultc64", "the defaults"),
+    ("32x2c64", "max_batch=32, max_in_flight=2"),
 )
 
 
@@ -461,7 +465,7 @@ def _ms(value: float | None) -> str:
 
 
 def _pipeline_depth(all_runs: list[Run]) -> list[str]:
-    """The Batcher's default depth against deeper ones: closed loop, and the
+    """The Batcher's default depth against others: closed loop, and the
     request p99 at fixed open-loop rates, each setting's server beside the
     no-GPU server of its own run. Only runs on the machine of the newest
     run of the defaults, so the rows compare one session's runs."""
@@ -484,27 +488,33 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
         def p99s(mode: str, by_rate: dict[int, Any] = by_rate) -> str:
             return " / ".join(_ms(by_rate.get(rate, {}).get(mode, {}).get("p99_ms")) for rate in rates)
 
+        half = model.get("open", {}).get("nogpu/2")
+        at_half = "-"
+        if half is not None and "batch_graph" in half:
+            r = half["batch_graph"]
+            at_half = f"{half['rate']:,.0f}: {r['rps']:,.0f} served, p99 {_ms(r['p99_ms'])}"
         rows.append(
-            f"| {label} | {graph['rps']:,.0f} | {_ms(graph['p99_ms'])} | {graph.get('mean_batch') or 0:.1f} "
-            f"| {_busy(graph)} |" + (f" {p99s('batch_graph')} |" if rates else "")
+            f"| {label} | {graph['clients']} | {graph['rps']:,.0f} | {_ms(graph['p99_ms'])} "
+            f"| {graph.get('mean_batch') or 0:.1f} | {_busy(graph)} |"
+            + (f" {p99s('batch_graph')} |" if rates else "")
+            + f" {at_half} |"
         )
         nogpu = model["closed"].get("nogpu")
         if nogpu is not None:
+            setting = label.split(" (")[0].split(": ")[0]
             baseline.append(
-                f"{label.split(' (')[0]}: {nogpu['rps']:,.0f} req/s closed"
+                f"{setting} at {nogpu['clients']} clients: {nogpu['rps']:,.0f} req/s closed"
                 + (f", p99 {p99s('nogpu')} ms open" if rates else "")
             )
     open_header = f" open loop p99 ms at {at} req/s |" if rates else ""
-    deeper = [run.producer.partition(" --server-args=")[2] for _, run in shown[1:]]
+    others = [run.producer for _, run in shown[1:]]
     lines = [
-        _caption(
-            shown[0][1],
-            shown[0][1].producer,
-            also="` and `".join(f"--server-args={args}" for args in deeper if args),
-        ),
+        _caption(shown[0][1], shown[0][1].producer, also="`, `".join(others)),
         "",
-        "| Batcher | closed loop req/s | p99 ms | mean batch | GPU busy |" + open_header,
-        "|---|---|---|---|---|" + ("---|" if rates else ""),
+        "| Batcher | clients | closed loop req/s | p99 ms | mean batch | GPU busy |"
+        + open_header
+        + " open loop at half the no-GPU rate: req/s offered: served, p99 ms |",
+        "|---|---|---|---|---|---|" + ("---|" if rates else "") + "---|",
         *rows,
     ]
     if baseline:

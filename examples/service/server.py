@@ -29,9 +29,9 @@ Run it (from the repository root, on a machine with a GPU and torchvision;
 ``--wait-policy`` picks how the loop's waiter polls (a preset of
 :func:`cudafut.set_wait_policy`, or ``notify`` for CUDA notices), to see
 what the waiter's spins cost a loop that also serves HTTP.
-``--max-batch`` and ``--max-in-flight`` size the batch modes' pipeline:
-when every batch is full (``GET /stats``: ``mean_batch``) and the GPU has
-room, more batches in flight serve more (docs/serving.md, ``Batcher``).
+``--max-batch`` and ``--max-in-flight`` size the batch modes' pipeline
+(default: the ``Batcher``'s, the largest bucket and 4; docs/serving.md,
+``Batcher``).
 
 It prints ``READY <port>`` once the model is warm (and, in the modes that
 launch, each launcher thread has run it once: :func:`cudafut.warm_launchers`);
@@ -88,11 +88,12 @@ def make_compute(
     served: Served | None,
     ref: np.ndarray[Any, Any] | None,
     *,
-    max_batch: int = 32,
+    max_batch: int | None = None,
     max_delay_s: float = 0.002,
-    max_in_flight: int = 2,
+    max_in_flight: int | None = None,
 ) -> tuple[Compute, Any]:
-    """The handler's computation for ``mode``, and the batcher (or None)."""
+    """The handler's computation for ``mode``, and the batcher (or None);
+    the batch modes' options left None take the ``Batcher``'s defaults."""
     if mode == "nogpu":
         assert ref is not None
         answers = [top_of(row) for row in ref]
@@ -156,12 +157,12 @@ def make_compute(
         return launched, None
     if mode in ("batch", "batch_graph"):
         graphs = mode == "batch_graph"
+        depth = {"max_batch": max_batch, "max_in_flight": max_in_flight}
         batcher: cudafut.Batcher[int, Any] = cudafut.Batcher(
             served.answer_graphed if graphs else served.answer,
-            max_batch=max_batch,
             max_delay_s=max_delay_s,
-            max_in_flight=max_in_flight,
             buckets=BUCKETS if graphs else None,
+            **{k: v for k, v in depth.items() if v is not None},
         )
 
         async def batched(i: int) -> list[float]:
@@ -233,10 +234,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=MODES, default="batch_graph")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--reference", help="nogpu: the reference logits (.npy, from compare.py)")
-    parser.add_argument("--max-batch", type=int, default=32, help="batch modes: the largest batch")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        help="batch modes: the largest batch (default: the Batcher's, the largest bucket)",
+    )
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="batch modes: the longest wait")
     parser.add_argument(
-        "--max-in-flight", type=int, default=2, help="batch modes: the most batches running at once"
+        "--max-in-flight",
+        type=int,
+        help="batch modes: the most batches running at once (default: the Batcher's, 4)",
     )
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the event loop")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
