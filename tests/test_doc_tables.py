@@ -122,7 +122,7 @@ def test_the_depth_table_compares_one_machines_runs_at_fixed_rates(
     _write(
         tmp_path,
         "serve-depth-h200-default.json",
-        {**here, "producer": command},
+        {**here, "producer": command, "note": "measured with an option since removed"},
         **_compare_run({"300/s": 9.2, "2000/s": None}, 5000.0),
     )
     shallow = f"{command} --server-args='--max-batch 32 --max-in-flight 2'"
@@ -145,6 +145,7 @@ def test_the_depth_table_compares_one_machines_runs_at_fixed_rates(
     assert "| 256 | 7,000 | 50.0 | 32.0 | - | 16.6 / - | 300: 7,000 served, p99 999.0 |" in text
     assert "9,000" not in text  # another machine's run is not compared
     assert f"run it again with `{command}`, and again with `{shallow}`" in text
+    assert "clients*: measured with an option since removed." in text  # a run's note, under the table
 
 
 def test_a_shared_hosts_rows_are_marked_and_the_mark_explained(tmp_path: Path) -> None:

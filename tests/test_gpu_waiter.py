@@ -12,16 +12,18 @@ polls) and with CUDA notices on (``notify=True``, off by default).
 Each job is followed by the same job waited for by ``stream.synchronize()``,
 and the bound is over what that blocked wait saw: when other processes
 share the GPU, their kernels delay ours, and that delay is not the waiter's.
-A sequence that misses the bound runs once more, on a fresh stream, and
-the test fails only if both miss: other processes' threads on the host's
-CPUs delay a sleeping thread's wake-up now and then (the blocked wait does
-not sleep in the same way), while a waiter that oversleeps after a step
-down misses every time.
+A sequence that misses the bound runs once more, on a fresh stream (no
+durations learnt on it), and the test fails only if both miss, warning of
+the first miss otherwise: other processes' threads on the host's CPUs
+delay a sleeping thread's wake-up now and then (the blocked wait does not
+sleep in the same way), while a waiter that oversleeps after each step
+down would miss both runs.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,15 +88,16 @@ def _launch(stream: Any, out: Any, ms: float) -> cudafut.CudaFuture[Any]:
 
 
 def _attempts() -> Iterator[tuple[Any, Any, list[float], list[float]]]:
-    """Up to two runs of the sequence, each on a fresh stream (nothing learnt
-    on it): yields the stream, the kernel's output and the lists the run
-    fills (lateness through the waiter, then through a blocked wait); ends
-    once a run is within the bound, fails the test if both miss."""
+    """Up to two runs of the sequence, each on a fresh stream (no durations
+    learnt on it; what the waiter learnt of its own wake-ups stays): yields
+    the stream, the kernel's output and the lists the run fills (lateness
+    through the waiter, then through a blocked wait); ends once a run is
+    within the bound, warning of a first miss; fails the test if both miss."""
     cp = _backend.current.cupy()
     out = cp.zeros(1, dtype=cp.float32)
     kernels.spin_fill(out, 0.0, 0.0)  # compile and load before timing
     cp.cuda.Device().synchronize()
-    misses = []
+    misses: list[str] = []
     for _ in range(2):
         extras: list[float] = []
         blocked: list[float] = []
@@ -102,6 +105,8 @@ def _attempts() -> Iterator[tuple[Any, Any, list[float], list[float]]]:
         yield stream, out, extras, blocked
         miss = _miss(extras, blocked)
         if miss is None:
+            if misses:
+                warnings.warn(f"the first run missed the bound: {misses[0]}", stacklevel=1)
             return
         misses.append(miss)
     pytest.fail("; then ".join(misses))

@@ -519,6 +519,12 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
     ]
     if baseline:
         lines += ["", "The same server without GPU work, in each setting's run: " + "; ".join(baseline) + "."]
+    for label, run in shown:  # how a row was measured, where its run says (meta["note"])
+        data = load(run.name)
+        note = data.get("meta", {}).get("note")
+        if isinstance(note, str):
+            clients = data["resnet50"]["closed"]["batch_graph"]["clients"]
+            lines += ["", f"*{label}, {clients} clients*: {note}."]
     return lines
 
 

@@ -18,7 +18,7 @@ the figures; run it alone with::
 
 ``--server-args`` passes options to every server.py (not to LitServe's
 or multiproc.py's servers), e.g. the batcher's pipeline
-(``--server-args="--max-batch 64 --max-in-flight 4"``), or
+(``--server-args="--max-batch 32 --max-in-flight 2"``, a shallower one than the defaults), or
 ``--server-args=--no-gc-freeze`` to see the garbage collector's pauses.
 
 ``--open-rate R`` (with ``--open``) also runs the open loop of ``nogpu``
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
         "--server-args",
         default="",
         help="more options for every server.py (not LitServe's or multiproc.py's), one string, "
-        "e.g. '--max-batch 64 --max-in-flight 4'",
+        "e.g. '--max-batch 32 --max-in-flight 2'",
     )
     parser.add_argument(
         "--multiproc-args",
