@@ -58,17 +58,12 @@ def _median_p90(extras: list[float]) -> tuple[float, float]:
 def _miss(extras: list[float], blocked: list[float]) -> str | None:
     """What a sequence's lateness misses of the bound, or None."""
     bound = cudafut.get_wait_policy().max_sleep_s + _OS_WAKE_S
-    (median, p90), (ref_median, ref_p90) = _median_p90(extras), _median_p90(blocked)
-    if median > bound + ref_median:
-        return (
-            f"2 ms jobs noticed {median * 1e3:.2f} ms late at the median (bound {bound * 1e3} ms"
-            f" over a blocked wait's {ref_median * 1e3:.2f} ms)"
-        )
-    if p90 > bound + ref_p90:
-        return (
-            f"2 ms jobs noticed {p90 * 1e3:.2f} ms late at p90 (bound {bound * 1e3} ms"
-            f" over a blocked wait's {ref_p90 * 1e3:.2f} ms)"
-        )
+    for at, late, ref in zip(("the median", "p90"), _median_p90(extras), _median_p90(blocked), strict=True):
+        if late > bound + ref:
+            return (
+                f"2 ms jobs noticed {late * 1e3:.2f} ms late at {at} (bound {bound * 1e3} ms"
+                f" over a blocked wait's {ref * 1e3:.2f} ms)"
+            )
     return None
 
 

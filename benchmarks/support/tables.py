@@ -479,10 +479,13 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
             shown.append((label, run))
     rates = sorted({rate for _, run in shown for rate in _fixed_rates(load(run.name)["resnet50"])})
     at = " / ".join(f"{rate:,}" for rate in rates)
-    rows, baseline = [], []
+    rows, baseline, notes = [], [], []
     for label, run in shown:
         model = load(run.name)["resnet50"]
         graph = model["closed"]["batch_graph"]
+        note = load(run.name).get("meta", {}).get("note")  # how the row was measured, if its run says
+        if isinstance(note, str):
+            notes += ["", f"*{label}, {graph['clients']} clients*: {note}."]
         by_rate = _fixed_rates(model)
 
         def p99s(mode: str, by_rate: dict[int, Any] = by_rate) -> str:
@@ -519,13 +522,7 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
     ]
     if baseline:
         lines += ["", "The same server without GPU work, in each setting's run: " + "; ".join(baseline) + "."]
-    for label, run in shown:  # how a row was measured, where its run says (meta["note"])
-        data = load(run.name)
-        note = data.get("meta", {}).get("note")
-        if isinstance(note, str):
-            clients = data["resnet50"]["closed"]["batch_graph"]["clients"]
-            lines += ["", f"*{label}, {clients} clients*: {note}."]
-    return lines
+    return lines + notes
 
 
 def _reliability(all_runs: list[Run]) -> list[str]:
