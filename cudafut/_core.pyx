@@ -106,11 +106,16 @@ ctypedef int (*cu_event_record_t)(void *event, void *stream) noexcept nogil
 ctypedef int (*cu_event_query_t)(void *event) noexcept nogil
 ctypedef int (*cu_stream_wait_event_t)(void *stream, void *event, unsigned int flags) noexcept nogil
 ctypedef int (*cu_ctx_get_device_t)(int *device) noexcept nogil
+ctypedef int (*cu_event_create_t)(void **event, unsigned int flags) noexcept nogil
+ctypedef int (*cu_event_destroy_t)(void *event) noexcept nogil
 
 cdef cu_event_record_t cu_event_record = NULL
 cdef cu_event_query_t cu_event_query = NULL
 cdef cu_stream_wait_event_t cu_stream_wait_event = NULL
 cdef cu_ctx_get_device_t cu_ctx_get_device = NULL
+# Optional (NULL: the pool creates and destroys through the backend).
+cdef cu_event_create_t cu_event_create = NULL
+cdef cu_event_destroy_t cu_event_destroy = NULL
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
 # then goes through the backend's functions).
 cdef int _driver = 0
@@ -172,9 +177,14 @@ cdef enum:
     MAX_FREE = 4096
     MAX_DEVICES = 64
 
+#: CU_EVENT_DISABLE_TIMING, as the runtime's cudaEventDisableTiming.
+cdef enum:
+    CU_EVENT_DISABLE_TIMING = 2
+
 
 cdef int _load_driver() noexcept:
     global _driver, cu_event_record, cu_event_query, cu_stream_wait_event, cu_ctx_get_device
+    global cu_event_create, cu_event_destroy
     cdef void *lib = dlopen(b"libcuda.so.1", RTLD_NOW | RTLD_NOLOAD)
     if lib == NULL:
         lib = dlopen(b"libcuda.so.1", RTLD_NOW)
@@ -185,6 +195,8 @@ cdef int _load_driver() noexcept:
     cu_event_query = <cu_event_query_t>dlsym(lib, b"cuEventQuery")
     cu_stream_wait_event = <cu_stream_wait_event_t>dlsym(lib, b"cuStreamWaitEvent")
     cu_ctx_get_device = <cu_ctx_get_device_t>dlsym(lib, b"cuCtxGetDevice")
+    cu_event_create = <cu_event_create_t>dlsym(lib, b"cuEventCreate")
+    cu_event_destroy = <cu_event_destroy_t>dlsym(lib, b"cuEventDestroy_v2")  # cuda.h's cuEventDestroy
     if (cu_event_record == NULL or cu_event_query == NULL or cu_stream_wait_event == NULL
             or cu_ctx_get_device == NULL):
         _driver = -1
@@ -755,10 +767,24 @@ cdef class EventPool:
             free(self._free[d])
 
     cdef long long _acquire(self, int device) except? -1:
+        cdef void *event = NULL
+        cdef int current = -1
+        cdef long long handle
         if 0 <= device < MAX_DEVICES and self._nfree[device] > 0:
             self._nfree[device] -= 1
             return self._free[device][self._nfree[device]]
-        handle = int(_be.event_create(device))
+        # A miss (a burst of pending records beyond the free list): from C
+        # where ``device``'s context is current (the runtime's handles are
+        # the driver's), a few times cheaper than the runtime's call from
+        # Python with its device switch. With the GIL held, as in _record:
+        # the call returns in about a µs. Else, or if it fails, the backend
+        # (which raises CudaError with the runtime's name).
+        if (_be is _CUDA_BE and _driver_ready() and cu_event_create != NULL
+                and cu_ctx_get_device(&current) == 0 and current == device
+                and cu_event_create(&event, CU_EVENT_DISABLE_TIMING) == 0):
+            handle = <long long>event
+        else:
+            handle = int(_be.event_create(device))
         self.created += 1
         if 0 <= device < MAX_DEVICES:
             self._made[device] += 1
@@ -781,7 +807,13 @@ cdef class EventPool:
             self._nfree[device] += 1
             return 0
         if not sys.is_finalizing():
-            _be.event_destroy(handle)
+            # From C as _acquire creates (no context needed; never in a
+            # forked child, where _driver is -1): a failure there means the
+            # context is gone, as the backend's call would report it.
+            if _be is _CUDA_BE and _driver == 1 and cu_event_destroy != NULL:
+                cu_event_destroy(<void *>handle)
+            else:
+                _be.event_destroy(handle)
             if 0 <= device < MAX_DEVICES:
                 self._destroyed[device] += 1
         return 0
@@ -1412,6 +1444,9 @@ cdef object _future_await(FutureCore fut):
             if type(r) is EventRecord:
                 rec = <EventRecord>r
                 if not rec._known and rec._query() is None:
+                    wait = _entry_await(fut, rec)
+                    if wait is not None:
+                        return wait
                     driver = _current_driver()
                     if driver is not None:
                         wait = driver.await_one(fut, rec, awaited)
@@ -1558,6 +1593,10 @@ cdef class Watchlist:
 
     def add_watch(self, Watch watch not None):
         """Add a watch made by the caller (its ``callback`` set)."""
+        self._add_watch(watch)
+        return watch
+
+    cdef int _add_watch(self, Watch watch) except -1:
         cdef _Queue queue
         record = watch.record
         key = (<EventRecord>record).stream_key if type(record) is EventRecord else record.stream_key
@@ -1569,7 +1608,7 @@ cdef class Watchlist:
             queue = <_Queue>q
         queue._add(watch)
         self.pending += 1
-        return watch
+        return 0
 
     def clear(self):
         """Forget every watch, as :meth:`remove` does each."""
@@ -1665,6 +1704,8 @@ cdef class Watchlist:
 
 # -- one await in an asyncio task ---------------------------------------------------
 
+cdef class AsyncioEntry  # below: the loop's side that makes them
+
 # The states of an AsyncioAwait.
 cdef enum:
     A_NEW = 0
@@ -1684,6 +1725,7 @@ cdef class AsyncioAwait(Watch):
 
     cdef public bint _asyncio_future_blocking
     cdef object _driver
+    cdef AsyncioEntry _entry  # set where the entry made it: the driver's native side
     cdef object _loop
     cdef object _future
     cdef object _finish
@@ -1735,7 +1777,10 @@ cdef class AsyncioAwait(Watch):
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
             self._state = A_WAITING
             self.callback = self
-            self._driver.watch(self)
+            if self._entry is not None:
+                self._entry._watch(self)
+            else:
+                self._driver.watch(self)
             self._asyncio_future_blocking = True
             return self
         if state == A_CANCELLED:
@@ -1757,7 +1802,10 @@ cdef class AsyncioAwait(Watch):
         self._stop()
 
     cdef _stop(self):
-        self._driver.watchlist.remove(self)  # a no-op once fired or removed
+        if self._entry is not None:
+            self._entry.watchlist.remove(self)  # a no-op once fired or removed
+        else:
+            self._driver.watchlist.remove(self)
         self._wakeup = None
         self._context = None
         self._future = None
@@ -1836,3 +1884,85 @@ cdef PyObject* _asyncio_await_next(PyObject* op) except NULL:
 
 
 _install_iternext(AsyncioAwait, _asyncio_await_next)
+
+
+# The entry of the asyncio loop that awaited last, tried first: most awaits
+# run in the loop of the one before. Weakly: a closed loop's driver and its
+# watches go with the loop.
+cdef object _last_entry = None
+
+
+@cython.final
+cdef class AsyncioEntry:
+    """The native side of one asyncio loop's waiter (``_loops.AsyncioDriver``):
+    what ``await`` of a pending future needs of it, as C members, so that
+    an await among other pending waits makes no Python-level call of
+    cudafut's own but the driver's ``_new_wait()`` (the twin's path:
+    ``current_driver()``, ``AsyncioDriver.await_one()``, ``Driver.watch()``).
+
+    ``new_wait()`` is the driver's: every wait starts a spin and a poll
+    (``Driver._new_wait``). A lone wait (nothing pending) is the
+    driver's to decide (it may spin from the task): not handled here."""
+
+    cdef object _loop  # a weak reference
+    cdef readonly Watchlist watchlist
+    cdef object _new_wait
+    cdef object __weakref__
+
+    def __init__(self, loop, Watchlist watchlist not None, new_wait):
+        self._loop = weakref.ref(loop)
+        self.watchlist = watchlist
+        self._new_wait = new_wait
+
+    def await_one(self, future, record, finish):
+        """``AsyncioDriver.await_one`` once it found other waits pending:
+        the one object that does the wait (an :class:`AsyncioAwait`); this
+        entry is tried first by the next await (:func:`_entry_await`)."""
+        global _last_entry
+        loop = <object>PyWeakref_GetObject(self._loop)
+        if loop is None:
+            return None
+        if _last_entry is None or <object>PyWeakref_GetObject(_last_entry) is not self:
+            _last_entry = weakref.ref(self)
+        return self._make(loop, future, record, finish)
+
+    cdef AsyncioAwait _make(self, object loop, object future, object record, object finish):
+        cdef AsyncioAwait wait = AsyncioAwait.__new__(AsyncioAwait)
+        wait.record = record
+        wait.seq = (<EventRecord>record).seq if type(record) is EventRecord else record.seq
+        wait.callback = None
+        wait._entry = self
+        wait._loop = loop
+        wait._future = future
+        wait._finish = finish
+        wait._state = A_NEW
+        wait._asyncio_future_blocking = False
+        return wait
+
+    cdef int _watch(self, Watch watch) except -1:
+        """``Driver.watch``: add the watch, and have the driver start a spin
+        and a poll (its ``_new_wait``, the one Python call of an await
+        among others)."""
+        self.watchlist._add_watch(watch)
+        self._new_wait()
+        return 0
+
+
+cdef object _entry_await(FutureCore fut, EventRecord rec):
+    """``await fut`` of a pending record, where the running loop is the
+    asyncio loop that awaited last and other waits are pending there: its
+    :class:`AsyncioAwait`, made from C. None otherwise (the caller then asks
+    the loop's driver)."""
+    cdef AsyncioEntry entry
+    if _last_entry is None:
+        return None
+    e = <object>PyWeakref_GetObject(_last_entry)
+    if e is None:
+        return None
+    entry = <AsyncioEntry>e
+    if entry.watchlist.pending == 0:
+        return None  # a lone wait: the driver's (it may spin from the task)
+    loop = <object>PyWeakref_GetObject(entry._loop)
+    if loop is None or _get_running_loop() is not loop:
+        return None
+    return entry._make(loop, fut, rec, awaited)

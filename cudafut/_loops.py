@@ -189,6 +189,9 @@ class AsyncioDriver(LoopDriver):
         # Armed notices, per stream key. CUDA closes their write ends.
         self._notices: dict[tuple[int, ...], _Notice] = {}
         self.arm = self._arm
+        # The native core's side of this waiter: awaits among other pending
+        # waits are made there, from C (None on the pure core).
+        self._entry = None if _native is None else _native.AsyncioEntry(loop, self.watchlist, self._new_wait)
         # The read ends still watched when the driver goes (its loop closed).
         weakref.finalize(self, _close_all, self._notices)
         _with_notices.add(self)
@@ -339,6 +342,8 @@ class AsyncioDriver(LoopDriver):
     def await_one(self, future: Any, record: EventRecord, finish: Finish) -> Iterator[Any] | None:
         if not self.watchlist.pending and not self._alone:
             return None  # a lone wait: wait() spins from the task
+        if self._entry is not None:
+            return self._entry.await_one(future, record, finish)  # type: ignore[no-any-return]
         loop = self._loop()
         if loop is None:
             return None

@@ -318,6 +318,35 @@ async def _await(fut: cudafut.CudaFuture[Any]) -> Any:
     return await fut
 
 
+async def test_awaits_among_others_wait_in_their_own_loop_after_another_loop_awaited(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    """The native core tries the loop that awaited last first: an await in
+    another loop (another thread's) meanwhile must not take this loop's
+    next await into its waiter."""
+    _asyncio_only(anyio_backend)
+    async with _beside_another_wait(fake_cuda) as driver:
+        first = asyncio.ensure_future(_await(cudafut.record("a")))
+        await _until_pending(2)
+
+        async def elsewhere() -> tuple[Any, ...]:
+            other = asyncio.ensure_future(_await(cudafut.record("x")))
+            there = await _until_pending(1)
+            wait: Any = cudafut.record("y").__await__()
+            next(wait)  # among others there: that loop's waiter holds it
+            return there, wait, asyncio.get_running_loop(), other
+
+        # Kept alive, its wait still watched: the other loop's waiter would take an await.
+        there, wait, _loop, _other = await anyio.to_thread.run_sync(lambda: asyncio.run(elsewhere()))
+        assert there is not driver and there.watchlist.pending >= 1
+        assert driver.watchlist.pending == 2  # nothing of the other loop's here
+        second = asyncio.ensure_future(_await(cudafut.record("b")))
+        await _until_pending(3)  # this loop's own waiter
+        fake_cuda.complete_all()
+        assert list(await asyncio.gather(first, second)) == ["a", "b"]
+        wait.close()
+
+
 async def test_cancelling_one_of_many_awaits_keeps_the_message_and_the_rest(
     anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
 ) -> None:

@@ -8,6 +8,7 @@ their device. Each holds on the pure core too, where it applies."""
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 from typing import Any
@@ -110,3 +111,33 @@ def test_the_default_streams_are_recorded_on_from_a_fresh_thread(cp: Any, specia
     t.start()
     t.join()
     assert got == [0]
+
+
+def test_events_made_and_destroyed_beyond_the_free_list_record_and_complete(
+    cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of pending records beyond the pool's free list: the pool makes
+    their events (the native core from C, where the device's context is
+    current), each records and completes as the runtime sees it, and those
+    beyond the free limit are destroyed when their records go."""
+    monkeypatch.setattr(_pools, "_MAX_FREE_EVENTS", 4)
+    pool = _pools.EventPool()  # the test's own: other tests' records change nothing
+    monkeypatch.setattr(_pools, "events", pool)
+    stream = _pools.streams.get(0, 0)
+    x = cp.zeros(1024, dtype=cp.float32)
+    with stream:
+        spin_fill(x, 1, 0.01)  # the module loaded before the gate closes
+    stream.synchronize()
+    with Gate() as gate:
+        with stream:
+            gated_fill(x, 7, gate)
+        recs = [_events.record(int(stream.ptr), 0) for _ in range(32)]
+        assert len({rec.handle for rec in recs}) == 32
+        assert not any(_truly_done(rec) for rec in recs)
+    stream.synchronize()
+    assert not gate.timed_out
+    assert all(rec.query() == 0 and _truly_done(rec) for rec in recs)
+    assert pool.created == 32
+    del recs
+    gc.collect()
+    assert pool.counts() == ({0: 4}, {0: 0})  # 4 kept free, 28 destroyed
