@@ -775,10 +775,10 @@ cdef class EventPool:
             return self._free[device][self._nfree[device]]
         # A miss (a burst of pending records beyond the free list): from C
         # where ``device``'s context is current (the runtime's handles are
-        # the driver's), a few times cheaper than the runtime's call from
-        # Python with its device switch. With the GIL held, as in _record:
-        # the call returns in about a µs. Else, or if it fails, the backend
-        # (which raises CudaError with the runtime's name).
+        # the driver's; the runtime would use that same context), without
+        # the Python calls of the backend's path. With the GIL held, as in
+        # _record: the call returns in about a µs. Else, or if it fails, the
+        # backend (which raises CudaError with the runtime's name).
         if (_be is _CUDA_BE and _driver_ready() and cu_event_create != NULL
                 and cu_ctx_get_device(&current) == 0 and current == device
                 and cu_event_create(&event, CU_EVENT_DISABLE_TIMING) == 0):
@@ -808,11 +808,10 @@ cdef class EventPool:
             return 0
         if not sys.is_finalizing():
             # From C as _acquire creates (no context needed; never in a
-            # forked child, where _driver is -1): a failure there means the
-            # context is gone, as the backend's call would report it.
-            if _be is _CUDA_BE and _driver == 1 and cu_event_destroy != NULL:
-                cu_event_destroy(<void *>handle)
-            else:
+            # forked child, where _driver is -1). A failure goes to the
+            # backend, whose call raises CudaError with the runtime's name.
+            if not (_be is _CUDA_BE and _driver == 1 and cu_event_destroy != NULL
+                    and cu_event_destroy(<void *>handle) == 0):
                 _be.event_destroy(handle)
             if 0 <= device < MAX_DEVICES:
                 self._destroyed[device] += 1
@@ -1943,8 +1942,8 @@ cdef class AsyncioEntry:
         """``Driver.watch``: add the watch, and have the driver start a spin
         and a poll (its ``_new_wait``, the one Python call of an await
         among others)."""
+        self._new_wait()  # first, as Driver.watch: if it raises, no watch is left behind
         self.watchlist._add_watch(watch)
-        self._new_wait()
         return 0
 
 

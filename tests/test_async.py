@@ -347,6 +347,25 @@ async def test_awaits_among_others_wait_in_their_own_loop_after_another_loop_awa
         wait.close()
 
 
+async def test_an_await_among_others_whose_poll_cannot_start_leaves_no_watch_behind(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiter is told of a new wait before the watch is added (as
+    ``Driver.watch`` does): if that raises, the await fails and nothing of
+    it stays in the watch list."""
+    _asyncio_only(anyio_backend)
+    async with _beside_another_wait(fake_cuda) as driver:
+
+        def broken(self: object, now: float) -> None:
+            raise RuntimeError("the pacer broke")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(type(driver.pacer), "new_wait", broken)
+            with pytest.raises(RuntimeError, match="the pacer broke"):
+                await asyncio.ensure_future(_await(cudafut.record("v")))
+        assert driver.watchlist.pending == 1  # the other wait's only
+
+
 async def test_cancelling_one_of_many_awaits_keeps_the_message_and_the_rest(
     anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
 ) -> None:

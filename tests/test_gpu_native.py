@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cudafut import _compiled, _event_calls, _events, _pools
+from cudafut import _backend, _compiled, _event_calls, _events, _pools
 from tests.kernels import Gate, gated_fill, spin_fill
 
 pytestmark = pytest.mark.gpu
@@ -123,6 +123,16 @@ def test_events_made_and_destroyed_beyond_the_free_list_record_and_complete(
     monkeypatch.setattr(_pools, "_MAX_FREE_EVENTS", 4)
     pool = _pools.EventPool()  # the test's own: other tests' records change nothing
     monkeypatch.setattr(_pools, "events", pool)
+    # The backend's calls, counted: the native core makes none (it calls the driver).
+    calls = {"event_create": 0, "event_destroy": 0}
+    for name in calls:
+        original = getattr(_backend.current, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(_backend.current, name, counted)
     stream = _pools.streams.get(0, 0)
     x = cp.zeros(1024, dtype=cp.float32)
     with stream:
@@ -141,3 +151,5 @@ def test_events_made_and_destroyed_beyond_the_free_list_record_and_complete(
     del recs
     gc.collect()
     assert pool.counts() == ({0: 4}, {0: 0})  # 4 kept free, 28 destroyed
+    expected = 0 if NATIVE is not None else 32
+    assert calls == {"event_create": expected, "event_destroy": expected - 4 if expected else 0}
