@@ -54,7 +54,6 @@ installed), and the pool is the fake's.
 
 cimport cython
 from cpython.object cimport PyObject
-from cpython.weakref cimport PyWeakref_GetObject
 
 from cudafut import _lifetimes
 
@@ -116,6 +115,27 @@ cdef cu_ctx_get_device_t cu_ctx_get_device = NULL
 # Optional (NULL: the pool creates and destroys through the backend).
 cdef cu_event_create_t cu_event_create = NULL
 cdef cu_event_destroy_t cu_event_destroy = NULL
+cdef extern from *:
+    """
+    /* What a weak reference refers to, a new reference (None once it is
+       gone). PyWeakref_GetObject's borrowed reference is deprecated from
+       3.13, where PyWeakref_GetRef replaces it. */
+    static PyObject *cudafut_weak_get(PyObject *ref) {
+    #if PY_VERSION_HEX >= 0x030D0000
+        PyObject *obj;
+        if (PyWeakref_GetRef(ref, &obj) < 0) return NULL;
+        if (obj == NULL) Py_RETURN_NONE;
+        return obj;
+    #else
+        PyObject *obj = PyWeakref_GetObject(ref);
+        Py_XINCREF(obj);
+        return obj;
+    #endif
+    }
+    """
+    object _weak_get "cudafut_weak_get"(object ref)
+
+
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
 # then goes through the backend's functions).
 cdef int _driver = 0
@@ -291,7 +311,7 @@ cdef class _Stream:
         if not self.ordered:
             return False
         if self.weak:
-            return PyWeakref_GetObject(self.owner) != <PyObject *>None
+            return _weak_get(self.owner) is not None
         return True
 
 
@@ -1723,8 +1743,7 @@ cdef class AsyncioAwait(Watch):
     Python frame."""
 
     cdef public bint _asyncio_future_blocking
-    cdef object _driver
-    cdef AsyncioEntry _entry  # set where the entry made it: the driver's native side
+    cdef AsyncioEntry _entry  # the loop's driver's native side, which made it
     cdef object _loop
     cdef object _future
     cdef object _finish
@@ -1733,11 +1752,13 @@ cdef class AsyncioAwait(Watch):
     cdef object _context
     cdef object _message
 
-    def __init__(self, driver, loop, future, record, finish):
+    def __init__(self, AsyncioEntry entry, loop, future, record, finish):
+        # Made by AsyncioEntry._make on the native core; this constructor is
+        # for tests (the twin's signature takes the driver in its place).
         self.record = record
         self.seq = record.seq
         self.callback = None
-        self._driver = driver
+        self._entry = entry
         self._loop = loop
         self._future = future
         self._finish = finish
@@ -1774,12 +1795,11 @@ cdef class AsyncioAwait(Watch):
         if state == A_NEW:
             if _get_running_loop() is not self._loop:
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
+            if self._entry is None:
+                raise RuntimeError("this await was made without its loop's driver")
             self._state = A_WAITING
             self.callback = self
-            if self._entry is not None:
-                self._entry._watch(self)
-            else:
-                self._driver.watch(self)
+            self._entry._watch(self)
             self._asyncio_future_blocking = True
             return self
         if state == A_CANCELLED:
@@ -1803,8 +1823,6 @@ cdef class AsyncioAwait(Watch):
     cdef _stop(self):
         if self._entry is not None:
             self._entry.watchlist.remove(self)  # a no-op once fired or removed
-        else:
-            self._driver.watchlist.remove(self)
         self._wakeup = None
         self._context = None
         self._future = None
@@ -1918,10 +1936,10 @@ cdef class AsyncioEntry:
         the one object that does the wait (an :class:`AsyncioAwait`); this
         entry is tried first by the next await (:func:`_entry_await`)."""
         global _last_entry
-        loop = <object>PyWeakref_GetObject(self._loop)
+        loop = _weak_get(self._loop)
         if loop is None:
             return None
-        if _last_entry is None or <object>PyWeakref_GetObject(_last_entry) is not self:
+        if _last_entry is None or _weak_get(_last_entry) is not self:
             _last_entry = weakref.ref(self)
         return self._make(loop, future, record, finish)
 
@@ -1955,13 +1973,13 @@ cdef object _entry_await(FutureCore fut, EventRecord rec):
     cdef AsyncioEntry entry
     if _last_entry is None:
         return None
-    e = <object>PyWeakref_GetObject(_last_entry)
+    e = _weak_get(_last_entry)
     if e is None:
         return None
     entry = <AsyncioEntry>e
     if entry.watchlist.pending == 0:
         return None  # a lone wait: the driver's (it may spin from the task)
-    loop = <object>PyWeakref_GetObject(entry._loop)
+    loop = _weak_get(entry._loop)
     if loop is None or _get_running_loop() is not loop:
         return None
     return entry._make(loop, fut, rec, awaited)

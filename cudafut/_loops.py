@@ -342,7 +342,7 @@ class AsyncioDriver(LoopDriver):
     def await_one(self, future: Any, record: EventRecord, finish: Finish) -> Iterator[Any] | None:
         if not self.watchlist.pending and not self._alone:
             return None  # a lone wait: wait() spins from the task
-        if self._entry is not None:
+        if self._entry is not None:  # the native core: its entry makes the await
             return self._entry.await_one(future, record, finish)  # type: ignore[no-any-return]
         loop = self._loop()
         if loop is None:

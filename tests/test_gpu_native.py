@@ -8,9 +8,11 @@ their device. Each holds on the pure core too, where it applies."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,8 +31,13 @@ def _truly_done(rec: Any) -> bool:
     return _event_calls.event_query(rec.handle) == 0
 
 
-def test_a_record_behind_unfinished_work_is_pending_and_older_ones_wait_for_a_newer_one(cp: Any) -> None:
-    stream = _pools.streams.get(0, 0)  # cudafut's own: ordered
+@contextlib.contextmanager
+def _held(cp: Any) -> Iterator[tuple[Any, Any]]:
+    """cudafut's own stream of device 0 (ordered), held by a gated kernel
+    while the block runs, so what the block records on it stays pending;
+    yields the stream and the kernel's output. After the block: the gate
+    opens, the stream is synchronised, and a gate that timed out fails."""
+    stream = _pools.streams.get(0, 0)
     x = cp.zeros(1024, dtype=cp.float32)
     with stream:
         spin_fill(x, 1, 0.01)  # the module loaded before the gate closes
@@ -38,14 +45,19 @@ def test_a_record_behind_unfinished_work_is_pending_and_older_ones_wait_for_a_ne
     with Gate() as gate:
         with stream:
             gated_fill(x, 7, gate)
+        yield stream, x
+    stream.synchronize()
+    assert not gate.timed_out
+
+
+def test_a_record_behind_unfinished_work_is_pending_and_older_ones_wait_for_a_newer_one(cp: Any) -> None:
+    with _held(cp) as (stream, x):
         older = _events.record(int(stream.ptr), 0)
         with stream:
             spin_fill(x, 8, 0.01)
         newer = _events.record(int(stream.ptr), 0)
         assert older.query() is None and newer.query() is None
         assert not _truly_done(older)
-    stream.synchronize()
-    assert not gate.timed_out
     counts = NATIVE.counts() if NATIVE is not None else None
     assert newer.query() == 0
     assert older.query() == 0 and _truly_done(older)
@@ -133,23 +145,16 @@ def test_events_made_and_destroyed_beyond_the_free_list_record_and_complete(
             return _original(*args)
 
         monkeypatch.setattr(_backend.current, name, counted)
-    stream = _pools.streams.get(0, 0)
-    x = cp.zeros(1024, dtype=cp.float32)
-    with stream:
-        spin_fill(x, 1, 0.01)  # the module loaded before the gate closes
-    stream.synchronize()
-    with Gate() as gate:
-        with stream:
-            gated_fill(x, 7, gate)
+    with _held(cp) as (stream, _):
         recs = [_events.record(int(stream.ptr), 0) for _ in range(32)]
         assert len({rec.handle for rec in recs}) == 32
         assert not any(_truly_done(rec) for rec in recs)
-    stream.synchronize()
-    assert not gate.timed_out
     assert all(rec.query() == 0 and _truly_done(rec) for rec in recs)
     assert pool.created == 32
     del recs
     gc.collect()
     assert pool.counts() == ({0: 4}, {0: 0})  # 4 kept free, 28 destroyed
-    expected = 0 if NATIVE is not None else 32
-    assert calls == {"event_create": expected, "event_destroy": expected - 4 if expected else 0}
+    if NATIVE is not None:
+        assert calls == {"event_create": 0, "event_destroy": 0}
+    else:
+        assert calls == {"event_create": 32, "event_destroy": 28}

@@ -356,6 +356,10 @@ class _InheritsAwait(_OwnAwait):
     pass
 
 
+class _Seq:
+    seq = 1
+
+
 FUTURE_BAD_CALLS = [
     ("record_value, no arguments", lambda: NATIVE.record_value()),  # type: ignore[union-attr]
     ("__await__, not a future", lambda: NATIVE.FutureCore.__await__(object())),  # type: ignore[union-attr]
@@ -373,6 +377,7 @@ FUTURE_BAD_CALLS = [
     ("future_then, no fn", lambda: NATIVE.future_then(None)),  # type: ignore[union-attr]
     ("awaited, not a future", lambda: NATIVE.awaited(object(), None)),  # type: ignore[union-attr]
     ("AsyncioAwait, a record without seq", lambda: NATIVE.AsyncioAwait(None, None, None, object(), None)),  # type: ignore[union-attr]
+    ("AsyncioAwait, a driver for its entry", lambda: NATIVE.AsyncioAwait(object(), None, None, _Seq(), None)),  # type: ignore[union-attr]
 ]
 
 
@@ -381,6 +386,14 @@ FUTURE_BAD_CALLS = [
 def test_the_futures_native_paths_refuse_wrong_arguments(fake_cuda: testing.FakeCuda, call: Any) -> None:
     with pytest.raises((TypeError, AttributeError)):
         call()
+
+
+@native_only
+def test_a_native_await_made_without_its_loops_entry_refuses_to_wait() -> None:
+    wait = NATIVE.AsyncioAwait(None, None, None, _Seq(), None)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="without its loop's driver"):
+        next(wait)
+    wait.close()  # nothing to remove
 
 
 @native_only
