@@ -1796,7 +1796,7 @@ cdef class AsyncioAwait(Watch):
             if _get_running_loop() is not self._loop:
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
             if self._entry is None:
-                raise RuntimeError("this await was made without its loop's driver")
+                raise RuntimeError("this await was made without its loop's AsyncioEntry")
             self._state = A_WAITING
             self.callback = self
             self._entry._watch(self)

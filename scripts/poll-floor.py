@@ -14,7 +14,7 @@ with a GPU; garbage collection off) prints, twice:
   ``synchronize()`` on a blocking-sync event through 500 ms of GPU work;
 - ``loop woken``: the loop thread's CPU per wake-up when another thread
   writes a pipe every millisecond (what waking the loop once per batch of
-  completions costs it), beside the loop's own 1 ms sleep again.
+  completions costs it), beside the loop's own 1 ms tick of that round.
 
 docs/performance.md ("10,000 concurrent awaits") says where cudafut's own
 waiting costs come from; ``scripts/profile-many.py --policies`` splits them
@@ -43,11 +43,29 @@ others = [cp.cuda.Event(disable_timing=True) for _ in range(10_000)]
 
 
 def in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on a new thread; its result, or its exception raised here."""
     out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(fn()))
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            failed.append(exc)
+
+    t = threading.Thread(target=run)
     t.start()
     t.join()
+    if failed:
+        raise failed[0]
     return out[0]
+
+
+def check_pending(events: list[Any], what: str) -> None:
+    """The queries timed must be of pending events (a completed one answers
+    faster): say so if the work ended before the ticks did."""
+    if any(e.done for e in events):
+        print(f"warning: {what}: the work ended before the ticks did; its query figures are low")
 
 
 def busy_events(ns: int) -> list[Any]:
@@ -79,6 +97,7 @@ async def loop_tick(queries: bool, pending: int) -> tuple[float, float]:
         for e in events:
             e.done  # noqa: B018
     cpu = (time.thread_time() - c0) / 1000 * 1e6
+    check_pending(events, "loop tick")
     for s in streams:
         s.synchronize()
     return cpu, one
@@ -96,6 +115,7 @@ def thread_tick(queries: bool) -> float:
         return (time.thread_time() - c0) / 1000 * 1e6
 
     cpu: float = in_thread(run)
+    check_pending(events, "thread tick")
     for s in streams:
         s.synchronize()
     return cpu

@@ -391,7 +391,7 @@ def test_the_futures_native_paths_refuse_wrong_arguments(fake_cuda: testing.Fake
 @native_only
 def test_a_native_await_made_without_its_loops_entry_refuses_to_wait() -> None:
     wait = NATIVE.AsyncioAwait(None, None, None, _Seq(), None)  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="without its loop's driver"):
+    with pytest.raises(RuntimeError, match="without its loop's AsyncioEntry"):
         next(wait)
     wait.close()  # nothing to remove
 
