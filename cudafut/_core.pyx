@@ -1755,15 +1755,7 @@ cdef class AsyncioAwait(Watch):
     def __init__(self, AsyncioEntry entry, loop, future, record, finish):
         # Made by AsyncioEntry._make on the native core; this constructor is
         # for tests (the twin's signature takes the driver in its place).
-        self.record = record
-        self.seq = record.seq
-        self.callback = None
-        self._entry = entry
-        self._loop = loop
-        self._future = future
-        self._finish = finish
-        self._state = A_NEW
-        self._asyncio_future_blocking = False
+        _fill(self, entry, loop, future, record, finish)
 
     def __repr__(self):
         state = ("new", "waiting", "woken", "cancelled", "finished")[self._state]
@@ -1903,6 +1895,22 @@ cdef PyObject* _asyncio_await_next(PyObject* op) except NULL:
 _install_iternext(AsyncioAwait, _asyncio_await_next)
 
 
+cdef inline int _fill(AsyncioAwait wait, AsyncioEntry entry, object loop, object future, object record,
+                      object finish) except -1:
+    """A new AsyncioAwait's state: ``__init__``'s, and ``AsyncioEntry._make``'s
+    (which skips ``__init__``)."""
+    wait.record = record
+    wait.seq = (<EventRecord>record).seq if type(record) is EventRecord else record.seq
+    wait.callback = None
+    wait._entry = entry
+    wait._loop = loop
+    wait._future = future
+    wait._finish = finish
+    wait._state = A_NEW
+    wait._asyncio_future_blocking = False
+    return 0
+
+
 # The entry of the asyncio loop that awaited last, tried first: most awaits
 # run in the loop of the one before. Weakly: a closed loop's driver and its
 # watches go with the loop.
@@ -1945,15 +1953,7 @@ cdef class AsyncioEntry:
 
     cdef AsyncioAwait _make(self, object loop, object future, object record, object finish):
         cdef AsyncioAwait wait = AsyncioAwait.__new__(AsyncioAwait)
-        wait.record = record
-        wait.seq = (<EventRecord>record).seq if type(record) is EventRecord else record.seq
-        wait.callback = None
-        wait._entry = self
-        wait._loop = loop
-        wait._future = future
-        wait._finish = finish
-        wait._state = A_NEW
-        wait._asyncio_future_blocking = False
+        _fill(wait, self, loop, future, record, finish)
         return wait
 
     cdef int _watch(self, Watch watch) except -1:

@@ -481,9 +481,10 @@ def _pipeline_depth(all_runs: list[Run]) -> list[str]:
     at = " / ".join(f"{rate:,}" for rate in rates)
     rows, baseline, notes = [], [], []
     for label, run in shown:
-        model = load(run.name)["resnet50"]
+        data = load(run.name)
+        model = data["resnet50"]
         graph = model["closed"]["batch_graph"]
-        note = load(run.name).get("meta", {}).get("note")  # how the row was measured, if its run says
+        note = data.get("meta", {}).get("note")  # how the row was measured, if its run says
         if isinstance(note, str):
             notes += ["", f"*{label}, {graph['clients']} clients*: {note}."]
         by_rate = _fixed_rates(model)
