@@ -934,6 +934,7 @@ def install_await(type cls not None):
 
 
 cdef object _Future = None  # CudaFuture
+cdef object _PENDING = None
 cdef object _SET = None
 cdef object _FAILED = None
 cdef object _CANCELLED = None
@@ -974,7 +975,7 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
                 tuple scalars):
     """Give the futures' native paths what they use of the Python modules
     (called once, by ``_future`` at import)."""
-    global _Future, _SET, _FAILED, _CANCELLED, _hooks, _await_py, _result_py, _finalize_py
+    global _Future, _PENDING, _SET, _FAILED, _CANCELLED, _hooks, _await_py, _result_py, _finalize_py
     global _consumers_py, _order_foreign, _current_driver, _mapped_pages, _page_size
     global _allocate_lock, _get_running_loop, _AsyncioCancelled, _AsyncioInvalidState, _block_type
     global _scalars
@@ -983,7 +984,7 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
     import _thread
     import asyncio
     _Future = future
-    _SET, _FAILED, _CANCELLED = states
+    _PENDING, _SET, _FAILED, _CANCELLED = states
     _hooks = hooks
     _await_py = await_py
     _result_py = result_py
@@ -1041,6 +1042,47 @@ cdef object _current_stream(long long device):
     if _be is _CUDA_BE and _cupy_current_stream is not None:
         return _cupy_current_stream(device)
     return _be.current_stream(device)
+
+
+def new_pending():
+    """A pending :class:`cudafut.CudaFuture`, as ``CudaFuture()`` makes it,
+    without its Python ``__init__``: FutureCore's members start as None
+    (False for the flags), and only those ``__init__`` sets otherwise are
+    set here (``_future.new_future``'s untraced case, and ``launch()``'s)."""
+    if _Future is None:
+        raise RuntimeError("the native futures are not bound yet (import cudafut)")
+    cdef FutureCore fut = FutureCore.__new__(_Future)
+    fut._lock = _allocate_lock()
+    fut._state = _PENDING
+    fut._records = ()
+    if _hooks.active is not None:  # a trace began meanwhile: as __init__, it sees the future
+        _hooks.created(fut)
+    return fut
+
+
+cdef object _torch_module = None  # cudafut._torch, found on first use (its loaded() is swapped under the fake)
+
+
+def caller_streams(long long device):
+    """``_launch._caller_streams_py``'s twin: the calling thread's current
+    streams of ``device`` as ``((handle, owner, stream), ...)``: CuPy's (or
+    the fake's), and PyTorch's where torch is loaded and its current stream
+    is another. Holds the GIL throughout (no CUDA call)."""
+    global _torch_module
+    _ensure_types()
+    stream = _current_stream(device)
+    ptr = int(stream.ptr)
+    if "torch" in _modules:
+        if _torch_module is None:
+            from cudafut import _torch
+            _torch_module = _torch
+        torch = _torch_module.loaded()
+        if torch is not None:
+            other = torch.cuda.current_stream(device)
+            handle = int(other.cuda_stream)
+            if handle != ptr:
+                return ((ptr, stream, stream), (handle, None, other))
+    return ((ptr, stream, stream),)
 
 
 # The handles and device ordinals record_value() reads into C integers.

@@ -1417,8 +1417,14 @@ def new_future(maker: str) -> CudaFuture[Any]:
     which labels the future with ``maker`` (a compiled maker has no frame
     for the tracer to find its name in)."""
     if _trace.active is None:
-        return CudaFuture()
+        return new_pending()
     return _trace.make(CudaFuture, maker)
+
+
+#: ``CudaFuture()``, pending and untraced (its caller tests ``_trace.active``
+#: first, as :func:`new_future` does): the class itself in the pure core,
+#: the native core's ``new_pending`` (no Python ``__init__``) where it runs.
+new_pending: Callable[[], CudaFuture[Any]] = CudaFuture
 
 
 # cudafut._bridges, whose to_asyncio/to_concurrent/to_torch are the bodies of
@@ -1460,7 +1466,7 @@ def set_exporter(export: Callable[[CudaFuture[Any]], tuple[Any, tuple[Any, ...]]
 if _native is not None:
     _native.bind_future(
         CudaFuture,
-        (_SET, _FAILED, _CANCELLED),
+        (_PENDING, _SET, _FAILED, _CANCELLED),
         _trace,
         CudaFuture._await,
         CudaFuture.result,
@@ -1489,4 +1495,5 @@ if _native is not None:
     for _name in ("__await__", "__del__"):
         delattr(CudaFuture, _name)
     _native.install_await(CudaFuture)
+    new_pending = _native.new_pending
     del _name, _function, _twin

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _backend, _events, _future, _interface, _launch, _lifetimes, testing
+from cudafut import _backend, _events, _future, _interface, _launch, _lifetimes, _torch, testing
 from tests.launches import check_a_queued_launch_cancelled_never_runs
 from tests.runners import BACKENDS, run_on
 
@@ -368,3 +369,124 @@ def test_launch_from_a_per_thread_default_stream_records_it_on_the_calling_threa
     assert seen == [(2, threading.current_thread().name)]
     assert fut.result(timeout=10).tolist() == [0, 1, 2]
     assert all(stream != 2 for stream, _ in seen[1:])
+
+
+# -- the caller's path ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("callers", [2, 8])
+def test_many_threads_launching_at_once_lose_no_launch(fake_cuda: testing.FakeCuda, callers: int) -> None:
+    """The hand-off under contention: threads released together each launch
+    a run of calls; every launch runs once, with its own arguments, and its
+    future gets its own value."""
+    fake_cuda.auto_complete = True
+    each = 300
+    start = threading.Barrier(callers)
+    ran: list[tuple[int, int]] = []
+    futures: list[list[cudafut.CudaFuture[tuple[int, int]]]] = [[] for _ in range(callers)]
+
+    def fn(who: int, i: int, *, scale: int) -> tuple[int, int]:
+        ran.append((who, i))
+        return who, i * scale
+
+    def caller(who: int) -> None:
+        start.wait()
+        for i in range(each):
+            futures[who].append(cudafut.launch(fn, who, i, scale=2))
+
+    threads = [threading.Thread(target=caller, args=(who,)) for who in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for who, mine in enumerate(futures):
+        assert [fut.result(timeout=30) for fut in mine] == [(who, 2 * i) for i in range(each)]
+    assert sorted(ran) == [(who, i) for who in range(callers) for i in range(each)]
+
+
+def test_stop_runs_every_launch_queued_before_it(fake_cuda: testing.FakeCuda) -> None:
+    """Launches queued from several threads while every launcher thread is
+    busy: stop() ends the threads only once each queued launch has run."""
+    fake_cuda.auto_complete = True
+    cudafut.launch(lambda: 0).result(timeout=10)  # the launchers exist
+    threads = len(_launch._launchers[0].threads)  # type: ignore[union-attr]
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def hold() -> int:
+        started.release()
+        release.wait(10)
+        return 0
+
+    holders = [cudafut.launch(hold) for _ in range(threads)]
+    for _ in range(threads):
+        assert started.acquire(timeout=10)  # every launcher is busy: the rest waits in the queue
+    queued: list[cudafut.CudaFuture[int]] = []
+    lock = threading.Lock()
+
+    def caller(who: int) -> None:
+        mine = [cudafut.launch(int, who * 100 + i) for i in range(100)]
+        with lock:
+            queued.extend(mine)
+
+    callers = [threading.Thread(target=caller, args=(who,)) for who in range(4)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    release.set()
+    assert _launch.stop(0, timeout=30)
+    assert all(fut.done() for fut in holders + queued)
+    assert sorted(fut.result(timeout=0) for fut in queued) == list(range(400))
+
+
+def test_new_pending_makes_the_future_the_constructor_makes(fake_cuda: testing.FakeCuda) -> None:
+    """launch()'s future comes from _future.new_pending (the native core's
+    factory, which skips __init__, or the class itself in the pure core):
+    the same state, field by field, as CudaFuture() gives."""
+    made, plain = _future.new_pending(), cudafut.CudaFuture[Any]()
+    assert type(made) is cudafut.CudaFuture and not made.done()
+    fields = [name for name in _future.CudaFuture.__init__.__code__.co_names if name.startswith("_")]
+    assert {"_lock", "_state", "_records", "_devices", "_callbacks", "_stream_given"} <= set(fields)
+    for name in fields:
+        if hasattr(plain, name):
+            if name == "_lock":
+                assert type(made._lock) is type(plain._lock) and made._lock is not plain._lock
+                assert not made._lock.locked()
+            else:
+                assert getattr(made, name) == getattr(plain, name), name
+    made.set_result(np.arange(2))
+    fake_cuda.complete(made)
+    assert made.result(timeout=10).tolist() == [0, 1]
+
+
+class _TorchStream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+def test_the_callers_streams_match_the_twins(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_launch._caller_streams (the native core's where it runs) gives what
+    the pure twin gives: the default stream, a stream made current, and
+    PyTorch's current stream where torch is loaded (and another)."""
+
+    def both() -> tuple[Any, Any]:
+        return _launch._caller_streams(0), _launch._caller_streams_py(0)
+
+    native, twin = both()
+    assert native == twin and len(native) == 1
+    stream = fake_cuda.stream()
+    with stream:
+        native, twin = both()
+        assert native == twin == ((stream.ptr, stream, stream),)
+        torch_stream = _TorchStream(0x7000)
+        torch = type("torch", (), {"cuda": type("cuda", (), {"current_stream": lambda device: torch_stream})})
+        monkeypatch.setattr(_torch, "loaded", lambda: torch)
+        monkeypatch.setitem(sys.modules, "torch", torch)
+        native, twin = both()
+        assert native == twin == ((stream.ptr, stream, stream), (0x7000, None, torch_stream))
+        torch_stream.cuda_stream = stream.ptr  # the same stream: once
+        native, twin = both()
+        assert native == twin == ((stream.ptr, stream, stream),)
