@@ -84,6 +84,22 @@ SET: Final = _SET
 FAILED: Final = _FAILED
 CANCELLED: Final = _CANCELLED
 
+
+class _KeptByProducer:
+    """The type of :data:`KEPT_BY_PRODUCER`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "KEPT_BY_PRODUCER"
+
+
+#: A set future's ``_keep`` when its producer itself keeps the value and the
+#: work's inputs alive until the records complete or fail (a collective's
+#: process group, until its watchdog sees it end): the finalizer of such a
+#: future dropped while its work is pending has nothing to hold.
+KEPT_BY_PRODUCER: Final = _KeptByProducer()
+
 # Timeouts at or beyond this many seconds (about 292 years on Linux) mean "no
 # limit": threading refuses them (OverflowError).
 _NO_LIMIT: Final = threading.TIMEOUT_MAX
@@ -1145,7 +1161,7 @@ class CudaFuture(_Base, Generic[T]):
                 # the same object was raised elsewhere (by a gathered input).
                 exc_info=(type(exc), exc, self._traceback),
             )
-        elif state is _SET:
+        elif state is _SET and self._keep is not KEPT_BY_PRODUCER:
             # Other streams may still read these buffers; freeing them now
             # would let the memory pool hand them out again (docs/design.md,
             # hazard 5). Records known complete (an awaited future's, or

@@ -18,6 +18,7 @@ from . import _loops, _waiter
 from ._engine import Listener, Pending
 from ._events import EventRecord, first_error
 from ._future import CANCELLED, FAILED, PENDING, SET, CudaFuture
+from ._future import KEPT_BY_PRODUCER as KEPT_BY_PRODUCER
 from ._future import new_future as new_future  # re-exported: the class's one constructor
 from ._trace import hooks as _trace
 
@@ -29,7 +30,9 @@ def set_future(
 ) -> CudaFuture[T]:
     """A future set with ``value`` and ``records`` already recorded (for
     cudafut's own producers, such as the collectives); ``keep`` lives until
-    the records complete. ``maker``: the public function that made it, as
+    the records complete (:data:`KEPT_BY_PRODUCER`: the caller keeps the
+    value and what the work reads alive itself until then, so that a
+    dropped future holds nothing). ``maker``: the public function that made it, as
     :func:`new_future` takes it; None: the tracer finds its maker among the
     callers' frames."""
     fut: CudaFuture[T] = CudaFuture() if maker is None else new_future(maker)

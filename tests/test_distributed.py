@@ -9,13 +9,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import cudafut
 import cudafut.distributed as dist
-from cudafut import _backend, _events
-from cudafut.distributed import _group
+from cudafut import _backend, _events, _interface, _lifetimes
+from cudafut.distributed import _group, _nccl, _ops
 from cudafut.distributed._env import launch_env
 from cudafut.distributed._ops import check_op
 from tests.dist_launch import LAUNCH_VARS
@@ -409,3 +410,154 @@ def test_a_record_asks_its_producer_before_it_counts_as_complete(monkeypatch: py
     assert failed.error() is error
     failed.fail_with(dist.CollectiveError(0, "x", 2, "later"))  # a failure is final
     assert failed.error() is error
+
+
+# -- a collective's path on the host: the array's checks and the enqueue, on the fake GPU --
+
+
+class _CaiArray:
+    """A GPU array as the CUDA array interface describes it (a torch tensor's way)."""
+
+    def __init__(self, shape: tuple[int, ...], typestr: str = "<f4", strides: object = None, device: int = 0):
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "data": (0x7F0000001000, False),
+            "version": 3,
+        }
+        self.device = type("device", (), {"index": device, "id": None})()
+
+
+def _cupy_array(
+    shape: tuple[int, ...], dtype: str = "float32", strides: object = None, device: int = 0
+) -> Any:
+    """A real cupy.ndarray over memory it does not own (made without a GPU; never read)."""
+    cp = pytest.importorskip("cupy")
+    from cupy.cuda import memory
+
+    mem = memory.UnownedMemory(0x7F0000001000, 1 << 16, None, device_id=device)
+    return cp.ndarray(shape, dtype=dtype, memptr=memory.MemoryPointer(mem, 0), strides=strides)
+
+
+def _refusal(array: object) -> tuple[type[BaseException], str] | None:
+    try:
+        _ops._Buffer(array, "array", _fake_group())
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+    return None
+
+
+def _as_interface(x: Any) -> _CaiArray:
+    """What CuPy's __cuda_array_interface__ says of ``x`` (strides only when not C-contiguous)."""
+    strides = None if x.flags.c_contiguous else x.strides
+    out = _CaiArray(x.shape, x.dtype.str, strides, x.data.device_id)
+    out.__cuda_array_interface__["data"] = (x.data.ptr if x.size else 0, False)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "strides"),
+    [
+        ((1024,), "float32", None),
+        ((4, 8), "int64", None),
+        ((4, 4), "float32", (4, 16)),  # transposed: not C-contiguous
+        ((2, 1), "float32", (4, 999)),  # a dimension of one, whatever its stride: contiguous
+        ((8,), "float32", (8,)),  # every other element
+        ((1,), "float32", (8,)),  # one element: contiguous
+        ((0, 4), "float16", None),  # empty: no pointer, no device
+        ((16,), "bool", None),  # a dtype NCCL does not take
+        ((16,), "complex64", None),
+    ],
+)
+def test_a_cupy_array_is_read_as_its_interface_says(
+    shape: tuple[int, ...], dtype: str, strides: tuple[int, ...] | None
+) -> None:
+    x = _cupy_array(shape, dtype, strides)
+    via = _as_interface(x)
+    assert _refusal(x) == _refusal(via)
+    if _refusal(x) is None:
+        fast, slow = _ops._Buffer(x, "array", _fake_group()), _ops._Buffer(via, "array", _fake_group())
+        assert fast.array is x
+        for name in ("count", "dtype", "itemsize", "ptr", "shape", "typestr"):
+            assert getattr(fast, name) == getattr(slow, name), name
+
+
+def test_a_cupy_array_on_another_device_is_refused_as_before() -> None:
+    x = _cupy_array((16,), device=1)
+    refusal = _refusal(x)
+    assert refusal == _refusal(_as_interface(x))
+    assert refusal == (ValueError, "array is on device 1, but this rank's group runs on device 0")
+
+
+def test_non_contiguous_and_bad_dtypes_keep_their_messages() -> None:
+    assert _refusal(_cupy_array((4, 4), strides=(4, 16))) == (
+        ValueError,
+        "array must be C-contiguous (copy it with .copy() first)",
+    )
+    kind, text = _refusal(_cupy_array((4,), "bool")) or (None, "")
+    assert kind is TypeError and "dtype '|b1', which NCCL cannot reduce or move" in text
+
+
+def test_other_arrays_go_through_the_interface() -> None:
+    buf = _ops._Buffer(_CaiArray((3, 5), "<i4"), "array", _fake_group())
+    assert (buf.count, buf.dtype, buf.itemsize, buf.shape, buf.typestr) == (15, 2, 4, (3, 5), "<i4")
+    assert _refusal(_CaiArray((4, 4), strides=(4, 16))) == (
+        ValueError,
+        "array must be C-contiguous (copy it with .copy() first)",
+    )
+    assert _refusal(_CaiArray((4,), device=1)) == (
+        ValueError,
+        "array is on device 1, but this rank's group runs on device 0",
+    )
+    kind, text = _refusal(object()) or (None, "")
+    assert kind is TypeError and "must be a GPU array" in text
+
+
+class _StubNccl:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def allReduce(self, *args: Any) -> None:  # noqa: N802 - CuPy's name
+        self.calls.append(args)
+
+    def check_async_error(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def test_a_collective_on_the_fake_gpu(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    stub = _StubNccl()
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 5.0, "test")
+    waits: list[tuple[int, int]] = []
+    real_wait = _backend.current.stream_wait
+
+    def stream_wait(stream: int, event: int, device: int) -> None:
+        waits.append((stream, event))
+        real_wait(stream, event, device)
+
+    monkeypatch.setattr(_backend.current, "stream_wait", stream_wait)
+    holds: list[object] = []
+    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: holds.append(obj))
+    x = _CaiArray((256,))
+    fut = dist.all_reduce(x, "max", group=g)
+    assert stub.calls == [(0x7F0000001000, 0x7F0000001000, 256, 7, 2, g.stream.ptr)]
+    assert [s for s, _ in waits] == [g.stream.ptr]  # the communication stream waits on the caller's
+    (entry,) = g._pending
+    assert entry.keep == (x, x) and entry.record is _interface.records_of(fut)[0]
+    del fut  # the group keeps the array until the collective ends: the future holds nothing
+    assert holds == []
+    with g.stream:  # called on the communication stream itself: no wait
+        fut = dist.all_reduce(x, group=g)
+    assert len(waits) == 1 and len(g._pending) == 2
+    fake_cuda.complete(fut)
+    assert fut.result(timeout=5) is x
+    deadline = time.monotonic() + 5
+    while g._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not g._pending  # the watchdog dropped both, and what they kept
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dist.all_reduce(_CaiArray((4, 4), strides=(4, 16)), group=g)
+    assert len(stub.calls) == 2  # nothing enqueued for the refused one

@@ -29,7 +29,7 @@ from typing import Any, Final, Protocol
 
 from .. import _backend, _checks, _cuda, _events, _torch
 from .._future import CudaFuture
-from .._interface import set_future
+from .._interface import KEPT_BY_PRODUCER, set_future
 from .._log import logger
 from . import _env, _nccl
 from ._errors import CollectiveError
@@ -75,15 +75,21 @@ def check_timeout(timeout: object, what: str = "timeout") -> float:
 
 
 class _Pending:
-    """A collective enqueued (``record`` set) or being enqueued (None)."""
+    """A collective enqueued (``record`` set) or being enqueued (None).
 
-    __slots__ = ("deadline", "op", "record", "timeout")
+    Once enqueued it also holds what the collective reads and writes
+    (``keep``): its future leaves that to the group (``KEPT_BY_PRODUCER``),
+    which keeps it until the watchdog sees the record complete, or the
+    group fails it."""
+
+    __slots__ = ("deadline", "keep", "op", "record", "timeout")
 
     def __init__(self, record: _events.EventRecord | None, op: str, timeout: float) -> None:
         self.record = record
         self.op = op
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
+        self.keep: object = None
 
     def query(self) -> int | None:
         return None if self.record is None else self.record.query()
@@ -158,31 +164,45 @@ class ProcessGroup:
     ) -> CudaFuture[Any]:
         """Enqueue one collective: the communication stream waits on the
         caller's current stream, ``launch(comm, stream_ptr)`` calls NCCL, and
-        an event follows. Returns the future, set already."""
+        an event follows. Returns the future, set already; ``value`` and
+        ``keep`` live until the collective ends (kept by the group's entry
+        for it, whether or not the future is dropped)."""
         limit = self.timeout if timeout is None else check_timeout(timeout)
-        self._raise_if_aborted(op)
+        if self._aborted is not None:
+            self._raise_if_aborted(op)
         device = self.device
         stream = int(self.stream.ptr)
-        with _backend.current.on_device(device), self._call_lock:
-            self._raise_if_aborted(op)
-            _events.record_current(device).wait_on(stream, device)
+        backend = _backend.current
+        with backend.on_device(device), self._call_lock:
+            if self._aborted is not None:
+                self._raise_if_aborted(op)
+            caller = backend.current_stream(device)
+            ptr = int(caller.ptr)
+            if ptr != stream:  # (called on the communication stream itself: in order already)
+                _events.record(ptr, device, None, caller).wait_on(stream, device)
             # Visible to the watchdog from here on: a call that blocks (the
             # first send to a peer that never comes) times out too.
-            self._calling = _Pending(None, op, limit)
-            _watchdog.watch(self)
+            pending = self._calling = _Pending(None, op, limit)
+            if self not in _watchdog.watched:  # (read unlocked: see _Watchdog.watch)
+                _watchdog.watch(self)
             try:
                 launch(self._comm, stream)
             except Exception as exc:
                 self._calling = None
                 reason = self._aborted or f"NCCL refused the call: {exc}"
                 raise CollectiveError(self.rank, op, self.size, reason, device) from exc
+            now = time.monotonic()
             # The end of the window in which a completion is believed (see _confirm).
-            trusted_until = time.monotonic() + limit * (1 - _DOUBT)
+            trusted_until = now + limit * (1 - _DOUBT)
             record = _events.record(stream, device, functools.partial(self._confirm, op, trusted_until))
+            # The same entry, now enqueued: its deadline counts from here.
+            pending.deadline = now + limit
+            pending.record = record
+            pending.keep = (value, keep)
             with self._lock:
-                self._pending.append(_Pending(record, op, limit))
+                self._pending.append(pending)
                 self._calling = None
-        return set_future(value, (record,), keep)
+        return set_future(value, (record,), KEPT_BY_PRODUCER)
 
     def busy(self) -> bool:
         """Whether a collective is pending or being enqueued."""
@@ -303,15 +323,21 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._groups: set[ProcessGroup] = set()
+        #: The groups watched now: changed under the lock only; read it, never change it.
+        self.watched: set[ProcessGroup] = set()
         self._thread: threading.Thread | None = None
 
     def watch(self, group: ProcessGroup) -> None:
-        """Watch ``group``, which has work pending (or being enqueued)."""
+        """Watch ``group``, which has work pending (or being enqueued).
+
+        A caller that marked ``group`` busy first (``_calling`` or
+        ``_pending``) may skip the call when ``group`` is in
+        :attr:`watched`, read without the lock: the thread drops a group
+        only under the lock, and only if it is not busy then."""
         with self._cond:
-            if group in self._groups:
+            if group in self.watched:
                 return
-            self._groups.add(group)
+            self.watched.add(group)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cudafut-nccl-watchdog", daemon=True)
                 self._thread.start()
@@ -319,20 +345,20 @@ class _Watchdog:
 
     def forget(self, group: ProcessGroup) -> None:
         with self._cond:
-            self._groups.discard(group)
+            self.watched.discard(group)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._groups:
+                while not self.watched:
                     self._cond.wait()
-                groups = list(self._groups)
+                groups = list(self.watched)
             now = time.monotonic()
             idle = [g for g in groups if not self._check(g, now)]
             with self._cond:
                 # Looked at again under the lock: a call that began since
                 # (it marks the group busy, then calls watch()) keeps it.
-                self._groups.difference_update(g for g in idle if not g.busy())
+                self.watched.difference_update(g for g in idle if not g.busy())
             time.sleep(WATCH_EVERY_S)
 
     @staticmethod

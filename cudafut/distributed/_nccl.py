@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import socket
+import sys
 import time
 import weakref
 from datetime import timedelta
@@ -66,6 +67,20 @@ def communicator(size: int, uid: bytes, rank: int) -> Communicator:
     thread until all ``size`` ranks have called it with ``uid`` (no time
     limit: call it in a thread you can leave)."""
     return Communicator(_nccl().NcclCommunicator(size, uid, rank))
+
+
+def cupy_array_type() -> tuple[type, bool] | None:
+    """``(cupy.ndarray, readable)`` once CuPy is imported (None before; no
+    import, no CUDA call): ``readable``, whether an array's pointer, size,
+    dtype, contiguity and device can be read from its attributes as its
+    ``__cuda_array_interface__`` gives them (not under HIP, where CuPy's
+    arrays have no interface)."""
+    cupy = sys.modules.get("cupy")
+    cls = getattr(cupy, "ndarray", None)
+    if not isinstance(cls, type):
+        return None
+    hip = getattr(getattr(getattr(cupy, "cuda", None), "runtime", None), "is_hip", None)
+    return cls, hip is False and hasattr(cls, "_c_contiguous")
 
 
 def group_start() -> None:

@@ -41,9 +41,12 @@ def check_op(op: object) -> int:
 class _Buffer:
     """What NCCL needs of an array: pointer, element count, dtype, shape."""
 
-    __slots__ = ("array", "count", "dtype", "itemsize", "ptr", "shape")
+    __slots__ = ("array", "count", "dtype", "itemsize", "ptr", "shape", "typestr")
 
     def __init__(self, array: object, what: str, group: ProcessGroup) -> None:
+        if type(array) is _ndarray or (_ndarray is None and type(array) is _find_cupy(array)):
+            self._of_cupy(array, what, group)
+            return
         iface = getattr(array, "__cuda_array_interface__", None)
         if not isinstance(iface, dict):
             raise TypeError(
@@ -53,10 +56,7 @@ class _Buffer:
         typestr = str(iface["typestr"])
         code = typestr[1:]
         if code not in DTYPES:
-            raise TypeError(
-                f"{what} has dtype {typestr!r}, which NCCL cannot reduce or move; use one of "
-                "int8, uint8, int32, uint32, int64, uint64, float16, float32, float64"
-            )
+            raise TypeError(_bad_dtype(what, typestr))
         shape = tuple(int(d) for d in iface["shape"])
         itemsize = int(code[1:])
         count = 1
@@ -69,20 +69,97 @@ class _Buffer:
                 expected.append(step)
                 step *= d
             if tuple(strides) != tuple(reversed(expected)):
-                raise ValueError(f"{what} must be C-contiguous (copy it with .copy() first)")
+                raise ValueError(_NOT_CONTIGUOUS.format(what=what))
         ptr = int(iface["data"][0])
         if count:
             device = _device_of(array, ptr)
             if device != group.device:
-                raise ValueError(
-                    f"{what} is on device {device}, but this rank's group runs on device {group.device}"
-                )
+                raise ValueError(_other_device(what, device, group))
         self.array = array
         self.ptr = ptr
         self.count = count
         self.dtype = DTYPES[code]
         self.itemsize = itemsize
         self.shape = shape
+        self.typestr = typestr
+
+    def _of_cupy(self, array: Any, what: str, group: ProcessGroup) -> None:
+        # A cupy.ndarray, read without its __cuda_array_interface__ (a dict
+        # built at each read, with the dtype's descr and the current
+        # stream): the same checks, in the same order, from its attributes.
+        # CuPy exports strides only when the array is not C-contiguous by
+        # its own test, which is the one above (dimensions of one element
+        # aside, whose strides neither reads).
+        dtype = array.dtype
+        known = _dtypes.get(dtype)
+        if known is None:
+            known = _dtype_of(dtype)
+        typestr, code = known
+        if code is None:
+            raise TypeError(_bad_dtype(what, typestr))
+        count = array.size
+        if count > 1 and not array._c_contiguous:  # noqa: SLF001 - CuPy's flag, read as .flags does
+            raise ValueError(_NOT_CONTIGUOUS.format(what=what))
+        ptr = 0
+        if count:
+            data = array.data
+            ptr = data.ptr
+            device = data.device_id
+            if device != group.device:
+                raise ValueError(_other_device(what, device, group))
+        self.array = array
+        self.ptr = ptr
+        self.count = count
+        self.dtype = DTYPES[code]
+        self.itemsize = int(code[1:])
+        self.shape = array.shape
+        self.typestr = typestr
+
+
+_NOT_CONTIGUOUS: Final = "{what} must be C-contiguous (copy it with .copy() first)"
+
+
+def _bad_dtype(what: str, typestr: str) -> str:
+    return (
+        f"{what} has dtype {typestr!r}, which NCCL cannot reduce or move; use one of "
+        "int8, uint8, int32, uint32, int64, uint64, float16, float32, float64"
+    )
+
+
+def _other_device(what: str, device: int, group: ProcessGroup) -> str:
+    return f"{what} is on device {device}, but this rank's group runs on device {group.device}"
+
+
+#: ``cupy.ndarray`` once found (None until CuPy is imported), whose arrays
+#: _Buffer reads from their attributes; a class nothing is an instance of
+#: where CuPy's arrays cannot be read so (HIP, an unknown CuPy).
+_ndarray: type | None = None
+#: A CuPy dtype's typestr and code in DTYPES (None: not one NCCL takes).
+_dtypes: dict[Any, tuple[str, str | None]] = {}
+
+
+class _NoArray:
+    """What _ndarray is where CuPy's arrays are read through the interface."""
+
+
+def _find_cupy(array: object) -> type | None:
+    """``cupy.ndarray``, if CuPy is imported (it is, if ``array`` is one)."""
+    global _ndarray
+    found = _nccl.cupy_array_type()
+    if found is None:
+        return None  # not imported (yet): looked for again at the next call
+    cls, readable = found
+    _ndarray = cls if readable else _NoArray
+    return _ndarray
+
+
+def _dtype_of(dtype: Any) -> tuple[str, str | None]:
+    typestr = str(dtype.str)
+    code = typestr[1:]
+    known = (typestr, code if code in DTYPES else None)
+    if len(_dtypes) < 64:
+        _dtypes[dtype] = known
+    return known
 
 
 def _device_of(array: object, ptr: int) -> int:
@@ -98,11 +175,7 @@ def _empty(group: ProcessGroup, shape: tuple[int, ...], like: _Buffer) -> Any:
     cp = _backend.current.cupy()
     with _backend.current.on_device(group.device):
         # On the caller's current stream, where the inputs are made.
-        return cp.empty(shape, dtype=_cuda_dtype(like))
-
-
-def _cuda_dtype(buf: _Buffer) -> str:
-    return str(buf.array.__cuda_array_interface__["typestr"])  # type: ignore[attr-defined]
+        return cp.empty(shape, dtype=like.typestr)
 
 
 def _out(out: object, group: ProcessGroup, shape: tuple[int, ...], like: _Buffer) -> _Buffer:
@@ -112,7 +185,7 @@ def _out(out: object, group: ProcessGroup, shape: tuple[int, ...], like: _Buffer
     if buf.shape != shape or buf.dtype != like.dtype:
         raise ValueError(
             f"out must have shape {shape} and the input's dtype, not shape {buf.shape} "
-            f"(dtype {_cuda_dtype(buf)} against {_cuda_dtype(like)})"
+            f"(dtype {buf.typestr} against {like.typestr})"
         )
     return buf
 
