@@ -34,11 +34,8 @@ from .._log import logger
 from . import _env, _nccl
 from ._errors import CollectiveError
 
-#: How often the watchdog looks while collectives are pending. Its look
-#: holds the GIL for a query and an NCCL error check per completed
-#: collective, which the calling thread then waits for; timeouts are
-#: seconds, so a look every 20 ms loses nothing there.
-WATCH_EVERY_S: Final = 20e-3
+#: How often the watchdog looks while collectives are pending.
+WATCH_EVERY_S: Final = 5e-3
 #: A collective that completes in this last share of its timeout is taken
 #: as failed: the peers' watchdogs abort then, which can end it early.
 _DOUBT: Final = 0.1
