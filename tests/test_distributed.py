@@ -3,11 +3,14 @@ checks, the error type, and what importing it costs."""
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import pickle
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -538,6 +541,9 @@ class _StubNccl:
     def abort(self) -> None:
         pass
 
+    def destroy(self) -> None:
+        pass
+
 
 def test_a_collective_on_the_fake_gpu(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     stub = _StubNccl()
@@ -572,3 +578,25 @@ def test_a_collective_on_the_fake_gpu(fake_cuda: Any, monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match="C-contiguous"):
         dist.all_reduce(_CaiArray((4, 4), strides=(4, 16)), group=g)
     assert len(stub.calls) == 2  # nothing enqueued for the refused one
+
+
+def test_destroy_hands_a_dropped_pending_collectives_arrays_to_the_lifetimes(fake_cuda: Any) -> None:
+    """A collective still pending when destroy() gives up (its own timeout
+    longer than the group's): nothing looks at the group's entry again, so
+    its arrays live until its record ends, then go, as a dropped future's
+    finalizer would have let them."""
+    g = _group.ProcessGroup(_nccl.Communicator(_StubNccl()), 0, [0, 1], 0, 0.2, "test")
+    x = _CaiArray((4,))
+    alive = weakref.ref(x)
+    fut = dist.all_reduce(x, group=g, timeout=math.inf)
+    del fut, x
+    g.destroy()  # waits out the group's 0.2 s, then destroys the communicator
+    assert not g._pending
+    gc.collect()
+    assert alive() is not None  # the collective's record has not ended
+    fake_cuda.complete_all()
+    deadline = time.monotonic() + 30
+    while alive() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        gc.collect()
+    assert alive() is None

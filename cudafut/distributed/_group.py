@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
-from .. import _backend, _checks, _cuda, _events, _torch
+from .. import _backend, _checks, _cuda, _events, _lifetimes, _torch
 from .._future import CudaFuture
 from .._interface import KEPT_BY_PRODUCER, set_future
 from .._log import logger
@@ -205,8 +205,11 @@ class ProcessGroup:
         return set_future(value, (record,), KEPT_BY_PRODUCER)
 
     def busy(self) -> bool:
-        """Whether a collective is pending or being enqueued."""
-        return bool(self._pending) or self._calling is not None
+        """Whether a collective is pending or being enqueued (read under the
+        group's lock: an enqueue appends its entry and clears ``_calling``
+        under it, so no read falls between the two)."""
+        with self._lock:
+            return bool(self._pending) or self._calling is not None
 
     def _raise_if_aborted(self, op: str) -> None:
         if self._aborted is not None:
@@ -309,6 +312,16 @@ class ProcessGroup:
                 with _backend.current.on_device(self.device):
                     self._comm.destroy()
         _watchdog.forget(self)
+        # Still pending past the timeout: nothing looks at these entries
+        # again, so what their collectives read and write goes to the
+        # lifetimes' watcher, which keeps it until the records end (as a
+        # dropped future's finalizer would have).
+        with self._lock:
+            left = list(self._pending)
+            self._pending.clear()
+        for p in left:
+            if p.record is not None and p.keep is not None:
+                _lifetimes.hold((p.record,), p.keep)
 
 
 def _abort(comm: Any) -> None:
@@ -333,7 +346,8 @@ class _Watchdog:
         A caller that marked ``group`` busy first (``_calling`` or
         ``_pending``) may skip the call when ``group`` is in
         :attr:`watched`, read without the lock: the thread drops a group
-        only under the lock, and only if it is not busy then."""
+        from it first and then asks whether it is busy, putting it back if
+        so (see ``_run``)."""
         with self._cond:
             if group in self.watched:
                 return
@@ -356,9 +370,14 @@ class _Watchdog:
             now = time.monotonic()
             idle = [g for g in groups if not self._check(g, now)]
             with self._cond:
-                # Looked at again under the lock: a call that began since
-                # (it marks the group busy, then calls watch()) keeps it.
-                self.watched.difference_update(g for g in idle if not g.busy())
+                # Dropped first, then looked at again: a call marks its group
+                # busy first, then reads `watched` (unlocked) to skip watch();
+                # so either it sees the group gone and watches it again, or
+                # the group is seen busy here and stays.
+                for g in idle:
+                    self.watched.discard(g)
+                    if g.busy():
+                        self.watched.add(g)
             time.sleep(WATCH_EVERY_S)
 
     @staticmethod
