@@ -258,12 +258,18 @@ def main() -> None:
             del futs
             print("backend calls per collective:", {n: c / k for n, c in sorted(seen.items())})
             return
-        out = rounds(group, stub, x, args.calls, args.rounds)
-        report(args, out)
-        if args.profile:
-            profile(group, x, args.calls)
-        settle(group)
+        measure(args, group, stub, x)
         group.destroy()
+
+
+def measure(args: argparse.Namespace, group: _group.ProcessGroup, stub: StubNccl, x: Any) -> None:
+    """The timed rounds and their report (and a profile, if asked), then
+    every collective settled: the same on either backend."""
+    out = rounds(group, stub, x, args.calls, args.rounds)
+    report(args, out)
+    if args.profile:
+        profile(group, x, args.calls)
+    settle(group)
 
 
 def nullcuda(args: argparse.Namespace) -> None:
@@ -298,11 +304,7 @@ def nullcuda(args: argparse.Namespace) -> None:
         print("  through CuPy's runtime:", {n: c / k for n, c in sorted(rt.calls.items())})
         settle(group)
         return
-    out = rounds(group, stub, x, args.calls, args.rounds)
-    report(args, out)
-    if args.profile:
-        profile(group, x, args.calls)
-    settle(group)
+    measure(args, group, stub, x)
 
 
 def profile(group: _group.ProcessGroup, x: Any, calls: int) -> None:
