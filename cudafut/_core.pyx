@@ -76,6 +76,7 @@ from libc.stdlib cimport free, realloc
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 import itertools
+from collections import deque as _deque
 import sys
 import threading
 import types
@@ -1535,6 +1536,221 @@ def future_result(FutureCore self not None, timeout=None):
                 return _result_py(fut, timeout)  # pending: the twin blocks until done
         return _outcome(fut, None)  # set: the error type is not needed
     return _result_py(fut, timeout)
+
+
+# -- the waiters' pacing -------------------------------------------------------------
+
+cdef dict _policy_ns = None  # cudafut._policy's globals: its policy in force, read per plan
+cdef object _policy_mod = None
+cdef dict _histories = None  # the predictor's table (Predictor.histories), read only
+cdef object _predictor = None
+cdef object _logger = None
+cdef int _DEBUG_LEVEL = 10
+cdef double _WARM_S = 0.0
+cdef double _DEFAULT_LATENESS_S = 0.0
+cdef double _INF = float("inf")
+
+# The policy last read, and its fields as C doubles (refreshed when
+# set_wait_policy() installs another: policies are frozen).
+cdef object _seen_policy = None
+cdef double _spin_s = 0.0
+cdef double _first_sleep_s = 0.0
+cdef double _max_sleep_s = 0.0
+cdef double _cpu_budget = 0.0
+cdef double _notice_sleep_s = 0.0
+cdef bint _predict = True
+cdef bint _notify = False
+
+
+def bind_policy(policy):
+    """Give the pacer the policy module (called once, by ``_policy`` at
+    import): its policy in force, predictor, logger and constants."""
+    global _policy_ns, _policy_mod, _histories, _predictor, _logger, _DEBUG_LEVEL
+    global _WARM_S, _DEFAULT_LATENESS_S
+    _policy_mod = policy
+    _policy_ns = policy.__dict__
+    _predictor = policy.predictor
+    _histories = _predictor.histories
+    _logger = policy.logger
+    _DEBUG_LEVEL = policy._DEBUG
+    _WARM_S = policy._WARM_S
+    _DEFAULT_LATENESS_S = policy._DEFAULT_LATENESS_S
+
+
+cdef object _current_policy():
+    """The policy in force, its fields read into the C globals above."""
+    global _seen_policy, _spin_s, _first_sleep_s, _max_sleep_s, _cpu_budget, _notice_sleep_s
+    global _predict, _notify
+    policy = _policy_ns["_policy"]
+    if policy is not _seen_policy:
+        _spin_s = policy.spin_s
+        _first_sleep_s = policy.first_sleep_s
+        _max_sleep_s = policy.max_sleep_s
+        _cpu_budget = policy.cpu_budget
+        _notice_sleep_s = policy.notice_sleep_s
+        _predict = policy.predict
+        _notify = policy.notify
+        _seen_policy = policy
+    return policy
+
+
+@cython.final
+cdef class Pacer:
+    """The twin of ``_policy.Pacer`` (see there): one sleeper's pacing, its
+    state in C fields; :meth:`next_poll` reads the predictor's histories
+    and the policy without a Python call per stream (the twin makes four)."""
+
+    cdef public object name
+    cdef public double spin_until
+    cdef public double spin_ends
+    # Readable for the differential test (tests/test_pacer_differential.py).
+    cdef readonly double _backoff
+    cdef readonly double _asked
+    cdef readonly object _lateness
+    cdef readonly double _late_median
+    cdef readonly double _late_q
+
+    def __init__(self, lateness=None, name="waiter"):
+        _current_policy()
+        self.name = name
+        self.spin_until = 0.0
+        self.spin_ends = 0.0
+        self._backoff = _first_sleep_s
+        self._asked = 0.0
+        self._lateness = _deque(maxlen=32) if lateness is None else lateness
+        self._late_median = self._late_q = _DEFAULT_LATENESS_S
+        if self._lateness:
+            self._summarise()
+
+    def new_wait(self, double now):
+        """A new wait began: spin for a while, then start the sleeps afresh."""
+        _current_policy()
+        self.spin_until = now + _spin_s
+        self._backoff = _first_sleep_s
+
+    def sleeping_until(self, double when):
+        """The sleeper is about to sleep until ``when``."""
+        self._asked = when
+
+    def woke(self, double now):
+        """The sleep asked for with :meth:`sleeping_until` ended (by its timer)."""
+        cdef double late
+        if self._asked:
+            late = now - self._asked
+            if not late > 0.0:  # max(0.0, late), as the twin's (NaN and -0.0 included)
+                late = 0.0
+            self._lateness.append(late)
+            self._asked = 0.0
+            self._summarise()
+            if _logger.isEnabledFor(_DEBUG_LEVEL):
+                _logger.debug(
+                    "cudafut: %s: woke %s after the time planned (median lateness %s)",
+                    self.name,
+                    _policy_mod._us(late),
+                    _policy_mod._us(self._late_median),
+                )
+
+    def interrupted(self):
+        """The sleep ended early (a new wait): it says nothing of lateness."""
+        self._asked = 0.0
+
+    def _summarise(self):
+        cdef list late = sorted(self._lateness)
+        cdef Py_ssize_t n = len(late)
+        self._late_median = late[n // 2]  # robust to a rare long stall
+        self._late_q = late[(n * 4) // 5]  # the 80th percentile
+
+    def margin(self, double duration, policy):
+        """How long before a predicted end to ask to be woken (the twin's)."""
+        return self._margin(duration, <double>policy.cpu_budget)
+
+    cdef inline double _margin(self, double duration, double cpu_budget):
+        cdef double a = self._late_q + _WARM_S
+        cdef double b = self._late_median + cpu_budget * duration
+        return b if b < a else a  # min(a, b), as Python's: the first of equals
+
+    def next_poll(self, records, double now, arm=None):
+        """When to poll next for ``records`` (the twin's, to the bit)."""
+        cdef double spin_s, bound, best, start, low, high, opens, closes, spin_ends, t
+        cdef bint backoff = False, noticed = False, bounded = False, ahead, surprised
+        cdef tuple modes, mode
+        policy = _current_policy()
+        spin_s = _spin_s
+        bound = now + _max_sleep_s
+        best = _INF
+        if not _notify:
+            arm = None
+        spin_ends = 0.0
+        for rec in records:
+            hist = None
+            if _predict:
+                hist = _histories.get(rec.stream_key)
+                if hist is None:
+                    modes, surprised = (), True
+                else:
+                    found = hist.modes
+                    if found is None:  # found afresh (and logged): the twin's path
+                        found, surprised = _predictor.modes(rec)
+                        modes = found
+                    else:
+                        modes = found
+                        surprised = hist.surprised
+            else:
+                modes, surprised = (), True
+            ahead = False  # a mode's window is open now or still to come
+            if modes:
+                t = rec.t
+                if hist is None:  # (a race: cleared meanwhile) as predictor.start()
+                    hist = _histories.get(rec.stream_key)
+                if hist is None:
+                    start = t
+                else:
+                    start = hist.done_at
+                    if start < t:
+                        start = t
+                for m in modes:
+                    mode = <tuple>m
+                    low = mode[0]
+                    high = mode[1]
+                    opens = start + low - self._margin(<double>mode[2], _cpu_budget)
+                    closes = start + high + spin_s + (high - low)
+                    if now < opens:
+                        if opens < best:
+                            best = opens
+                        ahead = True
+                        break
+                    if now < closes:
+                        if closes > spin_ends:
+                            spin_ends = closes
+                        ahead = True
+                        break
+            if ahead and not surprised:
+                bounded = True
+                continue
+            if now < self.spin_until:
+                if self.spin_until > spin_ends:
+                    spin_ends = self.spin_until
+            elif arm is not None and arm(rec):
+                noticed = True
+            else:
+                backoff = True
+        if spin_ends:
+            self.spin_ends = bound if bound < spin_ends else spin_ends
+            if _logger.isEnabledFor(_DEBUG_LEVEL):
+                _policy_mod.explain(self, records, now, now, policy)
+            return now
+        self.spin_ends = 0.0
+        if backoff and now + self._backoff < best:
+            best = now + self._backoff
+            self._backoff = self._backoff * 2
+            if _max_sleep_s < self._backoff:
+                self._backoff = _max_sleep_s
+        elif noticed and not backoff and not bounded:  # every record has a notice
+            bound = now + (_max_sleep_s if _max_sleep_s > _notice_sleep_s else _notice_sleep_s)
+        when = bound if bound < best else best
+        if _logger.isEnabledFor(_DEBUG_LEVEL):
+            _policy_mod.explain(self, records, now, when, policy)
+        return when
 
 
 # -- the waiter's watch list ---------------------------------------------------------

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
-from . import _checks
+from . import _checks, _compiled
 from ._log import logger
 
 if TYPE_CHECKING:
@@ -354,17 +355,20 @@ class Predictor:
     """
 
     def __init__(self) -> None:
-        self._streams: dict[tuple[int, ...], _History] = {}
+        #: One history per stream key. The native core's :class:`Pacer`
+        #: reads it (never changes it) to plan without a Python call per
+        #: stream: it is cleared in place, never replaced.
+        self.histories: dict[tuple[int, ...], _History] = {}
 
     def clear(self) -> None:
-        self._streams.clear()
+        self.histories.clear()
 
     def __len__(self) -> int:
-        return len(self._streams)
+        return len(self.histories)
 
     def start(self, rec: EventRecord) -> float:
         """When ``rec``'s work is taken to start (a ``perf_counter`` time)."""
-        hist = self._streams.get(rec.stream_key)
+        hist = self.histories.get(rec.stream_key)
         if hist is None or hist.done_at < rec.t:
             return rec.t
         return hist.done_at
@@ -372,7 +376,7 @@ class Predictor:
     def modes(self, rec: EventRecord) -> tuple[tuple[Mode, ...], bool]:
         """The modes of ``rec``'s stream, shortest first (maybe none), and
         whether the stream's newest observation fell outside all of them."""
-        hist = self._streams.get(rec.stream_key)
+        hist = self.histories.get(rec.stream_key)
         if hist is None:
             return (), True
         if hist.modes is None and logger.isEnabledFor(_DEBUG):  # found afresh: say what
@@ -388,7 +392,7 @@ class Predictor:
 
     def observe(self, rec: EventRecord, now: float) -> None:
         """``rec`` was seen complete at ``now`` (and pending at ``rec.seen``)."""
-        table = self._streams
+        table = self.histories
         hist = table.get(rec.stream_key)
         start = rec.t if hist is None or hist.done_at < rec.t else hist.done_at
         high = max(0.0, now - start)
@@ -565,7 +569,7 @@ class Pacer:
         if spin_ends:
             self.spin_ends = min(spin_ends, bound)
             if logger.isEnabledFor(_DEBUG):
-                self._explain(records, now, now, policy)
+                explain(self, records, now, now, policy)
             return now
         self.spin_ends = 0.0
         if backoff and now + self._backoff < best:
@@ -575,39 +579,43 @@ class Pacer:
             bound = now + max(policy.notice_sleep_s, policy.max_sleep_s)
         when = min(best, bound)
         if logger.isEnabledFor(_DEBUG):
-            self._explain(records, now, when, policy)
+            explain(self, records, now, when, policy)
         return when
 
-    def _explain(self, records: Sequence[EventRecord], now: float, when: float, policy: WaitPolicy) -> None:
-        """Log the plan :meth:`next_poll` just made, and why (debug only)."""
-        if when <= now:
-            plan = f"spin for {_us(self.spin_ends - now)}"
+
+def explain(
+    pacer: Pacer, records: Sequence[EventRecord], now: float, when: float, policy: WaitPolicy
+) -> None:
+    """Log the plan ``pacer.next_poll()`` just made, and why (debug only;
+    both cores' pacers call it)."""
+    if when <= now:
+        plan = f"spin for {_us(pacer.spin_ends - now)}"
+    else:
+        plan = f"sleep {_us(when - now)}" + (
+            " (the bound, max_sleep_s)" if when >= now + policy.max_sleep_s else ""
+        )
+    why = []
+    for rec in records:
+        modes, surprised = predictor.modes(rec) if policy.predict else ((), True)
+        start = predictor.start(rec)
+        if not modes:
+            text = "no modes learnt"
         else:
-            plan = f"sleep {_us(when - now)}" + (
-                " (the bound, max_sleep_s)" if when >= now + policy.max_sleep_s else ""
-            )
-        why = []
-        for rec in records:
-            modes, surprised = predictor.modes(rec) if policy.predict else ((), True)
-            start = predictor.start(rec)
-            if not modes:
-                text = "no modes learnt"
+            text = f"modes {_modes_text(modes)}" + (", newest fell in none" if surprised else "")
+            for mode in modes:
+                opens = start + mode.low - pacer.margin(mode.center, policy)
+                if now < opens:
+                    text += f", the {_ms(mode.center)} mode's spin starts in {_us(opens - now)}"
+                    break
+                if now < start + mode.high + policy.spin_s + (mode.high - mode.low):
+                    text += f", in the {_ms(mode.center)} mode's spin"
+                    break
             else:
-                text = f"modes {_modes_text(modes)}" + (", newest fell in none" if surprised else "")
-                for mode in modes:
-                    opens = start + mode.low - self.margin(mode.center, policy)
-                    if now < opens:
-                        text += f", the {_ms(mode.center)} mode's spin starts in {_us(opens - now)}"
-                        break
-                    if now < start + mode.high + policy.spin_s + (mode.high - mode.low):
-                        text += f", in the {_ms(mode.center)} mode's spin"
-                        break
-                else:
-                    text += ", past every mode"
-            if now < self.spin_until:
-                text += ", a new wait"
-            why.append(f"{_stream(rec.stream_key)}: work started {_ms(now - start)} ago, {text}")
-        logger.debug("cudafut: %s: %s; %s", self.name, plan, "; ".join(why) or "nothing watched")
+                text += ", past every mode"
+        if now < pacer.spin_until:
+            text += ", a new wait"
+        why.append(f"{_stream(rec.stream_key)}: work started {_ms(now - start)} ago, {text}")
+    logger.debug("cudafut: %s: %s; %s", pacer.name, plan, "; ".join(why) or "nothing watched")
 
 
 def _us(seconds: float) -> str:
@@ -635,3 +643,12 @@ def sleep_until(deadline: float, pacer: Pacer) -> None:
     if delay > 0:
         time.sleep(delay)
     pacer.woke(time.perf_counter())
+
+
+# The native core's twin (cudafut/_core.pyx) where it runs: the same pacer
+# with C fields, planning without a Python call per stream; the class above
+# stays the reference (CUDAFUT_PURE=1).
+_native = _compiled.native()
+if _native is not None:
+    _native.bind_policy(sys.modules[__name__])
+    globals().update(Pacer=_native.Pacer)

@@ -356,11 +356,21 @@ async def test_an_await_among_others_whose_poll_cannot_start_leaves_no_watch_beh
     _asyncio_only(anyio_backend)
     async with _beside_another_wait(fake_cuda) as driver:
 
-        def broken(self: object, now: float) -> None:
-            raise RuntimeError("the pacer broke")
+        class Broken:
+            """The driver's pacer, but its new_wait() raises (the native
+            core's Pacer is a type whose methods cannot be patched)."""
+
+            def __init__(self, pacer: object) -> None:
+                self.pacer = pacer
+
+            def new_wait(self, now: float) -> None:
+                raise RuntimeError("the pacer broke")
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(self.pacer, name)
 
         with monkeypatch.context() as patch:
-            patch.setattr(type(driver.pacer), "new_wait", broken)
+            patch.setattr(driver, "pacer", Broken(driver.pacer))
             with pytest.raises(RuntimeError, match="the pacer broke"):
                 await asyncio.ensure_future(_await(cudafut.record("v")))
         assert driver.watchlist.pending == 1  # the other wait's only

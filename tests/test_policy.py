@@ -249,7 +249,7 @@ def test_a_surprised_stream_also_spins_and_backs_off_before_its_modes() -> None:
     rec = FakeRecord()
     rec.t = 500.0
     _learn(rec, 20e-3)
-    _policy.predictor._streams[rec.stream_key].surprised = True
+    _policy.predictor.histories[rec.stream_key].surprised = True
     pacer = Pacer()
     pacer.new_wait(rec.t)
     assert pacer.next_poll([rec], rec.t) == rec.t  # the spin after a new wait
