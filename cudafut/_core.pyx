@@ -1624,6 +1624,9 @@ cdef class Pacer:
 
     def new_wait(self, double now):
         """A new wait began: spin for a while, then start the sleeps afresh."""
+        self._new_wait(now)
+
+    cdef inline void _new_wait(self, double now):
         _current_policy()
         self.spin_until = now + _spin_s
         self._backoff = _first_sleep_s
@@ -2180,22 +2183,23 @@ cdef class AsyncioEntry:
     """The native side of one asyncio loop's waiter (``_loops.AsyncioDriver``):
     what ``await`` of a pending future needs of it, as C members, so that
     an await among other pending waits makes no Python-level call of
-    cudafut's own but the driver's ``_new_wait()`` (the twin's path:
+    cudafut's own but the driver's ``ensure_polling()`` (the twin's path:
     ``current_driver()``, ``AsyncioDriver.await_one()``, ``Driver.watch()``).
 
-    ``new_wait()`` is the driver's: every wait starts a spin and a poll
-    (``Driver._new_wait``). A lone wait (nothing pending) is the
+    Every wait starts a spin and a poll, as ``Driver.watch`` does: the
+    driver's pacer and ``ensure_polling()``, read from ``driver`` at each
+    wait. A lone wait (nothing pending) is the
     driver's to decide (it may spin from the task): not handled here."""
 
     cdef object _loop  # a weak reference
     cdef readonly Watchlist watchlist
-    cdef object _new_wait
+    cdef object _driver  # (it owns this entry: the cycle is the collector's, as a bound method's was)
     cdef object __weakref__
 
-    def __init__(self, loop, Watchlist watchlist not None, new_wait):
+    def __init__(self, loop, Watchlist watchlist not None, driver):
         self._loop = weakref.ref(loop)
         self.watchlist = watchlist
-        self._new_wait = new_wait
+        self._driver = driver
 
     def await_one(self, future, record, finish):
         """``AsyncioDriver.await_one`` once it found other waits pending:
@@ -2215,10 +2219,18 @@ cdef class AsyncioEntry:
         return wait
 
     cdef int _watch(self, Watch watch) except -1:
-        """``Driver.watch``: add the watch, and have the driver start a spin
-        and a poll (its ``_new_wait``, the one Python call of an await
-        among others)."""
-        self._new_wait()  # first, as Driver.watch: if it raises, no watch is left behind
+        """``Driver.watch``: the driver's pacer starts a spin (from C where
+        it is the native :class:`Pacer`), the driver a poll (its
+        ``ensure_polling()``, the one Python call of an await among
+        others), and the watch is added."""
+        # First, as Driver.watch: if they raise, no watch is left behind.
+        driver = self._driver
+        pacer = driver.pacer
+        if type(pacer) is Pacer:
+            (<Pacer>pacer)._new_wait(_now())
+        else:
+            pacer.new_wait(_now())
+        driver.ensure_polling()
         self.watchlist._add_watch(watch)
         return 0
 

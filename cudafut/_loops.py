@@ -191,7 +191,7 @@ class AsyncioDriver(LoopDriver):
         self.arm = self._arm
         # The native core's side of this waiter: awaits among other pending
         # waits are made there, from C (None on the pure core).
-        self._entry = None if _native is None else _native.AsyncioEntry(loop, self.watchlist, self._new_wait)
+        self._entry = None if _native is None else _native.AsyncioEntry(loop, self.watchlist, self)
         # The read ends still watched when the driver goes (its loop closed).
         weakref.finalize(self, _close_all, self._notices)
         _with_notices.add(self)
