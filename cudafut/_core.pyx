@@ -1657,6 +1657,7 @@ cdef class Pacer:
         """The sleep ended early (a new wait): it says nothing of lateness."""
         self._asked = 0.0
 
+    @cython.boundscheck(True)  # an empty history raises IndexError, as the twin's
     def _summarise(self):
         cdef list late = sorted(self._lateness)
         cdef Py_ssize_t n = len(late)
@@ -1675,18 +1676,26 @@ cdef class Pacer:
     def next_poll(self, records, double now, arm=None):
         """When to poll next for ``records`` (the twin's, to the bit)."""
         cdef double spin_s, bound, best, start, low, high, opens, closes, spin_ends, t
-        cdef bint backoff = False, noticed = False, bounded = False, ahead, surprised
+        cdef double max_sleep_s, notice_sleep_s, cpu_budget
+        cdef bint backoff = False, noticed = False, bounded = False, ahead, surprised, predict
         cdef tuple modes, mode
+        # One policy for the whole plan, as the twin's local: arm() and a
+        # finding of modes run Python, and another thread's pacer may
+        # refresh the C globals meanwhile.
         policy = _current_policy()
         spin_s = _spin_s
-        bound = now + _max_sleep_s
+        max_sleep_s = _max_sleep_s
+        notice_sleep_s = _notice_sleep_s
+        cpu_budget = _cpu_budget
+        predict = _predict
+        bound = now + max_sleep_s
         best = _INF
         if not _notify:
             arm = None
         spin_ends = 0.0
         for rec in records:
             hist = None
-            if _predict:
+            if predict:
                 hist = _histories.get(rec.stream_key)
                 if hist is None:
                     modes, surprised = (), True
@@ -1702,20 +1711,16 @@ cdef class Pacer:
                 modes, surprised = (), True
             ahead = False  # a mode's window is open now or still to come
             if modes:
+                # As predictor.start(): modes come from a history (hist).
                 t = rec.t
-                if hist is None:  # (a race: cleared meanwhile) as predictor.start()
-                    hist = _histories.get(rec.stream_key)
-                if hist is None:
+                start = hist.done_at
+                if start < t:
                     start = t
-                else:
-                    start = hist.done_at
-                    if start < t:
-                        start = t
                 for m in modes:
                     mode = <tuple>m
                     low = mode[0]
                     high = mode[1]
-                    opens = start + low - self._margin(<double>mode[2], _cpu_budget)
+                    opens = start + low - self._margin(<double>mode[2], cpu_budget)
                     closes = start + high + spin_s + (high - low)
                     if now < opens:
                         if opens < best:
@@ -1746,10 +1751,10 @@ cdef class Pacer:
         if backoff and now + self._backoff < best:
             best = now + self._backoff
             self._backoff = self._backoff * 2
-            if _max_sleep_s < self._backoff:
-                self._backoff = _max_sleep_s
+            if max_sleep_s < self._backoff:
+                self._backoff = max_sleep_s
         elif noticed and not backoff and not bounded:  # every record has a notice
-            bound = now + (_max_sleep_s if _max_sleep_s > _notice_sleep_s else _notice_sleep_s)
+            bound = now + (max_sleep_s if max_sleep_s > notice_sleep_s else notice_sleep_s)
         when = bound if bound < best else best
         if _logger.isEnabledFor(_DEBUG_LEVEL):
             _policy_mod.explain(self, records, now, when, policy)

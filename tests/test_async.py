@@ -688,10 +688,12 @@ def test_a_pending_await_holds_few_more_gc_tracked_objects_than_an_asyncio_one(
     its coroutine, context, weak reference and wake-up method, the future
     and its iterator). Awaiting a recorded, pending future on the native
     core, it holds the same but the future's two, and the ``CudaFuture``,
-    its tuple of records and the ``AsyncioAwait`` (the record and the watch
-    are not tracked): one more. The fake GPU adds its event object and a
-    tuple of it per record (a CUDA event is an int), so the bound here is
-    3 more; the pure core's await keeps one object more."""
+    its lock, its tuple of records and the ``AsyncioAwait`` (the record and
+    the watch are not tracked): two more. The fake GPU adds a tuple per
+    record holding its event object (a CUDA event is an int; the fake's
+    events are pooled, made in the first round only, which the minimum of
+    two rounds leaves out), so the bound here is 3 more; the pure core's
+    await keeps one object more."""
     from cudafut import _compiled
 
     gc.collect()

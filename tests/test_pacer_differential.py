@@ -23,7 +23,10 @@ predictor, logger and functions), whose ``_policy`` this test sets beside
 Checked to fail on a broken native pacer (scratch builds): the margin's
 ``min`` taking the later time; the back-off not capped at ``max_sleep_s``;
 ``next_poll`` not setting ``spin_ends`` to the bound where the spin runs
-past it.
+past it; a plan that finds a stream's modes afresh taking the newest
+observation's surprise the wrong way round (the last test; the random one
+steps either pacer first, so that each finds modes afresh, and catches it
+from about 2,000 programs).
 
 ``CUDAFUT_DIFF_EXAMPLES`` programs run (default 200; about a second).
 Skipped where the native core does not run (``CUDAFUT_PURE=1``, no current
@@ -203,9 +206,9 @@ def _step(pacer: Any, op: tuple[Any, ...], recs: list[Rec], asked: list[Any]) ->
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(policies, st.lists(history, min_size=1, max_size=4), ops, st.booleans())
+@given(policies, st.lists(history, min_size=1, max_size=4), ops, st.booleans(), st.booleans())
 def test_the_native_pacer_plans_as_its_reference(
-    policy: cudafut.WaitPolicy, histories: list[Any], program: list[Any], shared: bool
+    policy: cudafut.WaitPolicy, histories: list[Any], program: list[Any], shared: bool, native_first: bool
 ) -> None:
     with _state(policy, histories) as recs:
         lateness: Any = None
@@ -220,8 +223,14 @@ def test_the_native_pacer_plans_as_its_reference(
         for op in program:
             asked_ref: list[Any] = []
             asked_native: list[Any] = []
-            out_ref = _step(ref, op, recs, asked_ref)
-            out_native = _step(native, op, recs, asked_native)
+            # Whichever steps first finds the modes still to find (the
+            # predictor's path): each pacer must take it.
+            if native_first:
+                out_native = _step(native, op, recs, asked_native)
+                out_ref = _step(ref, op, recs, asked_ref)
+            else:
+                out_ref = _step(ref, op, recs, asked_ref)
+                out_native = _step(native, op, recs, asked_native)
             assert out_native == out_ref, op
             assert type(out_native) is type(out_ref), op
             assert asked_native == asked_ref, op
@@ -242,3 +251,26 @@ def test_the_native_pacer_follows_a_new_policy_at_once() -> None:
             assert when == T0 + max_sleep
     finally:
         cudafut.set_wait_policy(before)
+
+
+def test_a_plan_that_finds_a_streams_modes_afresh_is_the_twins() -> None:
+    """After a surprise or every few observations a stream's modes are
+    found again at the next plan (``predictor.modes()``, the one Python
+    call the native plan makes): that plan too is the twin's, for a
+    stream whose newest observation fell in a mode and for one whose did
+    not."""
+    policy = cudafut.WaitPolicy()
+    for surprised in (False, True):
+        points = [(3, 0, True), (3, 1, True), (3, -1, True), (3, 0, True)]
+        with _state(policy, [(points, False, surprised, 0)]) as recs:
+            hist = _policy.predictor.histories[recs[0].stream_key]
+            plans = []
+            makers: tuple[Any, ...] = (_policy.Pacer, REFERENCE["Pacer"])
+            for make in makers:
+                hist.modes = None  # to be found by this pacer's plan
+                pacer = make()
+                pacer.new_wait(T0)
+                now = T0 + 200e-6  # past the new wait's spin, before the 2 ms window
+                plans.append((pacer.next_poll(recs, now), _observe(pacer)))
+            assert hist.modes  # found: a 2 ms mode
+            assert plans[0] == plans[1], (surprised, plans)
