@@ -1646,12 +1646,7 @@ cdef class Pacer:
             self._asked = 0.0
             self._summarise()
             if _logger.isEnabledFor(_DEBUG_LEVEL):
-                _logger.debug(
-                    "cudafut: %s: woke %s after the time planned (median lateness %s)",
-                    self.name,
-                    _policy_mod._us(late),
-                    _policy_mod._us(self._late_median),
-                )
+                _policy_mod.log_woke(self.name, late, self._late_median)
 
     def interrupted(self):
         """The sleep ended early (a new wait): it says nothing of lateness."""

@@ -488,12 +488,7 @@ class Pacer:
             self._asked = 0.0
             self._summarise()
             if logger.isEnabledFor(_DEBUG):
-                logger.debug(
-                    "cudafut: %s: woke %s after the time planned (median lateness %s)",
-                    self.name,
-                    _us(late),
-                    _us(self._late_median),
-                )
+                log_woke(self.name, late, self._late_median)
 
     def interrupted(self) -> None:
         """The sleep ended early (a new wait): it says nothing of lateness."""
@@ -616,6 +611,13 @@ def explain(
             text += ", a new wait"
         why.append(f"{_stream(rec.stream_key)}: work started {_ms(now - start)} ago, {text}")
     logger.debug("cudafut: %s: %s; %s", pacer.name, plan, "; ".join(why) or "nothing watched")
+
+
+def log_woke(name: str, late: float, median: float) -> None:
+    """Log how late a timed sleep ended (debug only; both cores' pacers call it)."""
+    logger.debug(
+        "cudafut: %s: woke %s after the time planned (median lateness %s)", name, _us(late), _us(median)
+    )
 
 
 def _us(seconds: float) -> str:

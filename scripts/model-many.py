@@ -34,7 +34,6 @@ import resource
 import statistics
 import sys
 import warnings
-from typing import Any
 
 sys.path.insert(0, os.getcwd())
 
@@ -146,17 +145,13 @@ def main() -> None:
                 runs[kind].append(asyncio.run(model.scenario(kind, args.n, args.busy)))
             finally:
                 gc.enable()
-    print(f"{cudafut.__name__} core: {_core_name()}; {args.n} awaits over {NSTREAMS} streams, gc off")
+    print(f"{cudafut.__name__} core: {_compiled.core()}; {args.n} awaits over {NSTREAMS} streams, gc off")
     for kind, rows in runs.items():
         phases = [statistics.median(r[j] for r in rows) for j in range(3)]
         print(
             f"  {kind:8s} start {phases[0]:6.2f}  wait {phases[1]:6.2f}  finish {phases[2]:6.2f}  "
             f"total {sum(phases):6.2f} µs per future"
         )
-
-
-def _core_name() -> Any:
-    return _compiled.core()
 
 
 if __name__ == "__main__":
