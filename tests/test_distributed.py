@@ -296,7 +296,8 @@ def _fake_group(timeout: float = 5.0) -> _group.ProcessGroup:
 
 
 def _pending(group: _group.ProcessGroup, rec: FakeRecord, timeout: float = 5.0) -> _group._Pending:
-    p = _group._Pending(rec, "all_reduce", timeout)
+    p = _group._Pending(group, "all_reduce", timeout)
+    p.record = rec
     group._pending.append(p)
     return p
 
@@ -387,9 +388,9 @@ def test_the_watchdog_outlives_a_group_whose_check_raises() -> None:
 
 def test_a_completion_late_in_its_timeout_is_not_trusted() -> None:
     g = _fake_group()
-    assert g._confirm("all_reduce", time.monotonic() + 10) is None
+    assert g.confirm("all_reduce", time.monotonic() + 10) is None
     assert not g.aborted
-    err = g._confirm("all_gather", time.monotonic() - 1)
+    err = g.confirm("all_gather", time.monotonic() - 1)
     assert isinstance(err, dist.CollectiveError) and err.op == "all_gather"
     assert "cannot be trusted" in err.reason and g.aborted
 
@@ -600,3 +601,63 @@ def test_destroy_hands_a_dropped_pending_collectives_arrays_to_the_lifetimes(fak
         time.sleep(0.01)
         gc.collect()
     assert alive() is None
+
+
+# -- the group's entries, aborts and destroy, on the fake GPU ------------------------
+
+
+def _wait_until(cond: Callable[[], object], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return bool(cond())
+
+
+def test_an_entry_is_its_records_confirm_and_lets_go_of_it_once_done(fake_cuda: Any) -> None:
+    g = _group.ProcessGroup(_nccl.Communicator(_StubNccl()), 0, [0, 1], 0, 5.0, "test")
+    x = _CaiArray((4,))
+    fut = dist.all_reduce(x, group=g)
+    (entry,) = g._pending
+    rec = _interface.records_of(fut)[0]
+    assert rec.confirm is entry and entry.record is rec  # no closure per call
+    assert entry() is None  # a confirm: no NCCL error, in time
+    fake_cuda.complete(fut)
+    assert fut.result(timeout=5) is x
+
+    # Dropped by the watchdog: the record no longer refers to the entry (the
+    # cycle is broken: reference counting frees both), nor the entry to x.
+    def dropped(r: _events.EventRecord = rec) -> bool:
+        return not g._pending and r.confirm is None
+
+    assert _wait_until(dropped)
+    assert entry.keep is None
+    alive = weakref.ref(x)
+    gc.disable()
+    try:
+        del fut, rec, entry, x
+        assert _wait_until(lambda: alive() is None)  # without the cyclic collector
+    finally:
+        gc.enable()
+
+
+def test_a_collective_from_another_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudafut import testing
+
+    with testing.fake_cuda(devices=2) as fake:
+        stub = _StubNccl()
+        g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 1, 5.0, "test")
+        seen: list[int] = []
+        real = _events.follow_current
+
+        def follow(stream: int, device: int) -> None:
+            seen.append(_backend.current.current_device())
+            real(stream, device)
+
+        monkeypatch.setattr(_events, "follow_current", follow)
+        x = _CaiArray((4,), device=1)
+        assert _events.current_device() == 0
+        fut = dist.all_reduce(x, group=g)
+        assert seen == [1] and _events.current_device() == 0  # on the group's device, then back
+        fake.complete(fut)
+        assert fut.result(timeout=5) is x
+        g.destroy()
