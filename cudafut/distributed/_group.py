@@ -199,7 +199,10 @@ class ProcessGroup:
         (calls reach NCCL in one order), never the GPU.
 
         Raises:
-            CollectiveError: the group was aborted, or NCCL refused the call.
+            CollectiveError: the group was aborted, NCCL refused the call,
+                or no event could be recorded after NCCL took it (the group
+                is aborted then, and the arrays are never freed: a kernel
+                may still use them).
         """
         limit = self.timeout if timeout is None else check_timeout(timeout)
         if self._aborted is not None:
@@ -246,13 +249,30 @@ class ProcessGroup:
             # The same entry, now enqueued: its deadline counts from here.
             pending.deadline = now + limit
             pending.trusted_until = now + limit * (1 - _DOUBT)
-            record = _events.record(stream, device, pending)
+            try:
+                record = _events.record(stream, device, pending)
+            except BaseException as exc:
+                reason = self._record_failed(pending, op, (value, keep), exc)
+                raise CollectiveError(self.rank, op, self.size, reason, device) from exc
             pending.record = record
             pending.keep = (value, keep)
             with self._lock:
                 self._pending.append(pending)
                 self._calling = None
         return set_future(value, (record,), KEPT_BY_PRODUCER)
+
+    def _record_failed(self, pending: _Pending, op: str, keep: object, exc: BaseException) -> str:
+        """NCCL took the call but no event could follow it: nothing can say
+        when its kernel ends, so its arrays are never freed (a kernel may
+        still read or write them), and the group is aborted (its later
+        calls raise; NCCL's abort ends the kernel)."""
+        _lifetimes.keep_forever(keep)
+        with self._lock:
+            if self._calling is pending:
+                self._calling = None
+        reason = f"no event could be recorded after NCCL took {op} ({type(exc).__name__}: {exc})"
+        self.abort(reason)
+        return reason
 
     def busy(self) -> bool:
         """Whether a collective is pending or being enqueued (read under the
@@ -340,7 +360,11 @@ class ProcessGroup:
     def abort(self, reason: str) -> None:
         """Fail every pending collective of the group with
         :class:`CollectiveError` and abort its communicator (in a daemon
-        thread: ``ncclCommAbort`` can hang). Later calls raise at once."""
+        thread: ``ncclCommAbort`` can hang). Later calls raise at once.
+
+        The failed collectives' arrays are kept until the communication
+        stream passes an event recorded now (their kernels may run until
+        the abort ends them): one event record on the host, no wait."""
         with self._lock:
             if self._aborted is not None:
                 return
@@ -349,21 +373,65 @@ class ProcessGroup:
             self._pending.clear()
         for p in failed:
             p.fail(CollectiveError(self.rank, p.op, self.size, reason, self.device))
+        self._keep_past([p.keep for p in failed if p.keep is not None])
+        for p in failed:
             p.forget()
         logger.error("cudafut.distributed: %s; aborting the communicator of %r", reason, self)
         threading.Thread(target=_abort, args=(self._comm,), name="cudafut-nccl-abort", daemon=True).start()
 
+    def _keep_past(self, keeps: list[object]) -> None:
+        """Keep ``keeps`` (what failed collectives read and write) until the
+        communication stream passes a fence recorded now, after their
+        kernels: their own records, failed from the host, no longer tell
+        when those end. Where no fence can be recorded, kept for ever."""
+        if not keeps:
+            return
+        try:
+            stream = self._stream_ptr
+            if stream is None:
+                stream = self._stream_ptr = int(self.stream.ptr)
+            with _backend.current.on_device(self.device):
+                fence = _events.record(stream, self.device)
+        except Exception as exc:  # noqa: BLE001 - CUDA broken, or no stream: never freed then
+            logger.warning(
+                "cudafut.distributed: no event could be recorded after the aborted collectives of %r "
+                "(%s); their arrays are never freed",
+                self,
+                exc,
+            )
+            _lifetimes.keep_forever(keeps)
+            return
+        _lifetimes.hold((fence,), keeps)
+
     def destroy(self) -> None:
-        """Wait for the group's work (up to its timeout) and free the communicator."""
+        """Wait for the group's work (up to its timeout) and free the communicator.
+
+        Blocks the calling thread up to the group's timeout (then, for a
+        communicator still busy, as long as ``ncclCommDestroy`` waits for
+        its work). A call of another thread still inside NCCL when the
+        timeout runs out is ended by an abort instead: the communicator is
+        never freed under a call."""
         if self._aborted is None:
             deadline = time.monotonic() + self.timeout
             while self.check(time.monotonic()) and time.monotonic() < deadline:
                 time.sleep(WATCH_EVERY_S)
-            if self._aborted is None:
-                with self._lock:
-                    self._aborted = "the group was destroyed"
-                with _backend.current.on_device(self.device):
-                    self._comm.destroy()
+            # Held while the communicator is freed: no call enters NCCL then,
+            # and a call waiting for it sees the group destroyed.
+            got = self._call_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
+            try:
+                if not got:
+                    self.abort(
+                        "the group was destroyed while a call was still inside NCCL "
+                        f"after the group's timeout ({self.timeout:g} s)"
+                    )
+                elif self._aborted is None:
+                    with self._lock:
+                        self._aborted = "the group was destroyed"
+                    with _backend.current.on_device(self.device):
+                        self._comm.destroy()
+            finally:
+                if got:
+                    self._call_lock.release()
         _watchdog.forget(self)
         # Still pending past the timeout: nothing looks at these entries
         # again, so what their collectives read and write goes to the
@@ -802,7 +870,12 @@ def new_group(ranks: Iterable[int], *, timeout: float | None = None) -> ProcessG
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Free a group's communicator (waiting for its work, up to its
-    timeout), or, with no argument, every group and the world."""
+    timeout), or, with no argument, every group and the world.
+
+    Blocks the calling thread up to each group's timeout. A call of another
+    thread still inside NCCL then is ended by an abort instead (the
+    communicator is never freed under a call): the group's pending futures
+    fail with :class:`CollectiveError`."""
     global _world
     if group is not None:
         resolve(group).destroy()
