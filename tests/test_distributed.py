@@ -463,6 +463,14 @@ def _refusal(array: object) -> tuple[type[BaseException], str] | None:
     return None
 
 
+def _operand_refusal(array: object) -> tuple[type[BaseException], str] | None:
+    try:
+        _ops._operand(array, _fake_group())
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+    return None
+
+
 def _as_interface(x: Any) -> _CaiArray:
     """What CuPy's __cuda_array_interface__ says of ``x`` (strides only when not C-contiguous)."""
     strides = None if x.flags.c_contiguous else x.strides
@@ -496,6 +504,11 @@ def test_a_cupy_array_is_read_as_its_interface_says(
         assert fast.array is x
         for name in ("count", "dtype", "itemsize", "ptr", "shape", "typestr"):
             assert getattr(fast, name) == getattr(slow, name), name
+        # The in-place collectives' reading (no _Buffer): the same fields.
+        assert _ops._operand(x, _fake_group()) == (slow.ptr, slow.count, slow.dtype)
+        assert _ops._operand(via, _fake_group()) == (slow.ptr, slow.count, slow.dtype)
+    else:
+        assert _operand_refusal(x) == _refusal(x)
 
 
 def test_a_cupy_array_on_another_device_is_refused_as_before() -> None:

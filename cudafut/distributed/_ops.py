@@ -86,36 +86,47 @@ class _Buffer:
         self.typestr = typestr
 
     def _of_cupy(self, array: Any, what: str, group: ProcessGroup) -> None:
-        # A cupy.ndarray, read without its __cuda_array_interface__ (a dict
-        # built at each read, with the dtype's descr and the current
-        # stream): the same checks, in the same order, from its attributes.
-        # CuPy exports strides only when the array is not C-contiguous by
-        # its own test, which is the one above (dimensions of one element
-        # aside, whose strides neither reads).
-        dtype = array.dtype
-        known = _dtypes.get(dtype)
-        if known is None:
-            known = _dtype_of(dtype)
-        typestr, code = known
-        if code is None:
-            raise TypeError(_bad_dtype(what, typestr))
-        count = array.size
-        if count > 1 and not array._c_contiguous:  # noqa: SLF001 - CuPy's flag, read as .flags does
-            raise ValueError(_NOT_CONTIGUOUS.format(what=what))
-        ptr = 0
-        if count:
-            data = array.data
-            ptr = data.ptr
-            device = data.device_id
-            if device != group.device:
-                raise ValueError(_other_device(what, device, group))
+        self.ptr, self.count, self.dtype, self.itemsize, self.typestr = _read_cupy(array, what, group)
         self.array = array
-        self.ptr = ptr
-        self.count = count
-        self.dtype = DTYPES[code]
-        self.itemsize = int(code[1:])
         self.shape = array.shape
-        self.typestr = typestr
+
+
+def _read_cupy(array: Any, what: str, group: ProcessGroup) -> tuple[int, int, int, int, str]:
+    """``(ptr, count, NCCL dtype, itemsize, typestr)`` of a ``cupy.ndarray``,
+    checked: one Python call, no allocation but the tuple."""
+    # Read without its __cuda_array_interface__ (a dict built at each read,
+    # with the dtype's descr and the current stream): the same checks, in
+    # the same order, from its attributes. CuPy exports strides only when
+    # the array is not C-contiguous by its own test, which is _Buffer's
+    # (dimensions of one element aside, whose strides neither reads).
+    dtype = array.dtype
+    known = _dtypes.get(dtype)
+    if known is None:
+        known = _dtype_of(dtype)
+    typestr, nccl_dtype, itemsize = known
+    if nccl_dtype < 0:
+        raise TypeError(_bad_dtype(what, typestr))
+    count = array.size
+    if count > 1 and not array._c_contiguous:  # noqa: SLF001 - CuPy's flag, read as .flags does
+        raise ValueError(_NOT_CONTIGUOUS.format(what=what))
+    ptr = 0
+    if count:
+        data = array.data
+        ptr = data.ptr
+        device = data.device_id
+        if device != group.device:
+            raise ValueError(_other_device(what, device, group))
+    return ptr, count, nccl_dtype, itemsize, typestr
+
+
+def _operand(array: Any, group: ProcessGroup) -> tuple[int, int, int]:
+    """``(ptr, count, NCCL dtype)`` of an in-place collective's ``array``,
+    checked as :class:`_Buffer` checks it (a CuPy array without one)."""
+    if type(array) is _ndarray:
+        ptr, count, dtype, _, _ = _read_cupy(array, "array", group)
+        return ptr, count, dtype
+    buf = _Buffer(array, "array", group)
+    return buf.ptr, buf.count, buf.dtype
 
 
 _NOT_CONTIGUOUS: Final = "{what} must be C-contiguous (copy it with .copy() first)"
@@ -136,8 +147,8 @@ def _other_device(what: str, device: int, group: ProcessGroup) -> str:
 #: _Buffer reads from their attributes; a class nothing is an instance of
 #: where CuPy's arrays cannot be read so (HIP, an unknown CuPy).
 _ndarray: type | None = None
-#: A CuPy dtype's typestr and code in DTYPES (None: not one NCCL takes).
-_dtypes: dict[Any, tuple[str, str | None]] = {}
+#: A CuPy dtype's typestr, NCCL dtype (-1: not one NCCL takes) and itemsize.
+_dtypes: dict[Any, tuple[str, int, int]] = {}
 
 
 class _NoArray:
@@ -155,10 +166,10 @@ def _find_cupy(array: object) -> type | None:
     return _ndarray
 
 
-def _dtype_of(dtype: Any) -> tuple[str, str | None]:
+def _dtype_of(dtype: Any) -> tuple[str, int, int]:
     typestr = str(dtype.str)
     code = typestr[1:]
-    known = (typestr, code if code in DTYPES else None)
+    known = (typestr, DTYPES[code], int(code[1:])) if code in DTYPES else (typestr, -1, 0)
     if len(_dtypes) < 64:
         _dtypes[dtype] = known
     return known
@@ -239,9 +250,11 @@ def all_reduce(
     nop = OPS.get(op) if type(op) is str else None
     if nop is None:
         nop = check_op(op)
-    buf = _Buffer(array, "array", g)
-    ptr = buf.ptr
-    return g.enqueue("all_reduce", (ptr, ptr, buf.count, buf.dtype, nop), array, array, timeout)
+    if type(array) is _ndarray:  # _operand(), inline: one call less on the hottest path
+        ptr, count, dtype, _, _ = _read_cupy(array, "array", g)
+    else:
+        ptr, count, dtype = _operand(array, g)
+    return g.enqueue("all_reduce", (ptr, ptr, count, dtype, nop), array, array, timeout)
 
 
 def all_gather(
@@ -260,7 +273,6 @@ def all_gather(
     g = resolve(group)
     buf = _Buffer(array, "array", g)
     dst = _out(out, g, (g.size, *buf.shape), buf)
-
     args = (buf.ptr, dst.ptr, buf.count, buf.dtype)
     return g.enqueue("all_gather", args, dst.array, (array, dst.array), timeout)
 
@@ -286,7 +298,6 @@ def reduce_scatter(
     nop = check_op(op)
     buf = _Buffer(array, "array", g)
     dst = _out(out, g, _blocks(buf, g, "array"), buf)
-
     args = (buf.ptr, dst.ptr, dst.count, buf.dtype, nop)
     return g.enqueue("reduce_scatter", args, dst.array, (array, dst.array), timeout)
 
@@ -304,9 +315,8 @@ def broadcast(
     """
     g = resolve(group)
     root = _peer(src, g, "src")
-    buf = _Buffer(array, "array", g)
-
-    return g.enqueue("broadcast", (buf.ptr, buf.ptr, buf.count, buf.dtype, root), array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("broadcast", (ptr, ptr, count, dtype, root), array, array, timeout)
 
 
 def reduce(
@@ -329,9 +339,8 @@ def reduce(
     g = resolve(group)
     root = _peer(dst, g, "dst")
     nop = check_op(op)
-    buf = _Buffer(array, "array", g)
-
-    return g.enqueue("reduce", (buf.ptr, buf.ptr, buf.count, buf.dtype, nop, root), array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("reduce", (ptr, ptr, count, dtype, nop, root), array, array, timeout)
 
 
 def all_to_all(
@@ -378,9 +387,8 @@ def send(
     """
     g = resolve(group)
     peer = _peer(dst, g, "dst")
-    buf = _Buffer(array, "array", g)
-
-    return g.enqueue("send", (buf.ptr, buf.count, buf.dtype, peer), array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("send", (ptr, count, dtype, peer), array, array, timeout)
 
 
 def recv(
@@ -396,6 +404,5 @@ def recv(
     """
     g = resolve(group)
     peer = _peer(src, g, "src")
-    buf = _Buffer(array, "array", g)
-
-    return g.enqueue("recv", (buf.ptr, buf.count, buf.dtype, peer), array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("recv", (ptr, count, dtype, peer), array, array, timeout)
