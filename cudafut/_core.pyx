@@ -595,6 +595,8 @@ cdef class EventRecord:
         the event is no longer pending; a ``confirm`` that finds an error
         fails the record instead. Returns the status kept."""
         cdef _Stream state
+        if self._known:  # failed from the host, or settled by another thread: final
+            return self._status
         confirm = self._confirm
         if raw == 0 and confirm is not None:
             error = confirm()
@@ -630,16 +632,20 @@ cdef class EventRecord:
 
     def wait_on(self, long long stream, long long device):
         """Make ``stream`` wait for this record, unless it is known complete."""
+        self._wait_on(stream, device)
+
+    cdef int _wait_on(self, long long stream, long long device) except -1:
         cdef int rc
         cdef void *s = <void *>stream
         cdef void *e = <void *>self.handle
         if self._known or _no_stream_wait:
-            return
+            return 0
         if stream > 2 and self._fast():
             rc = cu_stream_wait_event(s, e, 0)  # GIL held, as cuEventRecord (see record())
             if rc == 0:
-                return
+                return 0
         self.calls.stream_wait(stream, self.handle, device)
+        return 0
 
     def ended(self):
         """Why this record's backend can no longer be used, or None (asked
@@ -958,6 +964,7 @@ cdef object _hooks = None  # _trace.hooks: tracing on while .active is not None
 cdef object _await_py = None  # CudaFuture._await (the general await)
 cdef object _result_py = None  # the Python twin's CudaFuture.result
 cdef object _finalize_py = None  # the Python twin's CudaFuture.__del__
+cdef object _kept_by_producer = None  # _future.KEPT_BY_PRODUCER: a finalizer has nothing to keep
 cdef object _consumers_py = None  # _engine.record_current_consumers
 cdef tuple _scalars = ()  # _values.SCALARS: values that hold no GPU array
 cdef object _order_foreign = None  # _values.order_foreign
@@ -988,13 +995,14 @@ cdef object _AsyncioInvalidState = None
 
 def bind_future(future, states, hooks, await_py, result_py, finalize_py, consumers_py,
                 order_foreign, current_driver, mapped_pages, long long page_size, block_type,
-                tuple scalars):
+                tuple scalars, kept_by_producer):
     """Give the futures' native paths what they use of the Python modules
     (called once, by ``_future`` at import)."""
     global _Future, _PENDING, _SET, _FAILED, _CANCELLED, _hooks, _await_py, _result_py, _finalize_py
     global _consumers_py, _order_foreign, _current_driver, _mapped_pages, _page_size
     global _allocate_lock, _get_running_loop, _AsyncioCancelled, _AsyncioInvalidState, _block_type
-    global _scalars
+    global _scalars, _kept_by_producer
+    _kept_by_producer = kept_by_producer
     _block_type = block_type
     _scalars = scalars
     import _thread
@@ -1218,6 +1226,60 @@ cdef EventRecord _record_current(long long device):
     return _record(stream.ptr, device, None, stream)
 
 
+def current_device():
+    """The calling thread's current device (``_events.current_device``'s
+    twin): ``cuCtxGetCurrent`` and ``cuCtxGetDevice`` from C under CUDA's
+    backend, no Python call;
+    the backend's ``current_device()`` where that cannot answer (no context
+    current in this thread yet, the fake). Blocks nothing."""
+    cdef int device = -1
+    if _be is _CUDA_BE and _driver_ready() and _ctx_device(&device) == 0:
+        return device
+    return _be.current_device()
+
+
+def follow_current(long long stream, long long device):
+    """Make ``stream`` of ``device`` wait for the calling thread's current
+    stream of ``device`` (``_events.follow_current``'s twin): a record on the
+    current stream and a ``cuStreamWaitEvent``, from C under CUDA's backend
+    (no Python call but CuPy's current-stream getter; blocks, with the GIL
+    held, only as :func:`record` does).
+    Nothing when the current stream is ``stream`` itself (in order already)."""
+    cdef EventRecord rec
+    _ensure_types()
+    caller = _current_stream(device)
+    cdef long long ptr = caller.ptr
+    if ptr != stream:
+        rec = _record(ptr, device, None, caller)
+        rec._wait_on(stream, device)
+
+
+cdef object _set_future_py = None  # the twin: _interface.set_future
+
+
+def bind_set_future(set_future_py):
+    """The Python twin of :func:`set_future`, for what it does not handle."""
+    global _set_future_py
+    _set_future_py = set_future_py
+
+
+def set_future(value, tuple records, keep=None, maker=None):
+    """``_interface.set_future``'s twin: a future set with ``value`` and
+    ``records`` already recorded, made without ``CudaFuture.__init__`` (a
+    lock allocated, no other call). The twin makes it where a trace is on
+    or a maker is named (the tracer sees it made)."""
+    cdef FutureCore fut
+    if maker is not None or _hooks is None or _hooks.active is not None:
+        return _set_future_py(value, records, keep, maker)
+    fut = FutureCore.__new__(_Future)
+    fut._lock = _allocate_lock()
+    fut._value = value
+    fut._records = records
+    fut._keep = keep
+    fut._state = _SET
+    return fut
+
+
 def future_then(FutureCore self not None, fn, *, priority="normal"):
     """CudaFuture.then, native for a set future of one record whose work has
     not failed, a plain function and no PyTorch (its documentation is the
@@ -1348,6 +1410,8 @@ cdef int _future_del(FutureCore fut) except -1:
     if state is None:  # __init__ never ran: CudaFuture(...) refused its arguments
         return 0
     if state is _SET:
+        if fut._keep is _kept_by_producer:  # the twin keeps nothing of such a future
+            return 0
         for r in fut._records:
             if type(r) is not EventRecord:
                 _finalize_py(fut)

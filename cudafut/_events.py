@@ -119,6 +119,8 @@ class EventRecord:
         """Take ``raw``, the event's final status (0 or an error code), once
         the event is no longer pending; a ``confirm`` that finds an error
         fails the record instead. Returns the status kept."""
+        if self.status is not None:  # failed from the host, or settled by another thread: final
+            return self.status
         confirm = self.confirm
         if raw == 0 and confirm is not None:
             error = confirm()
@@ -208,6 +210,25 @@ def record(
     return rec
 
 
+def current_device() -> int:
+    """The calling thread's current device: the backend's (one
+    ``cudaGetDevice`` through CuPy's runtime; the native twin asks the
+    driver from C). Blocks nothing."""
+    return _backend.current.current_device()
+
+
+def follow_current(stream: int, device: int) -> None:
+    """Make ``stream`` of ``device`` wait for the calling thread's current
+    stream of ``device``: a record there and a stream wait (a few Python
+    calls here, C in the native twin; never blocks the GPU, only ``stream``
+    waits). Nothing when the current stream is ``stream`` itself (in order
+    already)."""
+    caller = _backend.current.current_stream(device)
+    ptr = int(caller.ptr)
+    if ptr != stream:
+        record(ptr, device, None, caller).wait_on(stream, device)
+
+
 def record_current(device: int) -> EventRecord:
     """Record on the calling thread's current stream of ``device``."""
     stream = _backend.current.current_stream(device)
@@ -247,4 +268,6 @@ if _native is not None:
         record=_native.record,
         is_newest=_native.is_newest,
         first_error=_native.first_error,
+        current_device=_native.current_device,
+        follow_current=_native.follow_current,
     )

@@ -1494,6 +1494,7 @@ if _native is not None:
         _cuda.PAGE_SIZE,
         _memory.block_type(),
         SCALARS,
+        KEPT_BY_PRODUCER,
     )
     _native.bind_then(
         CudaFuture.then, _then_failed, _then_follows, record_consumers, find_devices, _pools.PRIORITIES

@@ -210,8 +210,12 @@ def install_nullcuda() -> tuple[NullRuntime, NullStream]:
         )
     rt = NullRuntime()
     caller = NullStream(0x5550000)
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda device=-1: caller))
+    current = lambda device=-1: caller  # noqa: E731
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=current))
     _runtime._rt, _runtime._cupy, _runtime._count = rt, fake_cupy, 1
+    # The native core calls CuPy's own getter (found in sys.modules), whose
+    # thread state needs a GPU: the same stand-in there.
+    cp.cuda.get_current_stream = current
     return rt, caller
 
 

@@ -296,7 +296,8 @@ def _fake_group(timeout: float = 5.0) -> _group.ProcessGroup:
 
 
 def _pending(group: _group.ProcessGroup, rec: FakeRecord, timeout: float = 5.0) -> _group._Pending:
-    p = _group._Pending(rec, "all_reduce", timeout)
+    p = _group._Pending(group, "all_reduce", timeout)
+    p.record = rec
     group._pending.append(p)
     return p
 
@@ -387,9 +388,9 @@ def test_the_watchdog_outlives_a_group_whose_check_raises() -> None:
 
 def test_a_completion_late_in_its_timeout_is_not_trusted() -> None:
     g = _fake_group()
-    assert g._confirm("all_reduce", time.monotonic() + 10) is None
+    assert g.confirm("all_reduce", time.monotonic() + 10) is None
     assert not g.aborted
-    err = g._confirm("all_gather", time.monotonic() - 1)
+    err = g.confirm("all_gather", time.monotonic() - 1)
     assert isinstance(err, dist.CollectiveError) and err.op == "all_gather"
     assert "cannot be trusted" in err.reason and g.aborted
 
@@ -462,6 +463,14 @@ def _refusal(array: object) -> tuple[type[BaseException], str] | None:
     return None
 
 
+def _operand_refusal(array: object) -> tuple[type[BaseException], str] | None:
+    try:
+        _ops._operand(array, _fake_group())
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+    return None
+
+
 def _as_interface(x: Any) -> _CaiArray:
     """What CuPy's __cuda_array_interface__ says of ``x`` (strides only when not C-contiguous)."""
     strides = None if x.flags.c_contiguous else x.strides
@@ -495,6 +504,11 @@ def test_a_cupy_array_is_read_as_its_interface_says(
         assert fast.array is x
         for name in ("count", "dtype", "itemsize", "ptr", "shape", "typestr"):
             assert getattr(fast, name) == getattr(slow, name), name
+        # The in-place collectives' reading (no _Buffer): the same fields.
+        assert _ops._operand(x, _fake_group()) == (slow.ptr, slow.count, slow.dtype)
+        assert _ops._operand(via, _fake_group()) == (slow.ptr, slow.count, slow.dtype)
+    else:
+        assert _operand_refusal(x) == _refusal(x)
 
 
 def test_a_cupy_array_on_another_device_is_refused_as_before() -> None:
@@ -600,3 +614,199 @@ def test_destroy_hands_a_dropped_pending_collectives_arrays_to_the_lifetimes(fak
         time.sleep(0.01)
         gc.collect()
     assert alive() is None
+
+
+# -- the group's entries, aborts and destroy, on the fake GPU ------------------------
+
+
+def _wait_until(cond: Callable[[], object], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return bool(cond())
+
+
+def test_an_entry_is_its_records_confirm_and_lets_go_of_it_once_done(fake_cuda: Any) -> None:
+    g = _group.ProcessGroup(_nccl.Communicator(_StubNccl()), 0, [0, 1], 0, 5.0, "test")
+    x = _CaiArray((4,))
+    fut = dist.all_reduce(x, group=g)
+    (entry,) = g._pending
+    rec = _interface.records_of(fut)[0]
+    assert rec.confirm is entry and entry.record is rec  # no closure per call
+    assert entry() is None  # a confirm: no NCCL error, in time
+    fake_cuda.complete(fut)
+    assert fut.result(timeout=5) is x
+
+    # Dropped by the watchdog: the record no longer refers to the entry (the
+    # cycle is broken: reference counting frees both), nor the entry to x.
+    def dropped(r: _events.EventRecord = rec) -> bool:
+        return not g._pending and r.confirm is None
+
+    assert _wait_until(dropped)
+    assert entry.keep is None
+    alive = weakref.ref(x)
+    gc.disable()
+    try:
+        del fut, rec, entry, x
+        assert _wait_until(lambda: alive() is None)  # without the cyclic collector
+    finally:
+        gc.enable()
+
+
+class _BlockingNccl(_StubNccl):
+    """A communicator whose allReduce blocks until abort() (a first send to
+    a peer that never comes), and that records which of destroy and abort ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        self.ended: list[str] = []
+
+    def allReduce(self, *args: Any) -> None:  # noqa: N802 - CuPy's name
+        self.inside.set()
+        self.release.wait(10)
+        super().allReduce(*args)
+
+    def abort(self) -> None:
+        self.ended.append("abort")
+        self.release.set()
+
+    def destroy(self) -> None:
+        self.ended.append("destroy")
+
+
+def test_destroy_never_frees_a_communicator_a_call_is_inside(fake_cuda: Any) -> None:
+    stub = _BlockingNccl()
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 0.2, "test")
+    x = _CaiArray((4,))
+    got: list[object] = []
+
+    def call() -> None:
+        try:
+            got.append(dist.all_reduce(x, group=g, timeout=math.inf))  # no timeout of its own
+        except Exception as exc:
+            got.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert stub.inside.wait(5)
+    g.destroy()  # waits out the group's 0.2 s: the call is still inside NCCL
+    assert g.aborted is not None and "still inside NCCL" in g.aborted
+    assert _wait_until(lambda: stub.ended == ["abort"])  # never ncclCommDestroy under the call
+    caller.join(5)
+    (fut,) = got
+    assert isinstance(fut, cudafut.CudaFuture)  # NCCL took it: its event says how it ended
+    fake_cuda.complete_all()
+    with pytest.raises(dist.CollectiveError, match="still inside NCCL"):
+        fut.result(timeout=5)
+    with pytest.raises(dist.CollectiveError, match="aborted earlier"):
+        dist.all_reduce(x, group=g)
+
+
+def test_destroy_holds_the_call_lock_while_it_frees_the_communicator(fake_cuda: Any) -> None:
+    stub = _StubNccl()
+    seen: list[bool] = []
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 5.0, "test")
+    stub.destroy = lambda: seen.append(g._call_lock.locked())  # type: ignore[method-assign]
+    g.destroy()
+    assert seen == [True] and not g._call_lock.locked()
+    assert g.aborted == "the group was destroyed"
+
+
+def test_an_abort_keeps_the_failed_arrays_until_the_stream_passes_a_fence(fake_cuda: Any) -> None:
+    g = _group.ProcessGroup(_nccl.Communicator(_StubNccl()), 0, [0, 1], 0, 5.0, "test")
+    x = _CaiArray((4,))
+    alive = weakref.ref(x)
+    fut = dist.all_reduce(x, group=g)
+    rec = _interface.records_of(fut)[0]
+    del fut, x
+    g.abort("a peer died")
+    assert isinstance(rec.error(), dist.CollectiveError)  # failed from the host at once
+    assert not g._pending and rec.confirm is None
+    del rec
+    gc.collect()
+    time.sleep(0.05)
+    gc.collect()
+    assert alive() is not None  # NCCL's kernel may still use it: kept past the fence
+    fake_cuda.complete_all()  # the stream passed the fence (the aborted kernel ended)
+    assert _wait_until(lambda: gc.collect() >= 0 and alive() is None, 30)
+
+
+def test_an_abort_keeps_the_arrays_for_ever_where_no_fence_can_be_recorded(
+    fake_cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = _group.ProcessGroup(_nccl.Communicator(_StubNccl()), 0, [0, 1], 0, 5.0, "test")
+    x = _CaiArray((4,))
+    fut = dist.all_reduce(x, group=g)
+    forever: list[object] = []
+    monkeypatch.setattr(_lifetimes, "keep_forever", forever.append)
+    monkeypatch.setattr(_events, "record", _refuse_record)
+    g.abort("a peer died")
+    assert forever == [[(x, x)]]
+    assert isinstance(_interface.records_of(fut)[0].error(), dist.CollectiveError)
+
+
+def _refuse_record(*args: Any, **kw: Any) -> Any:
+    raise cudafut.CudaError(700, "cudaErrorIllegalAddress", "an illegal memory access")
+
+
+def _refusing_the_collectives_record() -> Callable[..., Any]:
+    """_events.record, refusing the record that follows an NCCL call (the
+    one given a confirm; the pure core's wait on the caller's stream records
+    through it too)."""
+    real = _events.record
+
+    def record(stream: int, device: int, confirm: Any = None, owner: object = None) -> Any:
+        if confirm is not None:
+            _refuse_record()
+        return real(stream, device, confirm, owner)
+
+    return record
+
+
+def test_a_record_failure_after_nccl_took_the_call_aborts_and_keeps_the_arrays_for_ever(
+    fake_cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stub = _StubNccl()
+    ended: list[str] = []
+    stub.abort = lambda: ended.append("abort")  # type: ignore[method-assign]
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 5.0, "test")
+    x = _CaiArray((4,))
+    forever: list[object] = []
+    monkeypatch.setattr(_lifetimes, "keep_forever", forever.append)
+    monkeypatch.setattr(_events, "record", _refusing_the_collectives_record())
+    with pytest.raises(
+        dist.CollectiveError, match="no event could be recorded after NCCL took all_reduce"
+    ) as info:
+        dist.all_reduce(x, group=g)
+    assert isinstance(info.value.__cause__, cudafut.CudaError)
+    assert len(stub.calls) == 1  # NCCL took it
+    assert forever[0] == (x, x)  # its kernel may run: never freed
+    assert g._calling is None and not g._pending and not g._call_lock.locked()
+    assert g.aborted is not None and _wait_until(lambda: ended == ["abort"])
+    with pytest.raises(dist.CollectiveError, match="aborted earlier"):
+        dist.all_reduce(x, group=g)
+
+
+def test_a_collective_from_another_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudafut import testing
+
+    with testing.fake_cuda(devices=2) as fake:
+        stub = _StubNccl()
+        g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 1, 5.0, "test")
+        seen: list[int] = []
+        real = _events.follow_current
+
+        def follow(stream: int, device: int) -> None:
+            seen.append(_backend.current.current_device())
+            real(stream, device)
+
+        monkeypatch.setattr(_events, "follow_current", follow)
+        x = _CaiArray((4,), device=1)
+        assert _events.current_device() == 0
+        fut = dist.all_reduce(x, group=g)
+        assert seen == [1] and _events.current_device() == 0  # on the group's device, then back
+        fake.complete(fut)
+        assert fut.result(timeout=5) is x
+        g.destroy()

@@ -72,6 +72,11 @@ BAD_CALLS = [
     ("_after_fork, an argument", lambda: _native()._after_fork(1)),
     ("_Stream, no arguments", lambda: _native()._Stream()),
     ("_Stream, a str device", lambda: _native()._Stream((0, 1), "d")),
+    ("current_device, an argument", lambda: _native().current_device(1)),
+    ("follow_current, a str stream", lambda: _native().follow_current("s", 0)),
+    ("follow_current, a stream past 64 bits", lambda: _native().follow_current(1 << 80, 0)),
+    ("set_future, records not a tuple", lambda: _native().set_future(1, [])),
+    ("bind_set_future, no arguments", lambda: _native().bind_set_future()),
 ]
 
 # A record's methods and attributes: native only (the twin's take any object).
@@ -738,8 +743,8 @@ core = _compiled.native()
 # Global switches, each refused one by one in BAD_CALLS: a fuzzed call that
 # took its arguments would leave the core unbound (bind), on another backend
 # (_swap_streams), mutated (_mutate) or its futures' paths unbound (bind_future,
-# bind_then, bind_record).
-SKIP = {"bind", "bind_future", "bind_then", "bind_record", "_swap_streams", "_mutate"}
+# bind_then, bind_record, bind_set_future).
+SKIP = {"bind", "bind_future", "bind_then", "bind_record", "bind_set_future", "_swap_streams", "_mutate"}
 calls = 0
 with testing.fake_cuda(devices=2) as fake:
     stream = fake.stream(0)
@@ -934,3 +939,18 @@ def test_native_then_on_cuda_gives_the_caller_its_device_back(monkeypatch: pytes
             assert runtime.getDevice() == 1
         finally:
             restore()
+
+
+def test_a_known_status_is_final_whatever_settle_is_told(fake_cuda: testing.FakeCuda) -> None:
+    # Both cores: a record failed from the host (an aborted collective) or
+    # settled already keeps its status when another thread settles it late.
+    failed = records_of(_record_on(_pools.streams.get(0, 0)))[0]
+    failed.fail_with(RuntimeError("aborted"))
+    assert failed.settle(0) == _events.FAILED and failed.settle(700) == _events.FAILED
+    assert isinstance(failed.error(), RuntimeError)
+    done = records_of(_record_on(_pools.streams.get(0, 0)))[0]
+    asked: list[bool] = []
+    done.confirm = lambda: asked.append(True)
+    assert done.settle(0) == 0 and asked == [True]
+    assert done.settle(700) == 0 and asked == [True]  # settled once: no confirm again
+    fake_cuda.complete_all()

@@ -80,16 +80,26 @@ class _Pending:
     Once enqueued it also holds what the collective reads and writes
     (``keep``): its future leaves that to the group (``KEPT_BY_PRODUCER``),
     which keeps it until the watchdog sees the record complete, or the
-    group fails it."""
+    group fails it.
 
-    __slots__ = ("deadline", "keep", "op", "record", "timeout")
+    It is its record's ``confirm`` too (``entry()``: no closure per call),
+    so the two refer to each other until :meth:`forget` breaks the cycle."""
 
-    def __init__(self, record: _events.EventRecord | None, op: str, timeout: float) -> None:
-        self.record = record
+    __slots__ = ("deadline", "group", "keep", "op", "record", "timeout", "trusted_until")
+
+    def __init__(self, group: ProcessGroup, op: str, timeout: float) -> None:
+        self.group = group
+        self.record: _events.EventRecord | None = None
         self.op = op
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
+        # The end of the window in which a completion is believed (see ProcessGroup.confirm).
+        self.trusted_until = self.deadline
         self.keep: object = None
+
+    def __call__(self) -> CollectiveError | None:
+        """The record's confirm: asked once its event is first seen complete."""
+        return self.group.confirm(self.op, self.trusted_until)
 
     def query(self) -> int | None:
         return None if self.record is None else self.record.query()
@@ -97,6 +107,16 @@ class _Pending:
     def fail(self, error: CollectiveError) -> None:
         if self.record is not None:
             self.record.fail_with(error)
+
+    def forget(self) -> None:
+        """Let go of the arrays (handed elsewhere, or free to go) and, once
+        the record's status is final (it asks its confirm no more), of the
+        record's reference to this entry: reference counting then frees
+        both, without the cyclic collector."""
+        self.keep = None
+        record = self.record
+        if record is not None and record.status is not None:
+            record.confirm = None
 
 
 class ProcessGroup:
@@ -143,6 +163,9 @@ class ProcessGroup:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._aborted: str | None = None
         self._calling: _Pending | None = None
+        # The communication stream's handle, read at the first call (a
+        # group made for a test may have a stream object without one).
+        self._stream_ptr: int | None = None
 
     @property
     def aborted(self) -> str | None:
@@ -157,52 +180,99 @@ class ProcessGroup:
     def enqueue(
         self,
         op: str,
-        launch: Callable[[Any, int], None],
+        args: tuple[Any, ...],
         value: Any,
         keep: object,
         timeout: float | None,
+        launch: Callable[[Any, int], None] | None = None,
     ) -> CudaFuture[Any]:
         """Enqueue one collective: the communication stream waits on the
-        caller's current stream, ``launch(comm, stream_ptr)`` calls NCCL, and
-        an event follows. Returns the future, set already; ``value`` and
-        ``keep`` live until the collective ends (kept by the group's entry
-        for it, whether or not the future is dropped)."""
+        caller's current stream, NCCL is called (``getattr(comm, op)(*args,
+        stream_ptr)``, or ``launch(comm, stream_ptr)`` where given: several
+        NCCL calls), and an event follows. Returns the future, set already;
+        ``value`` and ``keep`` live until the collective ends (kept by the
+        group's entry for it, whether or not the future is dropped).
+
+        Costs a few µs on the host, NCCL's own call aside (less with the
+        native core: the device check and the stream wait are made from C);
+        blocks while another thread's call of the group is inside NCCL
+        (calls reach NCCL in one order), never the GPU.
+
+        Raises:
+            CollectiveError: the group was aborted, NCCL refused the call,
+                or no event could be recorded after NCCL took it (the group
+                is aborted then, and the arrays are never freed: a kernel
+                may still use them).
+        """
         limit = self.timeout if timeout is None else check_timeout(timeout)
         if self._aborted is not None:
             self._raise_if_aborted(op)
         device = self.device
-        stream = int(self.stream.ptr)
-        backend = _backend.current
-        with backend.on_device(device), self._call_lock:
+        if _events.current_device() == device:  # the common case: no device switch
+            return self._enqueue(op, args, value, keep, limit, launch, device)
+        with _backend.current.on_device(device):
+            return self._enqueue(op, args, value, keep, limit, launch, device)
+
+    def _enqueue(
+        self,
+        op: str,
+        args: tuple[Any, ...],
+        value: Any,
+        keep: object,
+        limit: float,
+        launch: Callable[[Any, int], None] | None,
+        device: int,
+    ) -> CudaFuture[Any]:
+        stream = self._stream_ptr
+        if stream is None:
+            stream = self._stream_ptr = int(self.stream.ptr)
+        with self._call_lock:
             if self._aborted is not None:
                 self._raise_if_aborted(op)
-            caller = backend.current_stream(device)
-            ptr = int(caller.ptr)
-            if ptr != stream:  # (called on the communication stream itself: in order already)
-                _events.record(ptr, device, None, caller).wait_on(stream, device)
+            # (Nothing when called on the communication stream itself: in order already.)
+            _events.follow_current(stream, device)
             # Visible to the watchdog from here on: a call that blocks (the
             # first send to a peer that never comes) times out too.
-            pending = self._calling = _Pending(None, op, limit)
+            pending = self._calling = _Pending(self, op, limit)
             if self not in _watchdog.watched:  # (read unlocked: see _Watchdog.watch)
                 _watchdog.watch(self)
             try:
-                launch(self._comm, stream)
+                if launch is None:
+                    getattr(self._comm, op)(*args, stream)
+                else:
+                    launch(self._comm, stream)
             except Exception as exc:
                 self._calling = None
                 reason = self._aborted or f"NCCL refused the call: {exc}"
                 raise CollectiveError(self.rank, op, self.size, reason, device) from exc
             now = time.monotonic()
-            # The end of the window in which a completion is believed (see _confirm).
-            trusted_until = now + limit * (1 - _DOUBT)
-            record = _events.record(stream, device, functools.partial(self._confirm, op, trusted_until))
             # The same entry, now enqueued: its deadline counts from here.
             pending.deadline = now + limit
+            pending.trusted_until = now + limit * (1 - _DOUBT)
+            try:
+                record = _events.record(stream, device, pending)
+            except BaseException as exc:
+                reason = self._record_failed(pending, op, (value, keep), exc)
+                raise CollectiveError(self.rank, op, self.size, reason, device) from exc
             pending.record = record
             pending.keep = (value, keep)
             with self._lock:
                 self._pending.append(pending)
                 self._calling = None
         return set_future(value, (record,), KEPT_BY_PRODUCER)
+
+    def _record_failed(self, pending: _Pending, op: str, keep: object, exc: BaseException) -> str:
+        """NCCL took the call but no event could follow it: nothing can say
+        when its kernel ends, so its arrays are never freed (a kernel may
+        still read or write them), and the group is aborted (its later
+        calls raise; NCCL's abort ends the kernel)."""
+        _lifetimes.keep_forever(keep)
+        with self._lock:
+            if self._calling is pending:
+                self._calling = None
+        reason = f"no event could be recorded after NCCL took {op} ({type(exc).__name__}: {exc})"
+        self.abort(reason)
+        return reason
 
     def busy(self) -> bool:
         """Whether a collective is pending or being enqueued (read under the
@@ -231,7 +301,7 @@ class ProcessGroup:
             return f"NCCL reported an error: {exc}"
         return None
 
-    def _confirm(self, op: str, trusted_until: float) -> CollectiveError | None:
+    def confirm(self, op: str, trusted_until: float) -> CollectiveError | None:
         # A collective's event also completes when an abort ended its kernel
         # early: ours, NCCL's own, or a peer's (on one node a peer's abort
         # can end this rank's kernel with no error reported here: seen on 4
@@ -255,7 +325,7 @@ class ProcessGroup:
         with self._lock:
             items = list(self._pending)
             calling = self._calling
-        # Queried outside the lock: a query may abort the group (_confirm).
+        # Queried outside the lock: a query may abort the group (confirm).
         done = 0
         for p in items:
             if p.query() is None:
@@ -268,6 +338,8 @@ class ProcessGroup:
             for p in items[:done]:
                 if pending and pending[0] is p:
                     pending.popleft()
+        for p in items[:done]:
+            p.forget()
         items = items[done:]
         if not items and calling is None:
             return False
@@ -288,7 +360,11 @@ class ProcessGroup:
     def abort(self, reason: str) -> None:
         """Fail every pending collective of the group with
         :class:`CollectiveError` and abort its communicator (in a daemon
-        thread: ``ncclCommAbort`` can hang). Later calls raise at once."""
+        thread: ``ncclCommAbort`` can hang). Later calls raise at once.
+
+        The failed collectives' arrays are kept until the communication
+        stream passes an event recorded now (their kernels may run until
+        the abort ends them): one event record on the host, no wait."""
         with self._lock:
             if self._aborted is not None:
                 return
@@ -297,31 +373,77 @@ class ProcessGroup:
             self._pending.clear()
         for p in failed:
             p.fail(CollectiveError(self.rank, p.op, self.size, reason, self.device))
+        self._keep_past([p.keep for p in failed if p.keep is not None])
+        for p in failed:
+            p.forget()
         logger.error("cudafut.distributed: %s; aborting the communicator of %r", reason, self)
         threading.Thread(target=_abort, args=(self._comm,), name="cudafut-nccl-abort", daemon=True).start()
 
+    def _keep_past(self, keeps: list[object]) -> None:
+        """Keep ``keeps`` (what failed collectives read and write) until the
+        communication stream passes a fence recorded now, after their
+        kernels: their own records, failed from the host, no longer tell
+        when those end. Where no fence can be recorded, kept for ever."""
+        if not keeps:
+            return
+        try:
+            stream = self._stream_ptr
+            if stream is None:
+                stream = self._stream_ptr = int(self.stream.ptr)
+            with _backend.current.on_device(self.device):
+                fence = _events.record(stream, self.device)
+        except Exception as exc:  # noqa: BLE001 - CUDA broken, or no stream: never freed then
+            logger.warning(
+                "cudafut.distributed: no event could be recorded after the aborted collectives of %r "
+                "(%s); their arrays are never freed",
+                self,
+                exc,
+            )
+            _lifetimes.keep_forever(keeps)
+            return
+        _lifetimes.hold((fence,), keeps)
+
     def destroy(self) -> None:
-        """Wait for the group's work (up to its timeout) and free the communicator."""
+        """Wait for the group's work (up to its timeout) and free the communicator.
+
+        Blocks the calling thread up to the group's timeout (then, for a
+        communicator still busy, as long as ``ncclCommDestroy`` waits for
+        its work). A call of another thread still inside NCCL when the
+        timeout runs out is ended by an abort instead: the communicator is
+        never freed under a call."""
         if self._aborted is None:
             deadline = time.monotonic() + self.timeout
             while self.check(time.monotonic()) and time.monotonic() < deadline:
                 time.sleep(WATCH_EVERY_S)
-            if self._aborted is None:
-                with self._lock:
-                    self._aborted = "the group was destroyed"
-                with _backend.current.on_device(self.device):
-                    self._comm.destroy()
+            # Held while the communicator is freed: no call enters NCCL then,
+            # and a call waiting for it sees the group destroyed.
+            got = self._call_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
+            try:
+                if not got:
+                    self.abort(
+                        "the group was destroyed while a call was still inside NCCL "
+                        f"after the group's timeout ({self.timeout:g} s)"
+                    )
+                elif self._aborted is None:
+                    with self._lock:
+                        self._aborted = "the group was destroyed"
+                    with _backend.current.on_device(self.device):
+                        self._comm.destroy()
+            finally:
+                if got:
+                    self._call_lock.release()
         _watchdog.forget(self)
         # Still pending past the timeout: nothing looks at these entries
         # again, so what their collectives read and write goes to the
         # lifetimes' watcher, which keeps it until the records end (as a
-        # dropped future's finalizer would have).
+        # dropped future's finalizer would have); the entries go.
         with self._lock:
             left = list(self._pending)
             self._pending.clear()
         for p in left:
             if p.record is not None and p.keep is not None:
                 _lifetimes.hold((p.record,), p.keep)
+            p.forget()
 
 
 def _abort(comm: Any) -> None:
@@ -748,7 +870,12 @@ def new_group(ranks: Iterable[int], *, timeout: float | None = None) -> ProcessG
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Free a group's communicator (waiting for its work, up to its
-    timeout), or, with no argument, every group and the world."""
+    timeout), or, with no argument, every group and the world.
+
+    Blocks the calling thread up to each group's timeout. A call of another
+    thread still inside NCCL then is ended by an abort instead (the
+    communicator is never freed under a call): the group's pending futures
+    fail with :class:`CollectiveError`."""
     global _world
     if group is not None:
         resolve(group).destroy()

@@ -1,7 +1,9 @@
 """The collectives: argument checks, then one NCCL call through the group.
 
 Each function checks its arguments (before anything is enqueued), then hands
-the group a ``launch(comm, stream)`` that makes the NCCL call(s). The values
+the group the name of the :class:`~cudafut.distributed._nccl.Communicator`
+method to call and its arguments but the stream (all_to_all, several
+calls, a ``launch(comm, stream)``: no closure per call otherwise). The values
 below are NCCL's enums (``ncclRedOp_t``, ``ncclDataType_t``), so that the
 checks need neither CuPy nor NCCL.
 """
@@ -84,36 +86,47 @@ class _Buffer:
         self.typestr = typestr
 
     def _of_cupy(self, array: Any, what: str, group: ProcessGroup) -> None:
-        # A cupy.ndarray, read without its __cuda_array_interface__ (a dict
-        # built at each read, with the dtype's descr and the current
-        # stream): the same checks, in the same order, from its attributes.
-        # CuPy exports strides only when the array is not C-contiguous by
-        # its own test, which is the one above (dimensions of one element
-        # aside, whose strides neither reads).
-        dtype = array.dtype
-        known = _dtypes.get(dtype)
-        if known is None:
-            known = _dtype_of(dtype)
-        typestr, code = known
-        if code is None:
-            raise TypeError(_bad_dtype(what, typestr))
-        count = array.size
-        if count > 1 and not array._c_contiguous:  # noqa: SLF001 - CuPy's flag, read as .flags does
-            raise ValueError(_NOT_CONTIGUOUS.format(what=what))
-        ptr = 0
-        if count:
-            data = array.data
-            ptr = data.ptr
-            device = data.device_id
-            if device != group.device:
-                raise ValueError(_other_device(what, device, group))
+        self.ptr, self.count, self.dtype, self.itemsize, self.typestr = _read_cupy(array, what, group)
         self.array = array
-        self.ptr = ptr
-        self.count = count
-        self.dtype = DTYPES[code]
-        self.itemsize = int(code[1:])
         self.shape = array.shape
-        self.typestr = typestr
+
+
+def _read_cupy(array: Any, what: str, group: ProcessGroup) -> tuple[int, int, int, int, str]:
+    """``(ptr, count, NCCL dtype, itemsize, typestr)`` of a ``cupy.ndarray``,
+    checked: one Python call, no allocation but the tuple."""
+    # Read without its __cuda_array_interface__ (a dict built at each read,
+    # with the dtype's descr and the current stream): the same checks, in
+    # the same order, from its attributes. CuPy exports strides only when
+    # the array is not C-contiguous by its own test, which is _Buffer's
+    # (dimensions of one element aside, whose strides neither reads).
+    dtype = array.dtype
+    known = _dtypes.get(dtype)
+    if known is None:
+        known = _dtype_of(dtype)
+    typestr, nccl_dtype, itemsize = known
+    if nccl_dtype < 0:
+        raise TypeError(_bad_dtype(what, typestr))
+    count = array.size
+    if count > 1 and not array._c_contiguous:  # noqa: SLF001 - CuPy's flag, read as .flags does
+        raise ValueError(_NOT_CONTIGUOUS.format(what=what))
+    ptr = 0
+    if count:
+        data = array.data
+        ptr = data.ptr
+        device = data.device_id
+        if device != group.device:
+            raise ValueError(_other_device(what, device, group))
+    return ptr, count, nccl_dtype, itemsize, typestr
+
+
+def _operand(array: Any, group: ProcessGroup) -> tuple[int, int, int]:
+    """``(ptr, count, NCCL dtype)`` of an in-place collective's ``array``,
+    checked as :class:`_Buffer` checks it (a CuPy array without one)."""
+    if type(array) is _ndarray:
+        ptr, count, dtype, _, _ = _read_cupy(array, "array", group)
+        return ptr, count, dtype
+    buf = _Buffer(array, "array", group)
+    return buf.ptr, buf.count, buf.dtype
 
 
 _NOT_CONTIGUOUS: Final = "{what} must be C-contiguous (copy it with .copy() first)"
@@ -134,8 +147,8 @@ def _other_device(what: str, device: int, group: ProcessGroup) -> str:
 #: _Buffer reads from their attributes; a class nothing is an instance of
 #: where CuPy's arrays cannot be read so (HIP, an unknown CuPy).
 _ndarray: type | None = None
-#: A CuPy dtype's typestr and code in DTYPES (None: not one NCCL takes).
-_dtypes: dict[Any, tuple[str, str | None]] = {}
+#: A CuPy dtype's typestr, NCCL dtype (-1: not one NCCL takes) and itemsize.
+_dtypes: dict[Any, tuple[str, int, int]] = {}
 
 
 class _NoArray:
@@ -153,10 +166,10 @@ def _find_cupy(array: object) -> type | None:
     return _ndarray
 
 
-def _dtype_of(dtype: Any) -> tuple[str, str | None]:
+def _dtype_of(dtype: Any) -> tuple[str, int, int]:
     typestr = str(dtype.str)
     code = typestr[1:]
-    known = (typestr, code if code in DTYPES else None)
+    known = (typestr, DTYPES[code], int(code[1:])) if code in DTYPES else (typestr, -1, 0)
     if len(_dtypes) < 64:
         _dtypes[dtype] = known
     return known
@@ -217,8 +230,10 @@ def all_reduce(
     caller's current stream (where ``array`` is produced). ``await`` it,
     ``.result()``, ``.wait()`` or ``.then()`` it as any :class:`CudaFuture`.
     Every rank of the group must call it, in the same order as its other
-    collectives. Costs a few tens of µs on the host; blocks neither the
-    thread nor the GPU (only the communication stream waits).
+    collectives. Costs a few µs on the host beside NCCL's own call (less
+    with the native core, which makes the stream wait from C); blocks
+    neither the thread (unless another thread's call of the group is inside
+    NCCL) nor the GPU (only the communication stream waits).
 
     Args:
         array: a C-contiguous CuPy array (or torch tensor) on the group's device.
@@ -231,14 +246,15 @@ def all_reduce(
         TypeError, ValueError: bad arguments; nothing was enqueued.
         CollectiveError: the group was aborted earlier, or NCCL refused the call.
     """
-    g = resolve(group)
-    nop = check_op(op)
-    buf = _Buffer(array, "array", g)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, stream)
-
-    return g.enqueue("all_reduce", launch, array, array, timeout)
+    g = group if type(group) is ProcessGroup else resolve(group)
+    nop = OPS.get(op) if type(op) is str else None
+    if nop is None:
+        nop = check_op(op)
+    if type(array) is _ndarray:  # _operand(), inline: one call less on the hottest path
+        ptr, count, dtype, _, _ = _read_cupy(array, "array", g)
+    else:
+        ptr, count, dtype = _operand(array, g)
+    return g.enqueue("all_reduce", (ptr, ptr, count, dtype, nop), array, array, timeout)
 
 
 def all_gather(
@@ -257,11 +273,8 @@ def all_gather(
     g = resolve(group)
     buf = _Buffer(array, "array", g)
     dst = _out(out, g, (g.size, *buf.shape), buf)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.all_gather(buf.ptr, dst.ptr, buf.count, buf.dtype, stream)
-
-    return g.enqueue("all_gather", launch, dst.array, (array, dst.array), timeout)
+    args = (buf.ptr, dst.ptr, buf.count, buf.dtype)
+    return g.enqueue("all_gather", args, dst.array, (array, dst.array), timeout)
 
 
 def reduce_scatter(
@@ -285,11 +298,8 @@ def reduce_scatter(
     nop = check_op(op)
     buf = _Buffer(array, "array", g)
     dst = _out(out, g, _blocks(buf, g, "array"), buf)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.reduce_scatter(buf.ptr, dst.ptr, dst.count, buf.dtype, nop, stream)
-
-    return g.enqueue("reduce_scatter", launch, dst.array, (array, dst.array), timeout)
+    args = (buf.ptr, dst.ptr, dst.count, buf.dtype, nop)
+    return g.enqueue("reduce_scatter", args, dst.array, (array, dst.array), timeout)
 
 
 def broadcast(
@@ -305,12 +315,8 @@ def broadcast(
     """
     g = resolve(group)
     root = _peer(src, g, "src")
-    buf = _Buffer(array, "array", g)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, root, stream)
-
-    return g.enqueue("broadcast", launch, array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("broadcast", (ptr, ptr, count, dtype, root), array, array, timeout)
 
 
 def reduce(
@@ -333,12 +339,8 @@ def reduce(
     g = resolve(group)
     root = _peer(dst, g, "dst")
     nop = check_op(op)
-    buf = _Buffer(array, "array", g)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, nop, root, stream)
-
-    return g.enqueue("reduce", launch, array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("reduce", (ptr, ptr, count, dtype, nop, root), array, array, timeout)
 
 
 def all_to_all(
@@ -369,7 +371,7 @@ def all_to_all(
         finally:
             _nccl.group_end()
 
-    return g.enqueue("all_to_all", launch, dst.array, (array, dst.array), timeout)
+    return g.enqueue("all_to_all", (), dst.array, (array, dst.array), timeout, launch)
 
 
 def send(
@@ -385,12 +387,8 @@ def send(
     """
     g = resolve(group)
     peer = _peer(dst, g, "dst")
-    buf = _Buffer(array, "array", g)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.send(buf.ptr, buf.count, buf.dtype, peer, stream)
-
-    return g.enqueue("send", launch, array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("send", (ptr, count, dtype, peer), array, array, timeout)
 
 
 def recv(
@@ -406,9 +404,5 @@ def recv(
     """
     g = resolve(group)
     peer = _peer(src, g, "src")
-    buf = _Buffer(array, "array", g)
-
-    def launch(comm: _nccl.Communicator, stream: int) -> None:
-        comm.recv(buf.ptr, buf.count, buf.dtype, peer, stream)
-
-    return g.enqueue("recv", launch, array, array, timeout)
+    ptr, count, dtype = _operand(array, g)
+    return g.enqueue("recv", (ptr, count, dtype, peer), array, array, timeout)
