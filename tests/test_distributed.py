@@ -810,3 +810,95 @@ def test_a_collective_from_another_current_device(monkeypatch: pytest.MonkeyPatc
         fake.complete(fut)
         assert fut.result(timeout=5) is x
         g.destroy()
+
+
+class _AbortedDuringTheCall(_StubNccl):
+    """A communicator during whose allReduce another thread aborts the group
+    (the watchdog past the call's deadline, destroy() under the call); NCCL
+    then takes the call all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group: _group.ProcessGroup | None = None
+
+    def allReduce(self, *args: Any) -> None:  # noqa: N802 - CuPy's name
+        assert self.group is not None
+        self.group.abort("a peer died")
+        super().allReduce(*args)
+
+
+def test_a_call_nccl_took_while_the_group_was_aborted_fails_with_the_abort(fake_cuda: Any) -> None:
+    stub = _AbortedDuringTheCall()
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 5.0, "test")
+    stub.group = g
+    x = _CaiArray((4,))
+    alive = weakref.ref(x)
+    fut = dist.all_reduce(x, group=g)
+    assert len(stub.calls) == 1  # NCCL took it
+    rec = _interface.records_of(fut)[0]
+    err = rec.error()  # failed from the host at once, as the abort's other entries
+    assert isinstance(err, dist.CollectiveError) and "a peer died" in err.reason
+    assert not g._pending and not g.busy()  # not left behind for a look that never comes
+    assert rec.confirm is None
+    with pytest.raises(dist.CollectiveError, match="a peer died"):
+        fut.result(timeout=5)
+    del fut, rec, err, x
+    gc.collect()
+    assert alive() is not None  # its kernel may still run: kept past a fence after it
+    fake_cuda.complete_all()
+    assert _wait_until(lambda: gc.collect() >= 0 and alive() is None, 30)
+
+
+class _RacedRecord(FakeRecord):
+    """Runs ``on_query`` at its first query and ``on_fail`` after its first
+    failure from the host: two threads' steps, made to interleave."""
+
+    __slots__ = ("on_fail", "on_query")
+
+    def __init__(self, on_query: Callable[[], object], on_fail: Callable[[], object]) -> None:
+        super().__init__()
+        self.on_query: Callable[[], object] | None = on_query
+        self.on_fail: Callable[[], object] | None = on_fail
+
+    def query(self) -> int | None:
+        hook, self.on_query = self.on_query, None
+        if hook is not None:
+            hook()
+        return super().query()
+
+    def fail_with(self, error: Exception) -> None:
+        super().fail_with(error)
+        hook, self.on_fail = self.on_fail, None
+        if hook is not None:
+            hook()
+
+
+def test_a_look_during_an_abort_never_lets_the_failed_arrays_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The watchdog's look took its list of entries, then another thread's
+    # abort failed them from the host: the look sees them "done" (their
+    # status is final), but their kernels may still run. The abort keeps
+    # their arrays past its fence; the look must not let go of them first.
+    g = _fake_group()
+    looking, failed = threading.Event(), threading.Event()
+    look = threading.Thread(target=lambda: g.check(time.monotonic()))
+
+    def after_fail() -> None:
+        failed.set()
+        look.join(5)  # the look ends before the abort gathers the arrays
+
+    def in_the_look() -> None:
+        looking.set()
+        failed.wait(5)  # the abort fails the entry meanwhile
+
+    rec = _RacedRecord(in_the_look, after_fail)
+    p = _pending(g, rec)
+    arrays = object()
+    p.keep = arrays
+    kept: list[object] = []
+    monkeypatch.setattr(_lifetimes, "keep_forever", kept.append)  # (this group's stream has no handle)
+    look.start()
+    assert looking.wait(5)
+    g.abort("a peer died")
+    assert not look.is_alive()
+    assert isinstance(rec.error(), dist.CollectiveError)
+    assert kept == [[arrays]]

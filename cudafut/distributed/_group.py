@@ -191,7 +191,9 @@ class ProcessGroup:
         stream_ptr)``, or ``launch(comm, stream_ptr)`` where given: several
         NCCL calls), and an event follows. Returns the future, set already;
         ``value`` and ``keep`` live until the collective ends (kept by the
-        group's entry for it, whether or not the future is dropped).
+        group's entry for it, whether or not the future is dropped). A call
+        that NCCL took while another thread aborted the group returns a
+        future failed with that abort's :class:`CollectiveError`.
 
         Costs a few µs on the host, NCCL's own call aside (less with the
         native core: the device check and the stream wait are made from C);
@@ -257,9 +259,25 @@ class ProcessGroup:
             pending.record = record
             pending.keep = (value, keep)
             with self._lock:
-                self._pending.append(pending)
                 self._calling = None
+                aborted = self._aborted
+                if aborted is None:
+                    self._pending.append(pending)
+            if aborted is not None:
+                self._abort_late(pending, aborted)
         return set_future(value, (record,), KEPT_BY_PRODUCER)
+
+    def _abort_late(self, pending: _Pending, reason: str) -> None:
+        """NCCL took the call while another thread aborted the group (the
+        watchdog, past the call's deadline; destroy(), a call still inside
+        NCCL): that abort failed the entries it saw, not this one. Fail it
+        as they were, and keep its arrays past a fence recorded after its
+        kernel, as abort() keeps theirs: appended to the group's entries it
+        would stay there (abort() runs once; destroy() has let the group go),
+        with its arrays, and its future would fail only if its event ends."""
+        pending.fail(CollectiveError(self.rank, pending.op, self.size, reason, self.device))
+        self._keep_past([pending.keep])
+        pending.forget()
 
     def _record_failed(self, pending: _Pending, op: str, keep: object, exc: BaseException) -> str:
         """NCCL took the call but no event could follow it: nothing can say
@@ -335,10 +353,15 @@ class ProcessGroup:
             # Only what this look saw complete: another thread's check()
             # (destroy()) may have popped some already, abort() all.
             pending = self._pending
+            popped = []
             for p in items[:done]:
                 if pending and pending[0] is p:
                     pending.popleft()
-        for p in items[:done]:
+                    popped.append(p)
+        # Only what this look popped: an entry an abort took meanwhile (its
+        # record failed from the host, so "done" here while its kernel may
+        # still run) is that abort's to keep past its fence.
+        for p in popped:
             p.forget()
         items = items[done:]
         if not items and calling is None:
