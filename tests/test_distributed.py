@@ -704,6 +704,29 @@ def test_destroy_never_frees_a_communicator_a_call_is_inside(fake_cuda: Any) -> 
         dist.all_reduce(x, group=g)
 
 
+def test_destroy_waits_past_its_deadline_for_a_holder_not_inside_nccl(fake_cuda: Any) -> None:
+    # At destroy()'s deadline the call lock is held by a thread that is not
+    # inside NCCL (a call's bookkeeping, stretched here): destroy waits for
+    # it and frees the communicator, instead of aborting the group.
+    stub = _StubNccl()
+    ended: list[str] = []
+    stub.destroy = lambda: ended.append("destroy")  # type: ignore[method-assign]
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 0.05, "test")
+    held = threading.Event()
+
+    def hold() -> None:
+        with g._call_lock:
+            held.set()
+            time.sleep(0.2)  # past the group's 0.05 s
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(5)
+    g.destroy()
+    holder.join(5)
+    assert g.aborted == "the group was destroyed" and ended == ["destroy"]
+
+
 def test_destroy_holds_the_call_lock_while_it_frees_the_communicator(fake_cuda: Any) -> None:
     stub = _StubNccl()
     seen: list[bool] = []

@@ -433,7 +433,8 @@ class ProcessGroup:
         communicator still busy, as long as ``ncclCommDestroy`` waits for
         its work). A call of another thread still inside NCCL when the
         timeout runs out is ended by an abort instead: the communicator is
-        never freed under a call."""
+        never freed under a call. One that holds the group only for its few
+        µs of bookkeeping around NCCL then is waited for."""
         if self._aborted is None:
             deadline = time.monotonic() + self.timeout
             while self.check(time.monotonic()) and time.monotonic() < deadline:
@@ -441,6 +442,11 @@ class ProcessGroup:
             # Held while the communicator is freed: no call enters NCCL then,
             # and a call waiting for it sees the group destroyed.
             got = self._call_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
+            while not got and self._calling is None:
+                # The lock's holder is not inside NCCL (its few µs of
+                # bookkeeping around a call): wait for it, rather than abort
+                # a group whose call may succeed.
+                got = self._call_lock.acquire(timeout=WATCH_EVERY_S)
             try:
                 if not got:
                     self.abort(
