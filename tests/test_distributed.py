@@ -727,6 +727,32 @@ def test_destroy_waits_past_its_deadline_for_a_holder_not_inside_nccl(fake_cuda:
     assert g.aborted == "the group was destroyed" and ended == ["destroy"]
 
 
+def test_ctrl_c_in_a_call_leaves_the_group_usable_and_its_arrays_held_past_a_fence(
+    fake_cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A KeyboardInterrupt raised in the binding (before or after NCCL took
+    # the call: nothing says which) propagates as itself; the group is not
+    # left "calling" (the watchdog would abort it as timed out), and the
+    # arrays are held until a fence recorded after the call passes.
+    stub = _StubNccl()
+    g = _group.ProcessGroup(_nccl.Communicator(stub), 0, [0, 1], 0, 5.0, "test")
+    holds: list[tuple[object, object]] = []
+    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: holds.append((records, obj)))
+    x = _CaiArray((4,))
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    stub.allReduce = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        dist.all_reduce(x, group=g)
+    assert g._calling is None and g.aborted is None
+    ((records, kept),) = holds
+    assert len(records) == 1 and kept == [(x, x)]  # type: ignore[arg-type]  # (value, keep): all_reduce keeps x
+    del stub.allReduce
+    assert isinstance(dist.all_reduce(x, group=g), cudafut.CudaFuture)  # still usable
+
+
 def test_destroy_holds_the_call_lock_while_it_frees_the_communicator(fake_cuda: Any) -> None:
     stub = _StubNccl()
     seen: list[bool] = []
@@ -810,6 +836,28 @@ def test_a_record_failure_after_nccl_took_the_call_aborts_and_keeps_the_arrays_f
     assert g.aborted is not None and _wait_until(lambda: ended == ["abort"])
     with pytest.raises(dist.CollectiveError, match="aborted earlier"):
         dist.all_reduce(x, group=g)
+
+
+def test_ctrl_c_in_the_record_after_nccl_took_the_call_stays_itself(
+    fake_cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same failure as above, by a KeyboardInterrupt: it propagates as
+    # itself (not a CollectiveError), and the group is aborted all the same.
+    g = _group.ProcessGroup(_nccl.Communicator(_StubNccl()), 0, [0, 1], 0, 5.0, "test")
+    x = _CaiArray((4,))
+    forever: list[object] = []
+    monkeypatch.setattr(_lifetimes, "keep_forever", forever.append)
+    real = _events.record
+
+    def record(stream: int, device: int, confirm: Any = None, owner: object = None) -> Any:
+        if confirm is not None:
+            raise KeyboardInterrupt
+        return real(stream, device, confirm, owner)
+
+    monkeypatch.setattr(_events, "record", record)
+    with pytest.raises(KeyboardInterrupt):
+        dist.all_reduce(x, group=g)
+    assert forever == [(x, x)] and g._calling is None and g.aborted is not None
 
 
 def test_a_collective_from_another_current_device(monkeypatch: pytest.MonkeyPatch) -> None:

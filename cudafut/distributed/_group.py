@@ -247,6 +247,15 @@ class ProcessGroup:
                 self._calling = None
                 reason = self._aborted or f"NCCL refused the call: {exc}"
                 raise CollectiveError(self.rank, op, self.size, reason, device) from exc
+            except BaseException:
+                # Interrupted (Ctrl-C) in the binding's Python, before or
+                # after NCCL took the call: which, nothing says. The arrays
+                # stay until the stream passes a fence recorded now (at once
+                # where NCCL took nothing), and the group stays usable.
+                with self._lock:
+                    self._calling = None
+                self._keep_past([(value, keep)])
+                raise
             now = time.monotonic()
             # The same entry, now enqueued: its deadline counts from here.
             pending.deadline = now + limit
@@ -255,6 +264,8 @@ class ProcessGroup:
                 record = _events.record(stream, device, pending)
             except BaseException as exc:
                 reason = self._record_failed(pending, op, (value, keep), exc)
+                if not isinstance(exc, Exception):
+                    raise  # Ctrl-C stays itself; the group is aborted all the same
                 raise CollectiveError(self.rank, op, self.size, reason, device) from exc
             pending.record = record
             pending.keep = (value, keep)
