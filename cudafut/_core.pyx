@@ -1229,9 +1229,9 @@ cdef EventRecord _record_current(long long device):
 def current_device():
     """The calling thread's current device (``_events.current_device``'s
     twin): ``cuCtxGetCurrent`` and ``cuCtxGetDevice`` from C under CUDA's
-    backend, no Python call;
-    the backend's ``current_device()`` where that cannot answer (no context
-    current in this thread yet, the fake). Blocks nothing."""
+    backend, no Python call; the backend's ``current_device()`` where that
+    cannot answer (no context current in this thread yet, the fake). Blocks
+    nothing."""
     cdef int device = -1
     if _be is _CUDA_BE and _driver_ready() and _ctx_device(&device) == 0:
         return device

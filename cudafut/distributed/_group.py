@@ -227,7 +227,7 @@ class ProcessGroup:
     ) -> CudaFuture[Any]:
         stream = self._stream_ptr
         if stream is None:
-            stream = self._stream_ptr = int(self.stream.ptr)
+            stream = self._stream_handle()
         with self._call_lock:
             if self._aborted is not None:
                 self._raise_if_aborted(op)
@@ -278,6 +278,14 @@ class ProcessGroup:
                 self._abort_late(pending, aborted)
         return set_future(value, (record,), KEPT_BY_PRODUCER)
 
+    def _stream_handle(self) -> int:
+        """The communication stream's handle, read once (at the first call:
+        a group made for a test may have a stream object without one)."""
+        stream = self._stream_ptr
+        if stream is None:
+            stream = self._stream_ptr = int(self.stream.ptr)
+        return stream
+
     def _abort_late(self, pending: _Pending, reason: str) -> None:
         """NCCL took the call while another thread aborted the group (the
         watchdog, past the call's deadline; destroy(), a call still inside
@@ -286,9 +294,17 @@ class ProcessGroup:
         kernel, as abort() keeps theirs: appended to the group's entries it
         would stay there (abort() runs once; destroy() has let the group go),
         with its arrays, and its future would fail only if its event ends."""
-        pending.fail(CollectiveError(self.rank, pending.op, self.size, reason, self.device))
-        self._keep_past([pending.keep])
-        pending.forget()
+        self._fail_entries([pending], reason)
+
+    def _fail_entries(self, entries: list[_Pending], reason: str) -> None:
+        """Fail ``entries`` (taken out of the group) from the host with
+        ``reason``, keep their arrays past a fence (their kernels may run
+        until the abort ends them), and let go of them."""
+        for p in entries:
+            p.fail(CollectiveError(self.rank, p.op, self.size, reason, self.device))
+        self._keep_past([p.keep for p in entries if p.keep is not None])
+        for p in entries:
+            p.forget()
 
     def _record_failed(self, pending: _Pending, op: str, keep: object, exc: BaseException) -> str:
         """NCCL took the call but no event could follow it: nothing can say
@@ -405,11 +421,7 @@ class ProcessGroup:
             self._aborted = reason
             failed = list(self._pending)
             self._pending.clear()
-        for p in failed:
-            p.fail(CollectiveError(self.rank, p.op, self.size, reason, self.device))
-        self._keep_past([p.keep for p in failed if p.keep is not None])
-        for p in failed:
-            p.forget()
+        self._fail_entries(failed, reason)
         logger.error("cudafut.distributed: %s; aborting the communicator of %r", reason, self)
         threading.Thread(target=_abort, args=(self._comm,), name="cudafut-nccl-abort", daemon=True).start()
 
@@ -421,9 +433,7 @@ class ProcessGroup:
         if not keeps:
             return
         try:
-            stream = self._stream_ptr
-            if stream is None:
-                stream = self._stream_ptr = int(self.stream.ptr)
+            stream = self._stream_handle()
             with _backend.current.on_device(self.device):
                 fence = _events.record(stream, self.device)
         except Exception as exc:  # noqa: BLE001 - CUDA broken, or no stream: never freed then
