@@ -495,6 +495,7 @@ async def test_the_one_object_await_as_a_future_and_an_iterator(
     assert await fut == "v"
 
 
+@pytest.mark.no_asyncio_debug(reason="in debug mode each wake-up keeps its own handle: the batch is not used")
 async def test_tasks_woken_by_one_poll_run_in_firing_order_among_other_callbacks(
     anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
 ) -> None:
