@@ -54,6 +54,8 @@ installed), and the pool is the fake's.
 
 cimport cython
 from cpython.object cimport PyObject
+from cpython.pythread cimport PyThread_get_thread_ident
+from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
 
 from cudafut import _lifetimes
 
@@ -72,7 +74,9 @@ cdef extern from "Python.h":
     void PyObject_GC_Track(object op)
     void PyObject_GC_UnTrack(object op)
     int PyObject_GC_IsTracked(object op)
+from libc.errno cimport errno
 from libc.stdlib cimport free, realloc
+from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 import itertools
@@ -575,8 +579,10 @@ cdef class EventRecord:
             _queried += 1
             raw = self.calls.event_query(self.handle)
         if raw != NOT_READY and self._failure is None:
-            return self.settle(raw)
-        return self.status
+            return self._settle(raw)  # (from C: a poll settles every record it fires)
+        if self._known:  # the status property, read without its lookup
+            return self._status
+        return None
 
     def known(self):
         """The status if it is known without asking CUDA (kept, or answered
@@ -594,6 +600,9 @@ cdef class EventRecord:
         """Take ``raw``, the event's final status (0 or an error code), once
         the event is no longer pending; a ``confirm`` that finds an error
         fails the record instead. Returns the status kept."""
+        return self._settle(raw)
+
+    cdef object _settle(self, int raw):
         cdef _Stream state
         if self._known:  # failed from the host, or settled by another thread: final
             return self._status
@@ -1835,6 +1844,31 @@ cdef class Pacer:
         return when
 
 
+# -- the drivers' timer ---------------------------------------------------------------
+
+cdef extern from "<sys/timerfd.h>" nogil:
+    cdef struct itimerspec:
+        timespec it_interval
+        timespec it_value
+    int timerfd_settime(int fd, int flags, const itimerspec *new_value, itimerspec *old_value)
+
+
+def timer_settime(int fd, long long ns):
+    """``timerfd_settime(fd, 0, {0, ns})`` from C, GIL held (one system call,
+    under a µs; ``ns`` 0 disarms): what ``_timer.Timer`` arms its timerfd
+    with on Python before 3.13 (where ctypes took a few µs a call, twice per
+    loop iteration of a waiter that sleeps between new waits). Raises
+    OSError where the call fails."""
+    cdef itimerspec spec
+    spec.it_interval.tv_sec = 0
+    spec.it_interval.tv_nsec = 0
+    spec.it_value.tv_sec = ns // 1000000000
+    spec.it_value.tv_nsec = ns % 1000000000
+    if timerfd_settime(fd, 0, &spec, NULL) < 0:
+        err = errno
+        raise OSError(err, strerror(err).decode())
+
+
 # -- the waiter's watch list ---------------------------------------------------------
 
 cdef object _waiter = None  # cudafut._waiter: its predictor, read when a poll learns
@@ -2091,6 +2125,10 @@ cdef class AsyncioAwait(Watch):
     cdef object _wakeup
     cdef object _context
     cdef object _message
+    # The thread whose running loop _entry_await found to be this await's
+    # (0: none checked): the first next() in that thread skips asking
+    # asyncio again (its getter makes a getpid() system call on 3.11).
+    cdef unsigned long _checked_in
 
     def __init__(self, AsyncioEntry entry, loop, future, record, finish):
         # Made by AsyncioEntry._make on the native core; this constructor is
@@ -2125,8 +2163,13 @@ cdef class AsyncioAwait(Watch):
         """``__next__`` in any state but fired: start waiting, or raise."""
         cdef int state = self._state
         if state == A_NEW:
-            if _get_running_loop() is not self._loop:
+            # Checked by _entry_await in this thread a moment ago (the
+            # coroutine's await iterates what __await__ returned at once):
+            # one check, not two. Another thread, or no check: ask asyncio.
+            if (self._checked_in == 0 or self._checked_in != PyThread_get_thread_ident()) \
+                    and _get_running_loop() is not self._loop:
                 raise RuntimeError("a CudaFuture's await must run in the task that started it")
+            self._checked_in = 0
             if self._entry is None:
                 raise RuntimeError("this await was made without its loop's AsyncioEntry")
             self._state = A_WAITING
@@ -2166,6 +2209,30 @@ cdef class AsyncioAwait(Watch):
             self._state = A_FIRED
             self._schedule()
 
+    cdef inline object _fire_into(self, _Wakeups batch):
+        """``__call__`` inside :func:`run_fired`: fired, its task's wake-up
+        added to ``batch`` (scheduled by the caller) rather than scheduled
+        on its own. Returns the batch to add the next wake-ups to: a new one
+        (the caller schedules the old) where this await's loop is another."""
+        if self._state != A_WAITING:
+            return batch
+        self._state = A_FIRED
+        wakeup = self._wakeup
+        if wakeup is None:
+            return batch  # no task waits yet: add_done_callback schedules it
+        self._wakeup = None  # breaks the cycle task -> self -> task, as _schedule
+        context = self._context
+        if context is None:  # as call_soon(context=None): the current context, copied now
+            context = PyContext_CopyCurrent()
+        if batch is None or batch.loop is not self._loop:
+            batch = _Wakeups.__new__(_Wakeups)
+            batch.loop = self._loop
+            batch.items = []
+        batch.items.append(wakeup)
+        batch.items.append(self)
+        batch.items.append(context)
+        return batch
+
     cdef _schedule(self):
         wakeup = self._wakeup
         if wakeup is not None:
@@ -2201,8 +2268,14 @@ cdef class AsyncioAwait(Watch):
 
     def result(self):
         """None once the record completed or failed; raises CancelledError
-        if cancelled."""
-        self.exception()
+        if cancelled. (The task's wake-up calls it on every await: its
+        states are read here, without a call of ``exception()``.)"""
+        cdef int state = self._state
+        if state == A_CANCELLED:
+            raise self._cancelled_error()
+        if state == A_WAITING or state == A_NEW:
+            raise _AsyncioInvalidState("Result is not ready.")
+        return None
 
     def exception(self):
         cdef int state = self._state
@@ -2235,6 +2308,109 @@ cdef PyObject* _asyncio_await_next(PyObject* op) except NULL:
 _install_iternext(AsyncioAwait, _asyncio_await_next)
 
 
+@cython.final
+cdef class _Wakeups:
+    """The wake-ups of tasks whose awaits one poll fired, in firing order,
+    run by one loop callback: what ``loop.call_soon(wakeup, await,
+    context=context)`` per await did, without a ``Handle`` (a Python-level
+    ``call_soon`` and ``Handle._run`` each) per await. The ready queue's
+    order is the same: the wake-ups were consecutive handles, and are now
+    consecutive calls of one."""
+
+    cdef object loop
+    cdef list items  # wakeup, await, context; wakeup, await, context; ...
+
+    def __call__(self):
+        """Run every wake-up, each in its context (as ``Handle._run``: an
+        ``Exception`` goes to the loop's exception handler and the rest run;
+        ``KeyboardInterrupt`` or ``SystemExit`` propagates, the wake-ups not
+        run yet scheduled again first, so no task is stranded)."""
+        cdef list items = self.items
+        cdef Py_ssize_t i = 0
+        cdef Py_ssize_t n = len(items)
+        cdef _Wakeups rest
+        self.items = None  # run once
+        while i < n:
+            wakeup = items[i]
+            wait = items[i + 1]
+            context = items[i + 2]
+            i += 3
+            try:
+                _run_in(context, wakeup, wait)
+            except (SystemExit, KeyboardInterrupt):
+                if i < n:
+                    rest = _Wakeups.__new__(_Wakeups)
+                    rest.loop = self.loop
+                    rest.items = items[i:]
+                    self.loop.call_soon(rest)
+                raise
+            except BaseException as exc:
+                self.loop.call_exception_handler(
+                    {"message": f"Exception in callback {wakeup!r}({wait!r})", "exception": exc}
+                )
+
+    cdef int schedule(self, object driver) except -1:
+        """``loop.call_soon(self)``; a failure (the loop closed) is the
+        driver's to report, as each await's ``call_soon`` failing was."""
+        try:
+            self.loop.call_soon(self)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            driver.report("cudafut: exception in an internal wake-up callback", exc)
+        return 0
+
+
+cdef inline object _run_in(object context, object fn, object arg):
+    """``context.run(fn, arg)`` without the method call."""
+    PyContext_Enter(context)  # raises where the context is entered already, as run() does
+    try:
+        return fn(arg)
+    finally:
+        PyContext_Exit(context)
+
+
+def run_fired(driver, list fired):
+    """``Driver.run_fired`` of the native core: run what a poll fired, in
+    order (``callback(record)`` each, an exception reported by the driver).
+    The wake-ups of asyncio tasks whose :class:`AsyncioAwait` fired are
+    gathered, consecutive ones into one loop callback (:class:`_Wakeups`),
+    scheduled before any other callback runs: the loop runs the tasks'
+    steps in the order the old per-await ``call_soon`` did. Costs one C
+    step per await and one ``call_soon`` per run of consecutive awaits
+    (one per poll, in the common case), where a ``call_soon`` and a
+    ``Handle`` per await went before; in the loop's debug mode each wake-up
+    keeps its own handle (the slow-callback report names its task)."""
+    cdef _Wakeups batch = None
+    cdef _Wakeups fresh
+    cdef AsyncioAwait wait
+    cdef tuple pair
+    cdef int debug = -1  # whether the loop runs in debug mode: asked at the first await
+    for item in fired:
+        pair = <tuple>item
+        callback = pair[0]
+        if type(callback) is AsyncioAwait:
+            wait = <AsyncioAwait>callback
+            if debug < 0:
+                debug = 1 if wait._loop.get_debug() else 0
+        if type(callback) is AsyncioAwait and not debug:
+            fresh = wait._fire_into(batch)
+            if fresh is not batch:
+                if batch is not None:
+                    batch.schedule(driver)
+                batch = fresh
+            continue
+        if batch is not None:
+            batch.schedule(driver)
+            batch = None
+        try:
+            callback(pair[1])
+        except BaseException as exc:  # no callback may kill the poller or strand the rest
+            driver.report("cudafut: exception in an internal wake-up callback", exc)
+    if batch is not None:
+        batch.schedule(driver)
+
+
 cdef inline int _fill(AsyncioAwait wait, AsyncioEntry entry, object loop, object future, object record,
                       object finish) except -1:
     """A new AsyncioAwait's state: ``__init__``'s, and ``AsyncioEntry._make``'s
@@ -2248,6 +2424,7 @@ cdef inline int _fill(AsyncioAwait wait, AsyncioEntry entry, object loop, object
     wait._finish = finish
     wait._state = A_NEW
     wait._asyncio_future_blocking = False
+    wait._checked_in = 0
     return 0
 
 
@@ -2320,6 +2497,7 @@ cdef object _entry_await(FutureCore fut, EventRecord rec):
     :class:`AsyncioAwait`, made from C. None otherwise (the caller then asks
     the loop's driver)."""
     cdef AsyncioEntry entry
+    cdef AsyncioAwait wait
     if _last_entry is None:
         return None
     e = _weak_get(_last_entry)
@@ -2331,4 +2509,6 @@ cdef object _entry_await(FutureCore fut, EventRecord rec):
     loop = _weak_get(entry._loop)
     if loop is None or _get_running_loop() is not loop:
         return None
-    return entry._make(loop, fut, rec, awaited)
+    wait = entry._make(loop, fut, rec, awaited)
+    wait._checked_in = PyThread_get_thread_ident()  # its first next() needs no second look
+    return wait

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 _CLOCK_MONOTONIC: Final = 1
@@ -50,10 +51,46 @@ def _load_libc() -> Any:
     return _libc
 
 
+#: ``settime(fd, ns)``: Python 3.13's ``os.timerfd_settime_ns``, else the
+#: native core's ``timer_settime`` (C), else libc through ctypes (a few µs a
+#: call: the pure core's). Chosen by the first Timer (the native core is
+#: imported by then).
+_settime: Callable[[int, int], None] | None = None
+
+
+def _os_settime(fd: int, ns: int) -> None:
+    os.timerfd_settime_ns(fd, initial=ns)  # type: ignore[attr-defined,unused-ignore]  # Python 3.13
+
+
+def _ctypes_settime(fd: int, ns: int) -> None:
+    spec = _Itimerspec()
+    spec.it_value.tv_sec, spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
+    if _libc.timerfd_settime(fd, 0, ctypes.byref(spec), None) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _choose_settime() -> Callable[[int, int], None]:
+    global _settime
+    if _settime is None:
+        if hasattr(os, "timerfd_settime_ns"):
+            _settime = _os_settime
+        else:
+            from . import _compiled
+
+            native = _compiled.native()
+            if native is not None:
+                _settime = native.timer_settime
+            else:
+                _load_libc()
+                _settime = _ctypes_settime
+    return _settime
+
+
 class Timer:
     """A non-blocking timerfd: :meth:`arm` it, watch :attr:`fd` for reading."""
 
-    __slots__ = ("_spec", "fd")
+    __slots__ = ("_settime", "fd")
 
     def __init__(self) -> None:
         if hasattr(os, "timerfd_create"):
@@ -64,28 +101,20 @@ class Timer:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err))
             self.fd = fd
-        self._spec = _Itimerspec()
+        self._settime = _choose_settime()
 
     def arm(self, delay: float) -> None:
         """Become readable ``delay`` seconds from now (at least 1 ns); replaces
-        an earlier arming. Costs about a µs, a system call."""
-        ns = max(1, int(delay * 1e9))
-        if hasattr(os, "timerfd_settime_ns"):
-            os.timerfd_settime_ns(self.fd, initial=ns)
-            return
-        value = self._spec.it_value
-        value.tv_sec, value.tv_nsec = divmod(ns, 1_000_000_000)
-        if _libc.timerfd_settime(self.fd, 0, ctypes.byref(self._spec), None) < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        an earlier arming. Costs a system call (under a µs; a few µs through
+        ctypes on the pure core before Python 3.13); never blocks."""
+        ns = int(delay * 1e9)
+        self._settime(self.fd, ns if ns > 1 else 1)
 
     def disarm(self) -> None:
-        if hasattr(os, "timerfd_settime_ns"):
-            os.timerfd_settime_ns(self.fd, initial=0)
-            return
-        value = self._spec.it_value
-        value.tv_sec = value.tv_nsec = 0
-        _libc.timerfd_settime(self.fd, 0, ctypes.byref(self._spec), None)
+        """Stop a pending expiry; costs and blocks as :meth:`arm`. Errors
+        are ignored (a closed timer has nothing to stop)."""
+        with contextlib.suppress(OSError):
+            self._settime(self.fd, 0)
 
     def drain(self) -> bool:
         """Consume the expiry, so that the fd stops being readable; whether

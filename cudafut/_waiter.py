@@ -328,7 +328,7 @@ class Driver(abc.ABC):
             self.pacer.interrupted()
         fired = self.watchlist.poll(now, FIRE_PER_POLL)
         if fired:
-            self.run_fired(fired)
+            _run_fired(self, fired)
         if _trace.active is not None:
             _trace.polled(self, now, timer_fired, fired)
         if not self.watchlist.pending:
@@ -380,6 +380,15 @@ class Driver(abc.ABC):
                 exc,
                 future,
             )
+
+
+#: What ``Driver.poll`` runs what fired with: ``Driver.run_fired``, or the
+#: native core's twin, which gathers the wake-ups of the asyncio tasks whose
+#: awaits fired into one loop callback (the same order; no ``call_soon`` per
+#: await). A driver's own ``run_fired`` is not consulted: none overrides it.
+_run_fired: Callable[[Driver, list[tuple[RecordCallback, EventRecord]]], None] = (
+    Driver.run_fired if _native is None else _native.run_fired
+)
 
 
 #: The watcher thread never spins: a spinning thread would hold the GIL and

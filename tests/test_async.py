@@ -20,6 +20,7 @@ import pytest
 
 import cudafut
 from cudafut import _loops, testing
+from cudafut._interface import records_of
 from tests.fakes import FakeRecord, set_future, stream_records
 
 pytestmark = pytest.mark.anyio
@@ -492,6 +493,70 @@ async def test_the_one_object_await_as_a_future_and_an_iterator(
         assert driver.watchlist.pending == 1
         wait.close()
     assert await fut == "v"
+
+
+@pytest.mark.no_asyncio_debug(reason="in debug mode each wake-up keeps its own handle: the batch is not used")
+async def test_tasks_woken_by_one_poll_run_in_firing_order_among_other_callbacks(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    """One poll fires one-object awaits and a plain callback of the waiter
+    between them: the tasks' steps and what the callback schedules run in
+    the order the records fired (the native core runs consecutive task
+    wake-ups as one loop callback, flushed before any other callback)."""
+    _asyncio_only(anyio_backend)
+    loop = asyncio.get_running_loop()
+    stream = fake_cuda.stream()
+    log: list[str] = []
+
+    async def wake(name: str, fut: cudafut.CudaFuture[Any]) -> None:
+        await fut
+        log.append(name)
+
+    futs = [cudafut.record(i, stream=stream) for i in range(6)]
+    tasks = [asyncio.ensure_future(wake(f"task {i}", f)) for i, f in enumerate(futs) if i != 3]
+    driver = await _until_pending(5)
+
+    # Record 3's watch is a plain callback, which schedules its entry as a
+    # task's wake-up would.
+    def callback(_record: object) -> None:
+        loop.call_soon(log.append, "callback 3")
+
+    driver.watch_one(records_of(futs[3])[0], callback)
+    fake_cuda.complete_all()
+    await asyncio.gather(*tasks)
+    assert log == ["task 0", "task 1", "task 2", "callback 3", "task 4", "task 5"]
+
+
+def test_a_keyboard_interrupt_in_a_woken_task_strands_no_other_task(fake_cuda: testing.FakeCuda) -> None:
+    """A task that raises KeyboardInterrupt as it wakes stops the loop, as
+    asyncio's own wake-ups do; the tasks woken by the same poll after it
+    still run when the loop runs again (none is left waiting)."""
+    stream = fake_cuda.stream()
+    log: list[int] = []
+
+    async def wake(i: int, fut: cudafut.CudaFuture[Any]) -> None:
+        await fut
+        if i == 2:
+            raise KeyboardInterrupt
+        log.append(i)
+
+    async def start() -> list[asyncio.Task[None]]:
+        futs = [cudafut.record(i, stream=stream) for i in range(6)]
+        tasks = [asyncio.ensure_future(wake(i, f)) for i, f in enumerate(futs)]
+        await _until_pending(5)  # the first spins alone in its task
+        fake_cuda.complete_all()
+        return tasks
+
+    loop = asyncio.new_event_loop()
+    try:
+        tasks = loop.run_until_complete(start())
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(asyncio.gather(*tasks[3:]))
+        loop.run_until_complete(asyncio.gather(*tasks[3:]))
+        assert sorted(log) == [0, 1, 3, 4, 5]
+        assert isinstance(tasks[2].exception(), KeyboardInterrupt)
+    finally:
+        loop.close()
 
 
 async def test_closing_a_coroutine_that_awaits_among_others_removes_its_wait(

@@ -150,6 +150,16 @@ def test_the_timer_fires_at_the_time_asked_and_can_be_disarmed() -> None:
     timer.close()  # idempotent
 
 
+def test_the_timer_settime_call_reports_a_failure_and_a_closed_timer_disarms_quietly() -> None:
+    # Whichever call arms it (os on 3.13, the native core's C, or ctypes).
+    timer = _timer.make_timer()
+    assert timer is not None
+    timer.close()
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        timer._settime(timer.fd, 1_000)  # the chosen call itself (a closed timer's fd is -1)
+    timer.disarm()  # nothing to stop: no error
+
+
 class _ReentrantRecord(FakeRecord):
     """A pending record whose query calls ``hook`` (a finalizer, a backend
     reentering the list)."""
