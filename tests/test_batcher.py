@@ -308,7 +308,7 @@ async def test_each_request_of_a_failing_batch_gets_its_exception() -> None:
         except ValueError as exc:
             outcomes.append(exc)
 
-    async with cudafut.Batcher(run_batch, max_batch=3, max_delay_s=3600) as batcher:
+    async with cudafut.Batcher(run_batch, max_batch=3, max_delay_s=3600, min_in_flight=0) as batcher:
         async with anyio.create_task_group() as tg:
             for i in range(3):  # one full batch
                 tg.start_soon(one, batcher, i)
