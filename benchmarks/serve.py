@@ -24,6 +24,11 @@ Two parts:
   and ``batch_graph``. Every row reports the server's garbage collections
   of 5 ms or more in its window (examples/service/pauses.py): how many,
   the longest, and the longest itself (generation, objects tracked).
+  ``batch_floor`` is ``batch_graph``'s batching and graph replays written
+  by hand, without cudafut on the loop (server.py): the floor beside it,
+  closed and open loop. ``nogpu``, ``batch_graph`` and ``batch_floor`` also
+  run closed loop with :data:`MORE_CLIENTS` clients: the one-process
+  capacity, which 64 clients do not reach for the GPU modes.
 
 - ``processes`` (with ``CUDAFUT_BENCH_SERVE_DEVICES``, e.g. ``"1 2 4"``):
   examples/service/multiproc.py for ResNet-50 on each number of GPUs the
@@ -59,6 +64,10 @@ NAME = "serve"
 SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service"
 ALL_MODELS = ("resnet50", "vit_b_16")
 THREADS = (1, 4)  # besides the default (2)
+#: Closed loop with more clients (nogpu, batch_graph, batch_floor): the
+#: one-process capacity; 64 clients are too few once a request waits for its
+#: batch and the GPU (Little's law), for the GPU modes, not for nogpu.
+MORE_CLIENTS = (256,)
 
 
 def _models() -> tuple[str, ...]:
@@ -150,9 +159,10 @@ def _compare_module() -> Any:
 
 def steps(quick: bool) -> int:
     n_models = len(_models())
-    per_model = 9 + 6 + 2 * len(_rates())  # closed rows + open rows + fixed-rate rows
+    # closed rows + open rows + fixed-rate rows + capacity rows
+    per_model = 10 + 7 + 2 * len(_rates()) + 3 * len(MORE_CLIENTS)
     if _modes() is not None:
-        per_model = len(_modes() or ()) + 4 + 2 * len(_rates())
+        per_model = len(_modes() or ()) + 4 + 2 * len(_rates()) + 3 * len(MORE_CLIENTS)
     return n_models * per_model + (5 + 2 * len(THREADS) if _whole() else 0)
 
 
@@ -340,6 +350,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
         warmup=0.5 if quick else 1.0,
         open_loop=True,
         open_rates=_rates(),
+        more_clients=MORE_CLIENTS,
         threads=THREADS if _whole() else (),
         step=progress.step,
     )
@@ -372,6 +383,20 @@ def _targets(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"- {model}: launch + Batcher + graphs at {best['rps'] / ceiling:.2f}x the no-GPU "
                 f"ceiling{which}{_goal(best['rps'] / ceiling, 0.75, at_least=True)})"
+            )
+        for n, group in m.get("capacity", {}).items():
+            graph, floor, base = (group.get(k) for k in ("batch_graph", "batch_floor", "nogpu"))
+            if graph is None:
+                continue
+            against = (
+                [f"the hand-written floor {floor['rps']:,.0f} ({graph['rps'] / floor['rps']:.2f}x)"]
+                if floor
+                else []
+            )
+            against += [f"no GPU {base['rps']:,.0f} ({graph['rps'] / base['rps']:.2f}x)"] if base else []
+            lines.append(
+                f"- {model}, closed loop with {n} clients: batch_graph {graph['rps']:,.0f} req/s, against "
+                + (", ".join(against) or "nothing")
             )
         if best and "litserve" in closed:
             ratio = best["rps"] / closed["litserve"]["rps"]

@@ -124,10 +124,14 @@ class Batcher(Generic[In, Out]):
       a :class:`CudaFuture`, that is awaited too. Its host work runs on the
       loop, so keep it short (or call :func:`cudafut.launch` inside).
 
-    How batches form: a batch starts with the oldest waiting request and
-    takes what arrived until it holds ``max_batch`` requests or
-    ``max_delay_s`` have passed since that request arrived (asyncio rounds
-    the delay up to whole milliseconds), whichever comes first. Up to
+    How batches form: a batch starts with the oldest waiting request. While
+    fewer than ``min_in_flight`` batches run (the GPU idle, or about to
+    be), it goes at once with what is waiting. Otherwise it takes what
+    arrives until it holds ``max_batch`` requests, ``max_delay_s`` have
+    passed since that request arrived (asyncio and uvloop round the delay
+    to whole milliseconds), or a running batch ends leaving fewer than
+    ``min_in_flight``, whichever comes first: batches stay small at low
+    load and grow with it. Up to
     ``max_in_flight`` batches run at once, so the next batch forms while the
     GPU runs one; while that many run, requests wait and the next batch
     takes them all (up to ``max_batch``) as soon as one ends. With
@@ -163,18 +167,24 @@ class Batcher(Generic[In, Out]):
             any size up to ``max_batch``).
         max_in_flight: the most batches running at once (default 4;
             docs/serving.md measures depths).
+        min_in_flight: while fewer batches than this run, a batch goes
+            as soon as it has a request, without waiting to fill (default
+            2, or ``max_in_flight`` if lower; 0: always wait for
+            ``max_batch`` or ``max_delay_s``).
         device: the device whose launcher threads run a plain
             ``run_batch`` (default: the current device when the batch runs).
 
     Raises:
         TypeError: ``run_batch`` is not callable, or an option has the wrong type.
         ValueError: an option is out of range (``max_batch``,
-            ``max_in_flight`` or a bucket below 1, a negative, infinite or
+            ``max_in_flight`` or a bucket below 1, ``min_in_flight``
+            outside 0 to ``max_in_flight``, a negative, infinite or
             NaN delay, ``max_batch`` above the largest bucket).
     """
 
     max_batch: int
     max_in_flight: int
+    min_in_flight: int
     max_delay_s: float
     buckets: tuple[int, ...] | None
     device: int | None
@@ -209,6 +219,7 @@ class Batcher(Generic[In, Out]):
         max_delay_s: float = ...,
         buckets: Sequence[int] | None = ...,
         max_in_flight: int = ...,
+        min_in_flight: int | None = ...,
         device: int | None = ...,
     ) -> None: ...
     @overload
@@ -220,6 +231,7 @@ class Batcher(Generic[In, Out]):
         max_delay_s: float = ...,
         buckets: Sequence[int] | None = ...,
         max_in_flight: int = ...,
+        min_in_flight: int | None = ...,
         device: int | None = ...,
     ) -> None: ...
     def __init__(
@@ -230,6 +242,7 @@ class Batcher(Generic[In, Out]):
         max_delay_s: float = 0.002,
         buckets: Sequence[int] | None = None,
         max_in_flight: int = 4,
+        min_in_flight: int | None = None,
         device: int | None = None,
     ) -> None:
         if not callable(run_batch):
@@ -244,6 +257,16 @@ class Batcher(Generic[In, Out]):
             max_batch = 64 if largest is None else largest
         self.max_batch = _check_count("max_batch", max_batch)
         self.max_in_flight = _check_count("max_in_flight", max_in_flight)
+        if min_in_flight is None:  # two, or max_in_flight if lower
+            min_in_flight = min(2, self.max_in_flight)
+        if isinstance(min_in_flight, bool) or not isinstance(min_in_flight, numbers.Integral):
+            raise TypeError(f"min_in_flight must be an int, not {type(min_in_flight).__name__}")
+        if not 0 <= min_in_flight <= self.max_in_flight:
+            raise ValueError(
+                f"min_in_flight must be between 0 and max_in_flight ({self.max_in_flight}), "
+                f"not {min_in_flight}"
+            )
+        self.min_in_flight = int(min_in_flight)
         if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, numbers.Real):
             raise TypeError(f"max_delay_s must be a number of seconds, not {type(max_delay_s).__name__}")
         if not 0 <= max_delay_s < math.inf:  # NaN fails too
@@ -643,10 +666,19 @@ class Batcher(Generic[In, Out]):
                         return
                     self._want = _WANT_ITEM
                     await rt.sleep(None)
+                # Fewer than min_in_flight batches run: the GPU would idle
+                # (or soon), so the batch goes now; else it fills until
+                # max_batch, its deadline, or the pipeline runs low.
                 deadline = queue[0][2] + self.max_delay_s
-                while len(queue) < self.max_batch and not self._closing and rt.now() < deadline:
+                while (
+                    len(queue) < self.max_batch
+                    and self._in_flight >= self.min_in_flight
+                    and not self._closing
+                    and rt.now() < deadline
+                ):
                     self._want = _WANT_FULL
-                    await rt.sleep(deadline)
+                    if await rt.sleep(deadline):  # its timer fired: the deadline passed
+                        break
                 self._want = _IDLE
                 batch: list[tuple[Any, Any, float, tuple[EventRecord, ...]]] = []
                 while queue and len(batch) < self.max_batch:
@@ -741,7 +773,8 @@ class Batcher(Generic[In, Out]):
             raise
         finally:
             self._in_flight -= 1
-            if self._want == _WANT_SLOT:
+            want = self._want
+            if want == _WANT_SLOT or (want == _WANT_FULL and self._in_flight < self.min_in_flight):
                 self._rt.wake()
 
 
@@ -821,9 +854,16 @@ def _split(out: Any, n: int, size: int) -> Sequence[Any]:
     )
 
 
+#: Items that hold no GPU array: submit() skips looking into them (a
+#: request's index or key, the commonest item, costs no search).
+_HOST_SCALARS: Final = frozenset({int, float, str, bytes, bool, type(None)})
+
+
 def _submitter_events(item: object) -> tuple[EventRecord, ...]:
     """Events after the calling task's work on the devices of ``item``'s
     GPU arrays; () for an item on the host (no CUDA touched)."""
+    if type(item) in _HOST_SCALARS:
+        return ()
     devices = find_devices(item)
     if not devices:
         return ()

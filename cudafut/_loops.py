@@ -52,6 +52,12 @@ def _resolve(waiter: asyncio.Future[None], _done: object) -> None:
         waiter.set_result(None)
 
 
+def _at_deadline(waiter: asyncio.Future[Any]) -> None:
+    """A :meth:`AsyncioTasks.sleep` timer: the sleep ends at its deadline."""
+    if not waiter.done():
+        waiter.set_result(True)
+
+
 #: A planned sleep shorter than this is spun instead: waking costs more.
 MIN_SLEEP_S: Final = 20e-6
 
@@ -846,7 +852,7 @@ class AsyncioTasks:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.tasks: set[asyncio.Task[None]] = set()
-        self._wake: asyncio.Future[None] | None = None
+        self._wake: asyncio.Future[bool] | None = None
 
     def now(self) -> float:
         return self.loop.time()
@@ -854,19 +860,28 @@ class AsyncioTasks:
     def wake(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
-            wake.set_result(None)
+            wake.set_result(False)
 
-    async def sleep(self, deadline: float | None) -> None:
-        """Until :meth:`wake` or ``deadline`` (loop time; None: no limit).
-        asyncio rounds its timers up to whole milliseconds."""
+    async def sleep(self, deadline: float | None) -> bool:
+        """Until :meth:`wake` or ``deadline`` (loop time; None: no limit);
+        True when it ended at the deadline. asyncio rounds its timers up to
+        whole milliseconds, uvloop to whole milliseconds either way: its
+        timer may fire while ``now()`` is still below ``deadline``, so the
+        caller takes True as the deadline reached (asking ``now()`` again
+        would sleep again for less than a millisecond, a busy loop)."""
         wake = self._wake = self.loop.create_future()
-        timer = None if deadline is None else self.loop.call_at(deadline, _resolve, wake, None)
+        if deadline is None:
+            try:
+                await wake
+            finally:
+                self._wake = None
+            return False
+        timer = self.loop.call_at(deadline, _at_deadline, wake)
         try:
-            await wake
+            return bool(await wake)
         finally:
             self._wake = None
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         task: asyncio.Task[None] = self.loop.create_task(fn(*args))  # type: ignore[arg-type]
@@ -889,11 +904,13 @@ class TrioTasks:
         if self._wake is not None:
             self._wake.set()
 
-    async def sleep(self, deadline: float | None) -> None:
+    async def sleep(self, deadline: float | None) -> bool:
+        """As :meth:`AsyncioTasks.sleep`: True when it ended at the deadline."""
         wake = self._wake = self.trio.Event()
         try:
-            with self.trio.move_on_at(math.inf if deadline is None else deadline):
+            with self.trio.move_on_at(math.inf if deadline is None else deadline) as scope:
                 await wake.wait()
+            return bool(scope.cancelled_caught)
         finally:
             self._wake = None
 

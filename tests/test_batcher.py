@@ -123,7 +123,10 @@ async def test_a_full_batch_runs_without_waiting_for_max_delay() -> None:
         return items
 
     with anyio.fail_after(60):  # a hang guard: waiting for max_delay_s would take an hour
-        async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=3600, max_in_flight=1) as batcher:
+        # min_in_flight=0: with nothing running too, a batch waits to fill.
+        async with cudafut.Batcher(
+            run_batch, max_batch=4, max_delay_s=3600, max_in_flight=1, min_in_flight=0
+        ) as batcher:
             assert sorted(await _submit_all(batcher, list(range(8)))) == list(range(8))
     assert [len(batch) for batch in seen] == [4, 4]
 
@@ -156,6 +159,100 @@ async def test_requests_waiting_for_a_slot_form_one_batch_when_it_frees() -> Non
     # one batch, in arrival order (trio starts the tasks in an order of its choosing)
     assert len(seen) == 2 and seen[0] == [0] and sorted(seen[1]) == [1, 2, 3, 4, 5]
     assert results == {i: 2 * i for i in range(6)}
+
+
+async def test_while_fewer_than_min_in_flight_batches_run_a_batch_goes_at_once() -> None:
+    seen: list[list[int]] = []
+    gates: list[anyio.Event] = []
+
+    async def run_batch(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        gate = anyio.Event()
+        gates.append(gate)
+        await gate.wait()
+        return items
+
+    async def settle() -> None:
+        for _ in range(20):
+            await anyio.sleep(0)
+
+    # max_delay_s of an hour: a batch that waited for its deadline would hang the test.
+    with anyio.fail_after(60):
+        async with cudafut.Batcher(run_batch, max_batch=8, max_delay_s=3600) as batcher:
+            assert batcher.min_in_flight == 2  # the default
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(batcher.submit, 0)
+                await settle()
+                assert seen == [[0]]  # nothing ran: it went alone, at once
+                tg.start_soon(batcher.submit, 1)
+                await settle()
+                assert seen == [[0], [1]]  # one ran: the second went at once too
+                for i in range(2, 5):
+                    tg.start_soon(batcher.submit, i)
+                await settle()
+                assert len(seen) == 2 and batcher.statistics().queued == 3  # two run: they fill
+                gates[0].set()  # one ends: the pipeline runs low, the waiting ones go
+                await settle()
+                assert len(seen) == 3 and sorted(seen[2]) == [2, 3, 4]
+                for gate in gates[1:]:
+                    gate.set()
+
+
+async def test_min_in_flight_zero_waits_to_fill_even_with_nothing_running() -> None:
+    seen: list[list[int]] = []
+
+    async def run_batch(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        return items
+
+    with anyio.fail_after(60):
+        async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=3600, min_in_flight=0) as batcher:
+            async with anyio.create_task_group() as tg:
+                for i in range(2):
+                    tg.start_soon(batcher.submit, i)
+                for _ in range(20):
+                    await anyio.sleep(0)
+                assert seen == [] and batcher.statistics().queued == 2  # waiting for its deadline
+                for i in range(2, 4):
+                    tg.start_soon(batcher.submit, i)  # full: it goes
+    assert [sorted(b) for b in seen] == [[0, 1, 2, 3]]
+
+
+async def test_a_deadline_timer_that_fires_before_the_loop_clock_reaches_it_ends_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # uvloop rounds a timer's delay down to whole milliseconds: the timer of
+    # a deadline fires while the loop's time is still below it. A fake clock
+    # that never reaches any deadline: the batch must go when its timer
+    # fires, after one sleep (asking the clock again slept again: a busy loop).
+    sleeps = 0
+    for tasks in (_loops.AsyncioTasks, _loops.TrioTasks):
+        real_sleep = tasks.sleep
+
+        async def counted(self: Any, deadline: float | None, real: Any = real_sleep) -> bool:
+            nonlocal sleeps
+            sleeps += deadline is not None
+            result: bool = await real(self, deadline)
+            return result
+
+        monkeypatch.setattr(tasks, "sleep", counted)
+        monkeypatch.setattr(tasks, "now", lambda self: 0.0)  # deadlines: 0.001
+
+    async def run_batch(items: list[str]) -> list[str]:
+        return [s.upper() for s in items]
+
+    with anyio.fail_after(60):
+        async with cudafut.Batcher(run_batch, max_delay_s=0.001, min_in_flight=0) as batcher:
+            assert await batcher.submit("a") == "A"
+    assert sleeps == 1
+
+
+@pytest.mark.parametrize(("max_in_flight", "expected"), [(4, 2), (2, 2), (1, 1)])
+def test_min_in_flight_defaults_to_two_or_max_in_flight(max_in_flight: int, expected: int) -> None:
+    async def run_batch(items: list[int]) -> list[int]:
+        return items
+
+    assert cudafut.Batcher(run_batch, max_in_flight=max_in_flight).min_in_flight == expected
 
 
 async def test_a_request_cancelled_before_its_batch_runs_is_dropped() -> None:
@@ -211,7 +308,7 @@ async def test_each_request_of_a_failing_batch_gets_its_exception() -> None:
         except ValueError as exc:
             outcomes.append(exc)
 
-    async with cudafut.Batcher(run_batch, max_batch=3, max_delay_s=3600) as batcher:
+    async with cudafut.Batcher(run_batch, max_batch=3, max_delay_s=3600, min_in_flight=0) as batcher:
         async with anyio.create_task_group() as tg:
             for i in range(3):  # one full batch
                 tg.start_soon(one, batcher, i)
@@ -305,8 +402,9 @@ async def test_leaving_the_block_runs_what_is_queued() -> None:
         results.append(await b.submit(i))
 
     async with anyio.create_task_group() as tg:
-        # A batch waits 60 s for more requests: only leaving the block runs them.
-        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60) as batcher:
+        # A batch waits 60 s for more requests (min_in_flight=0: even with
+        # nothing running): only leaving the block runs them.
+        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60, min_in_flight=0) as batcher:
             for i in range(7):
                 tg.start_soon(one, batcher, i)
             for _ in range(20):  # every task submitted
@@ -400,6 +498,10 @@ async def test_a_cancellation_storm_loses_no_reply_and_leaks_nothing() -> None:
         ({"max_batch": 2.0}, TypeError, "max_batch must be an int"),
         ({"max_batch": True}, TypeError, "max_batch must be an int, not bool"),
         ({"max_in_flight": 0}, ValueError, "max_in_flight"),
+        ({"min_in_flight": 5}, ValueError, "min_in_flight must be between 0 and max_in_flight"),
+        ({"min_in_flight": -1}, ValueError, "min_in_flight"),
+        ({"min_in_flight": 1.0}, TypeError, "min_in_flight must be an int"),
+        ({"min_in_flight": True}, TypeError, "min_in_flight must be an int"),
         ({"max_delay_s": -1}, ValueError, "max_delay_s"),
         ({"max_delay_s": float("nan")}, ValueError, "max_delay_s"),
         ({"max_delay_s": float("inf")}, ValueError, "max_delay_s"),
@@ -489,7 +591,7 @@ def test_a_batch_former_that_dies_fails_the_queue_and_later_submits() -> None:
         return items
 
     async def main() -> None:
-        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60) as batcher:
+        async with cudafut.Batcher(run_batch, max_batch=64, max_delay_s=60, min_in_flight=0) as batcher:
             waiting = asyncio.ensure_future(batcher.submit(1))
             for _ in range(5):
                 await asyncio.sleep(0)
@@ -662,7 +764,7 @@ async def _until_queued(batcher: cudafut.Batcher[Any, Any], n: int) -> None:
 
 
 async def test_start_and_aclose_from_different_tasks_as_a_frameworks_hooks_do() -> None:
-    batcher = cudafut.Batcher(_double, max_batch=8, max_delay_s=60)
+    batcher = cudafut.Batcher(_double, max_batch=8, max_delay_s=60, min_in_flight=0)
     async with anyio.create_task_group() as hook:  # the start-up hook: a task that ends
         hook.start_soon(batcher.start)
     results: list[int] = []

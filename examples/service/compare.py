@@ -74,7 +74,23 @@ HERE = Path(__file__).resolve().parent
 
 #: The rows, in the order they run: the harness's ceiling, what people write
 #: first, the peers, then cudafut's ways.
-MODES = ("nogpu", "sync", "executor", "litserve", "await", "launch", "launch_graph", "batch", "batch_graph")
+MODES = (
+    "nogpu",
+    "sync",
+    "executor",
+    "litserve",
+    "await",
+    "launch",
+    "launch_graph",
+    "batch",
+    "batch_graph",
+    "batch_floor",
+)
+#: The modes that also run closed loop with more clients (``more_clients``):
+#: the one-process capacity, which 64 clients cannot reach once a request
+#: waits milliseconds for its batch and the GPU (Little's law: 64 clients /
+#: 11 ms is 5,800 req/s), beside the no-GPU server and the hand-written floor.
+CAPACITY = ("nogpu", "batch_graph", "batch_floor")
 #: Several processes (multiproc.py, with front batches, and
 #: ``fronts_per_request``, its hand-off of a message per request; LitServe
 #: with as many API servers and a worker per GPU): not among the defaults,
@@ -85,7 +101,7 @@ FRONTS_GPU = ("fronts", "fronts_per_request")
 #: Open loop: which modes run at half the no-GPU ceiling's rate (the
 #: batching server with graphs: the others cannot carry that rate) and
 #: which at half run_in_executor's maximum (the unbatched ones).
-OPEN_BATCHED = ("nogpu", "batch_graph")
+OPEN_BATCHED = ("nogpu", "batch_graph", "batch_floor")
 OPEN_UNBATCHED = ("nogpu", "executor", "launch", "launch_graph")
 OPEN_FRONTS = ("nogpu_fronts", "fronts", "fronts_per_request")
 
@@ -340,6 +356,7 @@ def compare(
     open_rates: tuple[float, ...] = (),
     threads: tuple[int, ...] = (),
     clients: int = 64,
+    more_clients: tuple[int, ...] = (),
     procs: int = 4,
     fronts: int = 4,
     devices: int = 1,
@@ -352,7 +369,9 @@ def compare(
     ``open_rates``: fixed rates (req/s) at which the open loop of
     ``nogpu``, ``batch_graph`` and the several-process modes also runs.
     ``threads``: launcher thread counts to also try with ``launch`` and
-    ``batch_graph`` (closed loop, the first model). ``server_args``: more
+    ``batch_graph`` (closed loop, the first model). ``more_clients``: closed
+    loops with these many clients too, for the modes of :data:`CAPACITY`
+    (``row["capacity"][str(n)][mode]``). ``server_args``: more
     options for every server.py; ``multiproc_args``: for multiproc.py's GPU
     modes."""
     if any(m.startswith("litserve") for m in modes) and not has_litserve():
@@ -365,7 +384,7 @@ def compare(
             t0 = time.perf_counter()
             ref = reference(model)
             np.save(ref_path, ref)
-            row: dict[str, Any] = {"closed": {}, "open": {}, "threads": {}}
+            row: dict[str, Any] = {"closed": {}, "open": {}, "threads": {}, "capacity": {}}
             row["reference_s"] = round(time.perf_counter() - t0, 1)
             results[model] = row
             if any(mode in FRONTS_GPU for mode in modes):
@@ -405,6 +424,11 @@ def compare(
                         raise
                     row["closed"][mode] = r
                     step(f"{model} {mode} closed: {_line(r)}")
+                    if mode in CAPACITY:
+                        for n in more_clients:
+                            r = run_mode(clients=n)
+                            row["capacity"].setdefault(str(n), {})[mode] = r
+                            step(f"{model} {mode} closed, {n} clients: {_line(r)}")
                     if open_loop:
                         for group, base in (
                             (OPEN_BATCHED, "nogpu"),
@@ -529,6 +553,9 @@ def table(results: dict[str, Any]) -> list[str]:
         rows = list(m["closed"].items())
         rows += [(f"{mode} (again, after the others)", r) for mode, r in m.get("again", {}).items()]
         lines += block(f"**{model}, closed loop** ({'/'.join(map(str, clients))} clients):", rows)
+        for n, group in m.get("capacity", {}).items():
+            title = f"**{model}, closed loop, {n} clients** (the one-process capacity, beside its floors):"
+            lines += block(title, list(group.items()))
         for base, group in m["open"].items():
             if base == "GPU limit/2":
                 why = "half the GPUs' own limit"
@@ -565,6 +592,14 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=64,
         help="closed loop: clients (64; with several GPU processes, more keep their batches full)",
+    )
+    parser.add_argument(
+        "--more-clients",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="also closed loop with N clients for nogpu, batch_graph and batch_floor; repeatable",
     )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--open", action="store_true", help="also measure open loop")
@@ -605,6 +640,7 @@ def main(argv: list[str] | None = None) -> None:
         open_rates=tuple(args.open_rate),
         procs=procs,
         clients=args.clients,
+        more_clients=tuple(args.more_clients),
         fronts=args.fronts,
         devices=args.devices,
         gpu_procs=args.gpu_procs,

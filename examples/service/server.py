@@ -20,6 +20,12 @@ answer:
 - ``batch``: ``await batcher.submit(k)``, a :class:`cudafut.Batcher` whose
   ``run_batch`` is ``answer`` (so it runs through ``launch``).
 - ``batch_graph``: the same with buckets, one captured graph per bucket.
+- ``batch_floor``: the floor beside ``batch_graph``: the same batching
+  rule (``Batcher``'s defaults) and graph replays written by hand, with no
+  cudafut on the loop: a deque, one batch-forming task, two worker threads
+  that replay, ``synchronize()`` and wake the loop with
+  ``call_soon_threadsafe``. What ``batch_graph`` would cost without
+  cudafut's futures, launchers and waiter.
 
 Run it (from the repository root, on a machine with a GPU and torchvision;
 ``pip install -e '.[service]'`` installs aiohttp and the rest)::
@@ -79,7 +85,17 @@ try:
 except ImportError as exc:  # one line that says what to install, not a traceback
     sys.exit(missing("server.py", "aiohttp", exc))
 
-MODES = ("nogpu", "sync", "executor", "await", "launch", "launch_graph", "batch", "batch_graph")
+MODES = (
+    "nogpu",
+    "sync",
+    "executor",
+    "await",
+    "launch",
+    "launch_graph",
+    "batch",
+    "batch_graph",
+    "batch_floor",
+)
 Compute = Callable[[int], Awaitable[list[float]]]
 
 
@@ -155,11 +171,29 @@ def make_compute(
             return row
 
         return launched, None
+    if mode == "batch_floor":
+        floor = FloorBatcher(
+            served, max_batch or BUCKETS[-1], max_delay_s, max_in_flight or 4, min(2, max_in_flight or 4)
+        )
+
+        async def floored(i: int) -> list[float]:
+            row: list[float] = (await floor.submit(i)).tolist()
+            return row
+
+        return floored, floor
     if mode in ("batch", "batch_graph"):
         graphs = mode == "batch_graph"
         depth = {"max_batch": max_batch, "max_in_flight": max_in_flight}
+        answer = served.answer_graphed if graphs else served.answer
+
+        def run_batch(indices: list[int]) -> Any:
+            # A NumPy view of the pinned answer (filled by its copy once the
+            # batch's GPU work is done, which the future awaits): NumPy's rows
+            # and tolist() cost the loop less than a tensor's unbind and tolist.
+            return answer(indices).numpy()
+
         batcher: cudafut.Batcher[int, Any] = cudafut.Batcher(
-            served.answer_graphed if graphs else served.answer,
+            run_batch,
             max_delay_s=max_delay_s,
             buckets=BUCKETS if graphs else None,
             **{k: v for k, v in depth.items() if v is not None},
@@ -173,7 +207,117 @@ def make_compute(
     raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
-def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | None) -> web.Application:
+class FloorBatcher:
+    """``--mode batch_floor``: the Batcher's batching rule written by hand,
+    with no cudafut on the loop (see the module). A batch goes at once while
+    fewer than ``min_in_flight`` run, else when it holds ``max_batch``, its
+    oldest request waited ``max_delay_s``, or a running batch ends; at most
+    ``max_in_flight`` run. Each runs on one of two worker threads (a stream
+    each): the graph replay of its bucket, then ``synchronize()`` on that
+    thread, then ``call_soon_threadsafe`` wakes the loop."""
+
+    def __init__(
+        self, served: Served, max_batch: int, max_delay_s: float, max_in_flight: int, min_in_flight: int
+    ) -> None:
+        self.served, self.max_batch, self.max_delay_s = served, max_batch, max_delay_s
+        self.max_in_flight, self.min_in_flight = max_in_flight, min_in_flight
+        self.queue: collections.deque[tuple[int, asyncio.Future[Any], float]] = collections.deque()
+        self.in_flight = self.batches = self.items = 0
+        self.wake: asyncio.Future[bool] | None = None
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="floor")
+        self.local = threading.local()
+        self.former: asyncio.Task[None] | None = None
+        # Warm both worker threads before serving (PyTorch's per-thread state,
+        # as warm_launchers does for the launchers): each waits for the other.
+        both = threading.Barrier(2)
+        for f in [self.pool.submit(self._warm, both) for _ in range(2)]:
+            f.result()
+
+    def _warm(self, both: threading.Barrier) -> None:
+        both.wait()
+        torch = self.served.torch
+        self.local.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.local.stream):
+            self.served.answer_graphed([0])
+        self.local.stream.synchronize()
+
+    async def __aenter__(self) -> FloorBatcher:
+        self.former = asyncio.get_running_loop().create_task(self._form())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.former is not None:
+            self.former.cancel()
+        self.pool.shutdown(wait=True)
+
+    def statistics(self) -> Any:
+        mean = self.items / self.batches if self.batches else 0.0
+        return argparse.Namespace(batches=self.batches, items=self.items, mean_batch=mean, padded=0)
+
+    def _wake(self, deadline: bool = False) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(deadline)
+
+    async def submit(self, i: int) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue = self.queue
+        queue.append((i, fut, loop.time()))
+        if len(queue) == 1 or len(queue) >= self.max_batch:
+            self._wake()
+        return await fut
+
+    async def _form(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue = self.queue
+        while True:
+            while not queue or self.in_flight >= self.max_in_flight:
+                self.wake = loop.create_future()
+                await self.wake
+            deadline = queue[0][2] + self.max_delay_s
+            while (
+                len(queue) < self.max_batch
+                and self.in_flight >= self.min_in_flight
+                and loop.time() < deadline
+            ):
+                self.wake = loop.create_future()
+                timer = loop.call_at(deadline, self._wake, True)
+                at_deadline = await self.wake
+                timer.cancel()
+                if at_deadline:
+                    break
+            batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+            self.in_flight += 1
+            self.batches += 1
+            self.items += len(batch)
+            self.pool.submit(self._work, loop, batch)
+
+    def _work(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+        torch = self.served.torch
+        try:
+            n = len(batch)
+            size = next(b for b in BUCKETS if b >= n)
+            indices = [e[0] for e in batch] + [batch[-1][0]] * (size - n)
+            with torch.cuda.stream(self.local.stream):
+                out = self.served.answer_graphed(indices)
+            self.local.stream.synchronize()  # this worker thread only
+            result: Any = out.numpy()
+        except Exception as exc:  # noqa: BLE001 - each request gets it
+            result = exc
+        loop.call_soon_threadsafe(self._done, batch, result)
+
+    def _done(self, batch: list[Any], result: Any) -> None:
+        self.in_flight -= 1
+        for k, (_, fut, _) in enumerate(batch):
+            if not fut.done():
+                if isinstance(result, Exception):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result[k])
+        self._wake()
+
+
+def make_app(compute: Compute, batcher: cudafut.Batcher[int, Any] | FloorBatcher | None) -> web.Application:
     app = web.Application()
     counts = {"requests": 0}
 
@@ -270,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode != "nogpu":
         require_gpu()
         require_model_packages("server.py --mode " + args.mode)
-        served = Served(args.model, graphs=args.mode.endswith("graph"))
+        served = Served(args.model, graphs=args.mode in ("launch_graph", "batch_graph", "batch_floor"))
         served.answer([0])
         if args.mode in ("launch", "launch_graph", "batch", "batch_graph"):
             # The first model call on each launcher thread sets up PyTorch's
