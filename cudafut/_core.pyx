@@ -74,8 +74,10 @@ cdef extern from "Python.h":
     void PyObject_GC_Track(object op)
     void PyObject_GC_UnTrack(object op)
     int PyObject_GC_IsTracked(object op)
+    Py_ssize_t PY_SSIZE_T_MAX
+from cpython.ref cimport Py_XDECREF
 from libc.errno cimport errno
-from libc.stdlib cimport free, realloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
@@ -141,6 +143,21 @@ cdef extern from *:
     }
     """
     object _weak_get "cudafut_weak_get"(object ref)
+
+
+cdef extern from *:
+    """
+    /* Whether the interpreter is finalizing: a C call where sys (a module
+       global, None once modules are torn down) may be gone. */
+    static int cudafut_finalizing(void) {
+    #if PY_VERSION_HEX >= 0x030D0000
+        return Py_IsFinalizing();
+    #else
+        return _Py_IsFinalizing();
+    #endif
+    }
+    """
+    bint _finalizing "cudafut_finalizing"() noexcept
 
 
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
@@ -298,6 +315,21 @@ def bind(pools, is_newest):
 # -- streams --------------------------------------------------------------------
 
 
+# One dropped future kept by its stream (_defer): its record, its value and
+# its keep, strong references the collector does not see (the stream's state
+# is not tracked); seq is the record's number, which orders the list.
+ctypedef struct _Held:
+    PyObject *rec
+    PyObject *value
+    PyObject *keep
+    long long seq
+
+# A stream's dropped futures are reclaimed by a record on it once this many
+# more wait (and by the watcher thread: see _defer).
+cdef enum:
+    RECLAIM_EVERY = 64
+
+
 @cython.no_gc
 @cython.final
 cdef class _Stream:
@@ -316,13 +348,25 @@ cdef class _Stream:
     cdef object owner
     cdef bint weak
     cdef pthread_mutex_t lock
+    # Dropped futures whose records were pending, by number (see _defer):
+    # the records and what they keep alive, reclaimed in batch.
+    cdef _Held *held
+    cdef Py_ssize_t nheld
+    cdef Py_ssize_t capheld
+    cdef Py_ssize_t reclaim_at  # a record on this stream reclaims once nheld reaches it
+    cdef bint armed  # the watcher thread holds a _Sweeper of this stream
 
     def __cinit__(self, key, long long device):
         self.key = key
         self.device = device
+        self.reclaim_at = RECLAIM_EVERY
         pthread_mutex_init(&self.lock, NULL)
 
     def __dealloc__(self):
+        # Never with entries in practice: each holds a record that holds
+        # this state. Defensive: what is held goes.
+        _release_held(self.held, self.nheld)
+        free(self.held)
         pthread_mutex_destroy(&self.lock)
 
     cdef inline bint owned(self):
@@ -707,6 +751,8 @@ cdef EventRecord _record(long long stream, long long device, object confirm, obj
     cdef bint fast = backend is _CUDA_BE and _driver_ready()
     cdef void *e
     cdef void *s = <void *>stream
+    if state.nheld >= state.reclaim_at:
+        _reclaim(state)  # futures dropped on this stream: their events back to the pool first
     if type(pool) is EventPool:
         handle = (<EventPool>pool)._acquire(<int>device)
     else:
@@ -1410,9 +1456,14 @@ cdef FutureCore _set_future(object value, EventRecord rec, object keep):
 
 cdef int _future_del(FutureCore fut) except -1:
     """CudaFuture.__del__: nothing to do for a future whose records are known
-    complete (known, answered by its stream's watermark, or one query; never a
-    confirm); else the Python twin, which keeps the value of pending work."""
+    complete (known, or answered by its stream's watermark; never a confirm);
+    one record pending on a stream whose watermark holds: kept by that
+    stream's list of drops (:func:`_defer`: no driver call, no Python call);
+    else one query, and the Python twin, which keeps the value of pending
+    work."""
     cdef EventRecord rec
+    cdef _Stream st
+    cdef tuple records
     if sys.is_finalizing():  # as the twin: no CUDA call while the interpreter ends
         return 0
     state = fut._state
@@ -1421,6 +1472,23 @@ cdef int _future_del(FutureCore fut) except -1:
     if state is _SET:
         if fut._keep is _kept_by_producer:  # the twin keeps nothing of such a future
             return 0
+        records = fut._records
+        if records is not None and len(records) == 1 and type(records[0]) is EventRecord and not _forked:
+            rec = <EventRecord>records[0]
+            if rec._known:
+                return 0
+            if rec._answered():
+                rec._status = 0
+                rec._known = True
+                return 0
+            st = rec.state
+            if rec._confirm is None and st is not None and st.ordered:
+                try:
+                    _defer(st, rec, fut._value, fut._keep)
+                except MemoryError:
+                    pass  # no room for it: the twin holds it
+                else:
+                    return 0
         for r in fut._records:
             if type(r) is not EventRecord:
                 _finalize_py(fut)
@@ -1434,6 +1502,258 @@ cdef int _future_del(FutureCore fut) except -1:
     elif state is _FAILED and not fut._retrieved:
         _finalize_py(fut)
     return 0
+
+
+# -- dropped futures: kept by their stream, reclaimed in batch ---------------------
+#
+# A future dropped while its one record is pending (fire and forget:
+# ``cudafut.record(x)`` unkept, or a future going out of scope while its work
+# runs) must keep its value and keep alive until the work completes (docs/
+# design.md, hazard 5). Its finalizer used to ask CUDA (a query, about 1.4 µs
+# on an H200: more than the record itself) and hand what was pending to the
+# watcher thread. Here it appends the record, value and keep to its
+# stream's list (C, no driver call, no Python call), which is reclaimed in
+# batch: work on one stream completes in order, so one record seen complete
+# answers for every older one (the watermark). Two reclaimers:
+#
+# - a record on that stream (_record) once RECLAIM_EVERY more drops wait: at
+#   most two queries (the newest held, then the middle one), and what they
+#   prove complete goes, its events back to the pool before the record takes
+#   one;
+# - the watcher thread, so that nothing waits for a next record: the stream's
+#   first drop hands it a _Sweeper (one _lifetimes.hold, on the oldest record
+#   held), which sweeps the list once that record completes (a binary search
+#   of queries for what is complete) and arms again on what is left.
+#
+# Only streams whose watermark holds (ordered) keep drops; on others, and for
+# a record with a confirm or a future of several records, the finalizer
+# queries as before. The lists are C arrays of strong references in the
+# (untracked) stream state: a dropped future costs the collector nothing.
+# Entries are detached from a list before their references go (a value's
+# finalizer may drop another future onto the same list).
+
+cdef Py_ssize_t _deferred = 0  # entries in every stream's list
+cdef Py_ssize_t _sweepers = 0  # _Sweepers the watcher thread holds
+
+
+def deferred():
+    """Dropped futures whose values the streams' lists keep now, less the
+    sweepers the watcher thread holds for them (which ``_lifetimes.holding``
+    counts once each): added to ``holding()``. No CUDA call."""
+    return _deferred - _sweepers
+
+
+_lifetimes.count_also(deferred)
+
+
+cdef void _release_held(_Held *held, Py_ssize_t n) noexcept:
+    """Let go of ``n`` entries detached from their list: the values, and the
+    records (whose events go back to the pool)."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        Py_XDECREF(held[i].value)
+        Py_XDECREF(held[i].keep)
+        Py_XDECREF(held[i].rec)
+
+
+cdef int _defer(_Stream st, EventRecord rec, object value, object keep) except -1:
+    """Keep ``rec``, ``value`` and ``keep`` (a dropped future's) in ``st``'s
+    list until a reclaim finds ``rec`` complete. No driver call; a Python
+    call (``_lifetimes.hold``) only where the list has no sweeper yet."""
+    global _deferred
+    cdef _Held *grown
+    cdef Py_ssize_t cap
+    cdef Py_ssize_t i
+    if st.nheld == st.capheld:
+        cap = 16 if st.capheld == 0 else 2 * st.capheld
+        grown = <_Held *>realloc(st.held, cap * sizeof(_Held))
+        if grown == NULL:
+            raise MemoryError()
+        st.held = grown
+        st.capheld = cap
+    # By number, which a binary search over the list needs; a drop is nearly
+    # always of the newest record held, so nothing moves.
+    i = st.nheld
+    while i > 0 and st.held[i - 1].seq > rec.seq:
+        st.held[i] = st.held[i - 1]
+        i -= 1
+    Py_INCREF(rec)
+    Py_INCREF(value)
+    Py_INCREF(keep)
+    st.held[i].rec = <PyObject *>rec
+    st.held[i].value = <PyObject *>value
+    st.held[i].keep = <PyObject *>keep
+    st.held[i].seq = rec.seq
+    st.nheld += 1
+    _deferred += 1
+    if not st.armed:
+        _arm(st)
+    return 0
+
+
+cdef void _collect(_Stream st) noexcept:
+    """Let go of the entries of ``st`` whose records are known complete or
+    failed, or answered by the stream's watermark. No driver call."""
+    global _deferred
+    cdef Py_ssize_t n = st.nheld
+    cdef Py_ssize_t i
+    cdef Py_ssize_t kept = 0
+    cdef Py_ssize_t gone = 0
+    cdef _Held *going
+    cdef EventRecord rec
+    if n == 0:
+        return
+    going = <_Held *>malloc(n * sizeof(_Held))
+    if going == NULL:
+        return
+    # Runs no Python (the list holds every record it reads): the list is
+    # whole before the first reference goes.
+    for i in range(n):
+        rec = <EventRecord>st.held[i].rec
+        if not rec._known and rec._answered():
+            rec._status = 0
+            rec._known = True
+        if rec._known:
+            going[gone] = st.held[i]
+            gone += 1
+        else:
+            st.held[kept] = st.held[i]
+            kept += 1
+    st.nheld = kept
+    _deferred -= gone
+    _release_held(going, gone)
+    free(going)
+
+
+cdef object _held_rec(_Stream st, Py_ssize_t i):
+    return <object>st.held[i].rec
+
+
+cdef void _reclaim(_Stream st) noexcept:
+    """A record's reclaim of ``st``'s dropped futures (see above): the
+    newest held queried, then, if pending, the one RECLAIM_EVERY / 2 older
+    (at most two queries, about 3 µs on an H200, once per RECLAIM_EVERY
+    drops: a GPU that trails the host by fewer records leaves at most that
+    many held); whatever they prove complete goes. None proved (a GPU far
+    behind): the next reclaim waits until the list has doubled."""
+    cdef Py_ssize_t before
+    cdef EventRecord newest
+    cdef EventRecord older
+    # No reclaim inside this one: a value let go may record on this stream
+    # (an allocator's free), which would otherwise reclaim again.
+    st.reclaim_at = PY_SSIZE_T_MAX
+    _collect(st)
+    before = st.nheld
+    if before:
+        # Both read before a query: one through the runtime (or the fake)
+        # runs Python, which may change the list.
+        newest = <EventRecord>_held_rec(st, before - 1)
+        older = <EventRecord>_held_rec(st, max(before - 1 - RECLAIM_EVERY // 2, 0))
+        if _query_quietly(newest) is None and older is not newest:
+            _query_quietly(older)
+        _collect(st)
+    st.reclaim_at = (st.nheld if st.nheld < before else 2 * st.nheld) + RECLAIM_EVERY
+
+
+cdef void _sweep(_Stream st) noexcept:
+    """The watcher thread's sweep of ``st``: the newest record held
+    queried; if pending, a binary search for the newest complete one (the
+    oldest was, if the sweeper's record was); whatever they prove complete
+    goes. A record failed (a sticky error: every query fails alike) makes it
+    query each one left instead."""
+    cdef list recs
+    cdef Py_ssize_t lo
+    cdef Py_ssize_t hi
+    cdef Py_ssize_t mid
+    cdef bint failed = False
+    _collect(st)
+    if st.nheld:
+        # Copied: a query through the runtime (or the fake) runs Python,
+        # which may change the list meanwhile.
+        recs = [_held_rec(st, i) for i in range(st.nheld)]
+        hi = len(recs) - 1
+        status = _query_quietly(<EventRecord>recs[hi])
+        if status is None and hi > 0:
+            status = _query_quietly(<EventRecord>recs[0])
+            if status is not None:  # recs[lo] is not pending, recs[hi] is
+                lo = 0
+                failed = status != 0
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    status = _query_quietly(<EventRecord>recs[mid])
+                    if status is None:
+                        hi = mid
+                    else:
+                        lo = mid
+                        failed = failed or status != 0
+        elif status is not None:
+            failed = status != 0
+        if failed:
+            for r in recs:
+                _query_quietly(<EventRecord>r)
+        del recs
+        _collect(st)
+    st.reclaim_at = st.nheld + RECLAIM_EVERY
+
+
+@cython.no_gc
+@cython.final
+cdef class _Sweeper:
+    """What the watcher thread holds for a stream with dropped futures
+    (``_lifetimes.hold``, with the oldest record held): let go once that
+    record completes or fails, it sweeps the stream's list (:func:`_sweep`)
+    and arms another for what is left. Not tracked by the collector."""
+
+    cdef _Stream state
+    cdef bint live
+
+    def __del__(self):
+        if self.live:
+            self.live = False
+            _swept(self.state)
+
+
+cdef void _swept(_Stream st) noexcept:
+    global _sweepers
+    st.armed = False
+    _sweepers -= 1
+    if _finalizing() or _forked:
+        # As the twin: nothing is kept while the interpreter ends, nor in a
+        # forked child (no CUDA there: nothing to protect).
+        _let_go(st)
+        return
+    _sweep(st)
+    if st.nheld:
+        _arm(st)
+
+
+cdef void _let_go(_Stream st) noexcept:
+    """Let go of every entry of ``st``, complete or not."""
+    global _deferred
+    cdef _Held *going = st.held
+    cdef Py_ssize_t n = st.nheld
+    st.held = NULL
+    st.nheld = st.capheld = 0
+    _deferred -= n
+    _release_held(going, n)
+    free(going)
+
+
+cdef void _arm(_Stream st) noexcept:
+    """Hand the watcher thread a sweeper of ``st``, watching its oldest
+    record held (one Python call: ``_lifetimes.hold``)."""
+    global _sweepers
+    cdef _Sweeper sweeper = _Sweeper.__new__(_Sweeper)
+    sweeper.state = st
+    sweeper.live = True
+    st.armed = True
+    _sweepers += 1
+    try:
+        _lifetimes.hold((_held_rec(st, 0),), sweeper)
+    except BaseException:  # no watcher (the interpreter ends): a later drop or record tries again
+        sweeper.live = False
+        st.armed = False
+        _sweepers -= 1
 
 
 cdef object _query_quietly(EventRecord rec):

@@ -33,6 +33,7 @@ __all__ = [
     "Keeper",
     "Record",
     "at_fork_in_child",
+    "count_also",
     "hold",
     "holding",
     "keep_forever",
@@ -112,9 +113,23 @@ def keep_until(records: Sequence[Record], obj: object) -> bool:
 
 def holding() -> int:
     """Objects kept alive now for pending GPU work (queued or watched by the
-    watcher thread, including its done callbacks); no CUDA call."""
+    watcher thread, including its done callbacks, and those counted by
+    :func:`count_also`); no CUDA call."""
     keeper = _keeper
-    return len(_early) + (keeper.holding if keeper is not None else 0)
+    held = len(_early) + (keeper.holding if keeper is not None else 0)
+    for count in _counts:
+        held += count()
+    return max(held, 0)
+
+
+_counts: Final[list[Callable[[], int]]] = []
+
+
+def count_also(count: Callable[[], int]) -> None:
+    """Count ``count()`` in :func:`holding`: objects kept alive for pending
+    GPU work elsewhere than in the keeper (the native core keeps dropped
+    futures per stream, and sweeps them through the keeper)."""
+    _counts.append(count)
 
 
 def keep_forever(obj: object) -> None:

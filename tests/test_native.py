@@ -24,6 +24,7 @@ import pytest
 import cudafut
 from cudafut import CudaFuture, _backend, _compiled, _events, _lifetimes, _pools, testing
 from cudafut._interface import records_of
+from tests.children import until
 from tests.subproc import run_python
 
 NATIVE = _compiled.native()
@@ -324,6 +325,83 @@ def test_numbers_follow_the_order_of_records_on_a_stream(fake_cuda: testing.Fake
     seqs = [r.seq for r in records]
     assert seqs == sorted(seqs) and len(set(seqs)) == 5
     assert _events.is_newest(records[-1]) and not _events.is_newest(records[0])
+    fake_cuda.complete_all()
+
+
+# -- dropped futures: kept by their stream, reclaimed in batch ----------------------------------
+
+
+@native_only
+def test_a_dropped_pending_future_asks_cuda_nothing_and_keeps_its_value_until_its_work_completes(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = _pools.streams.get(0, 0)
+    value = np.zeros(2)
+    ref = weakref.ref(value)
+    fut = cudafut.record(value, stream=stream)
+    backend = records_of(fut)[0].calls
+    real = backend.event_query
+    askers: list[int] = []
+
+    def event_query(handle: int) -> int:
+        askers.append(threading.get_ident())
+        return int(real(handle))
+
+    monkeypatch.setattr(backend, "event_query", event_query)
+    del fut, value
+    gc.collect()
+    assert threading.get_ident() not in askers  # the finalizer asked nothing (the watcher thread may)
+    assert ref() is not None  # kept: its work may still read it
+    fake_cuda.complete_all()
+    until(lambda: ref() is None, "the dropped future's value let go once its work completed")
+
+
+@native_only
+def test_a_record_reclaims_its_streams_dropped_futures_in_batch(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The watcher thread kept out (the sweeper it would get is kept here,
+    # never let go): the next record on the stream reclaims alone.
+    sweepers: list[object] = []
+    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: sweepers.append(obj))
+    stream = _pools.streams.get(0, 0)
+    values = [np.zeros(2) for _ in range(64)]
+    refs = [weakref.ref(v) for v in values]
+    for v in values:
+        cudafut.record(v, stream=stream)  # dropped at once
+    del values, v
+    gc.collect()
+    assert len(sweepers) == 1  # one for the stream, not one per drop
+    assert all(r() is not None for r in refs)
+    fake_cuda.complete_all()
+    free_before = _pools.events.counts()[0].get(0, 0)
+    asked: list[int] = []
+    real = _backend.current.event_query
+
+    def event_query(handle: int) -> int:
+        asked.append(handle)
+        return int(real(handle))
+
+    monkeypatch.setattr(_backend.current, "event_query", event_query)
+    kept = _record_on(stream)
+    assert len(asked) <= 2  # the newest dropped one answers for the older ones
+    assert all(r() is None for r in refs)
+    # Their 64 events back in the pool before the record took one.
+    assert _pools.events.counts()[0][0] == free_before + 63
+    fake_cuda.complete_all()
+    assert kept.done()
+
+
+@native_only
+def test_dropped_pending_futures_give_the_collector_nothing_to_track(fake_cuda: testing.FakeCuda) -> None:
+    stream = _pools.streams.get(0, 0)
+    value = np.zeros(2)
+    for _ in range(50):
+        cudafut.record(value, stream=stream)  # dropped at once, pending: the value is kept
+    # By the stream's list alone, which the collector does not see (no tuple
+    # or closure of a hold per drop, as the Python twin's).
+    here = sys._getframe()
+    assert [r for r in gc.get_referrers(value) if r is not here] == []
     fake_cuda.complete_all()
 
 
@@ -917,6 +995,10 @@ def test_native_then_on_cuda_gives_the_caller_its_device_back(monkeypatch: pytes
             monkeypatch.setattr(cuda_backend, name, getattr(fake, name))
         restore = NATIVE._swap_streams(cuda_backend)  # type: ignore[union-attr]
         try:
+            # Each future's status is learnt while CUDA's backend calls the
+            # fake: a future dropped with its status unknown waits on its
+            # stream's list for a later query, which would reach the real
+            # backend (no driver here) once the patches are undone.
             parent = cudafut.record(np.ones(3), stream=gpu.stream(0))
 
             def switches(v: Any) -> Any:
@@ -926,9 +1008,11 @@ def test_native_then_on_cuda_gives_the_caller_its_device_back(monkeypatch: pytes
             child = parent.then(switches)
             assert child.exception() is None
             assert runtime.getDevice() == 0
+            assert parent.done()
 
             runtime.setDevice(1)
             parent = cudafut.record(np.ones(3), stream=gpu.stream(0))
+            assert parent.done()
 
             def refuse(self: Any) -> None:
                 raise RuntimeError("enter failed")
