@@ -1477,7 +1477,7 @@ cdef int _future_del(FutureCore fut) except -1:
             rec = <EventRecord>records[0]
             if rec._known:
                 return 0
-            if rec._answered():
+            if rec._confirm is None and rec._answered():  # a confirm must run: the loop below
                 rec._status = 0
                 rec._known = True
                 return 0
@@ -1653,6 +1653,8 @@ cdef void _reclaim(_Stream st) noexcept:
             _query_quietly(older)
         _collect(st)
     st.reclaim_at = (st.nheld if st.nheld < before else 2 * st.nheld) + RECLAIM_EVERY
+    if st.nheld and not st.armed and not (_finalizing() or _forked):
+        _arm(st)  # an earlier arm failed: what is left still needs a sweeper
 
 
 cdef void _sweep(_Stream st) noexcept:
@@ -1715,14 +1717,17 @@ cdef class _Sweeper:
 
 cdef void _swept(_Stream st) noexcept:
     global _sweepers
-    st.armed = False
     _sweepers -= 1
+    # ``armed`` stays set while values are let go (Python runs: a drop on
+    # this stream then must not arm a second sweeper beside this one).
     if _finalizing() or _forked:
         # As the twin: nothing is kept while the interpreter ends, nor in a
         # forked child (no CUDA there: nothing to protect).
         _let_go(st)
+        st.armed = False
         return
     _sweep(st)
+    st.armed = False
     if st.nheld:
         _arm(st)
 
@@ -1750,10 +1755,11 @@ cdef void _arm(_Stream st) noexcept:
     _sweepers += 1
     try:
         _lifetimes.hold((_held_rec(st, 0),), sweeper)
-    except BaseException:  # no watcher (the interpreter ends): a later drop or record tries again
+    except BaseException:  # no watcher (the interpreter ends, no thread): the next record tries again
         sweeper.live = False
         st.armed = False
         _sweepers -= 1
+        st.reclaim_at = 0
 
 
 cdef object _query_quietly(EventRecord rec):

@@ -427,6 +427,10 @@ def test_control_a_tensor_freed_to_its_stream_is_reused_under_a_pending_read(cp:
         torch.cuda.current_stream().wait_stream(torch.cuda.Stream())  # no record_stream
         value = fut._value
         torch.cuda.synchronize()
+        # Its status learnt, the dropped future lets go of the tensor at once
+        # (one whose status nobody asked waits on its stream's list for a
+        # later query, which would hide the reuse this control shows).
+        assert fut.done()
         return value
 
     assert _reuse_race(torch, consume)[1] == 9.0

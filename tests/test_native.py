@@ -405,6 +405,61 @@ def test_dropped_pending_futures_give_the_collector_nothing_to_track(fake_cuda: 
     fake_cuda.complete_all()
 
 
+@native_only
+def test_a_dropped_future_whose_record_has_a_confirm_runs_it_though_a_newer_record_answered(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    # A collective's record (a confirm that finds its group aborted) under a
+    # future that is not kept by its producer (gather of one): a newer record
+    # seen complete must not settle it as a success without its confirm.
+    from cudafut._interface import KEPT_BY_PRODUCER, set_future
+
+    stream = _pools.streams.get(0, 0)
+    asked: list[int] = []
+
+    def confirm() -> Exception:
+        asked.append(1)
+        return RuntimeError("collective aborted: peer died")
+
+    rec = _events.record(int(stream.ptr), 0, confirm, stream)
+    produced = set_future(np.zeros(2), (rec,), KEPT_BY_PRODUCER)
+    joined = cudafut.gather(produced)
+    later = _record_on(stream)
+    fake_cuda.complete_all()
+    assert later.done()  # the stream's watermark now answers for the older record
+    del joined
+    gc.collect()
+    until(lambda: produced.done(), "the collective's future settled")
+    assert asked
+    assert isinstance(produced.exception(), RuntimeError)
+
+
+@native_only
+def test_a_drop_whose_sweeper_could_not_start_is_reclaimed_by_the_next_record(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = _pools.streams.get(0, 0)
+    value = np.zeros(2)
+    ref = weakref.ref(value)
+    refused: list[object] = []
+
+    def hold(records: Any, obj: object) -> None:
+        refused.append(obj)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_lifetimes, "hold", hold)
+    cudafut.record(value, stream=stream)  # dropped at once, pending: kept on the stream's list
+    del value
+    gc.collect()
+    assert refused and ref() is not None
+    monkeypatch.undo()
+    fake_cuda.complete_all()
+    kept = _record_on(stream)  # one record, not 64: an arm failed, so it reclaims at once
+    assert ref() is None
+    fake_cuda.complete_all()
+    assert kept.done()
+
+
 # -- the garbage collector ---------------------------------------------------------------------
 
 
