@@ -53,6 +53,7 @@ installed), and the pool is the fake's.
 """
 
 cimport cython
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
@@ -122,6 +123,36 @@ cdef cu_ctx_get_current_t cu_ctx_get_current = NULL
 # Optional (NULL: the pool creates and destroys through the backend).
 cdef cu_event_create_t cu_event_create = NULL
 cdef cu_event_destroy_t cu_event_destroy = NULL
+cdef extern from *:
+    """
+    /* Ask the CPU to load an object's cache line and the `lines` after it,
+       and the GC header just before it, ahead of use. A hint: it reads
+       nothing and never faults (a non-GC object's "header" is just the
+       bytes before it; NULL or None is harmless). Where the compiler has no
+       such builtin, nothing. */
+    static inline void cudafut_prefetch(PyObject *op, int lines) {
+    #if defined(__GNUC__) || defined(__clang__)
+        const char *p = (const char *)op;
+        int i;
+        __builtin_prefetch(p - 16);
+        for (i = 0; i <= lines; i++) __builtin_prefetch(p + 64 * i);
+    #else
+        (void)op; (void)lines;
+    #endif
+    }
+    /* The object a task's wake-up callable is bound to (the C Task's is a
+       builtin function, a Python task's a bound method), or NULL: borrowed. */
+    static inline PyObject *cudafut_bound_self(PyObject *fn) {
+        if (PyCFunction_Check(fn)) return PyCFunction_GET_SELF(fn);
+        if (PyMethod_Check(fn)) return PyMethod_GET_SELF(fn);
+        return NULL;
+    }
+    """
+    void cudafut_prefetch(PyObject *op, int lines) noexcept nogil
+    PyObject *cudafut_type "(PyObject *)Py_TYPE"(PyObject *op) noexcept nogil
+    PyObject *cudafut_bound_self(PyObject *fn) noexcept
+
+
 cdef extern from *:
     """
     /* What a weak reference refers to, a new reference (None once it is
@@ -2056,6 +2087,15 @@ cdef class Watchlist:
             n = len(watches)
             first = True
             while i < n:
+                # (A hint, as in _Wakeups: the watches and records ahead of
+                # the walk, apart in memory, asked for before they are read.)
+                if i + _WATCH_AHEAD < PyList_GET_SIZE(watches):
+                    cudafut_prefetch(PyList_GET_ITEM(watches, i + _WATCH_AHEAD), 2)
+                    watch = <Watch><object>PyList_GET_ITEM(watches, i + _WATCH_AHEAD // 2)
+                    cudafut_prefetch(<PyObject*>watch.record, 2)
+                    if type(watch) is AsyncioAwait:  # what run_fired reads of it: the task's wake-up
+                        cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._wakeup, 0)
+                        cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._context, 0)
                 watch = <Watch>watches[i]
                 callback = watch.callback
                 if callback is not None:
@@ -2111,6 +2151,13 @@ cdef class Watchlist:
 # -- one await in an asyncio task ---------------------------------------------------
 
 cdef class AsyncioEntry  # below: the loop's side that makes them
+
+# How many wake-ups ahead _Wakeups asks the CPU for the objects a wake-up
+# touches (twice as far for those its list names), and how many watches
+# ahead a poll's walk asks for a watch (half as far for its record).
+cdef enum:
+    _AHEAD = 2
+    _WATCH_AHEAD = 8
 
 # The states of an AsyncioAwait.
 cdef enum:
@@ -2342,8 +2389,28 @@ cdef class _Wakeups:
         cdef Py_ssize_t i = 0
         cdef Py_ssize_t n = len(items)
         cdef _Wakeups rest
+        cdef PyObject* ahead
+        cdef AsyncioAwait wait_ahead
         self.items = None  # run once
         while i < n:
+            # The wake-ups run in firing order, a stream's records at a time:
+            # their tasks, awaits and futures lie apart in memory, each a
+            # cache miss the CPU would wait for. Ask for them a few wake-ups
+            # ahead: first the objects this list names, then (named by those,
+            # in cache by then) the task and the await's future and record.
+            if i + 6 * _AHEAD < n:
+                cudafut_prefetch(PyList_GET_ITEM(items, i + 6 * _AHEAD), 1)
+                cudafut_prefetch(PyList_GET_ITEM(items, i + 6 * _AHEAD + 1), 2)
+                cudafut_prefetch(PyList_GET_ITEM(items, i + 6 * _AHEAD + 2), 1)
+            if i + 3 * _AHEAD < n:
+                ahead = cudafut_bound_self(PyList_GET_ITEM(items, i + 3 * _AHEAD))
+                if ahead != NULL:
+                    cudafut_prefetch(ahead, 3)
+                ahead = PyList_GET_ITEM(items, i + 3 * _AHEAD + 1)
+                if cudafut_type(ahead) == <PyObject*>AsyncioAwait:
+                    wait_ahead = <AsyncioAwait><object>ahead
+                    cudafut_prefetch(<PyObject*>wait_ahead._future, 2)
+                    cudafut_prefetch(<PyObject*>wait_ahead.record, 2)
             wakeup = items[i]
             wait = items[i + 1]
             context = items[i + 2]
