@@ -1911,17 +1911,13 @@ cdef object _waiter = None  # cudafut._waiter: its predictor, read when a poll l
 def bind_waiter(waiter):
     """Give the watch list the waiter module (called once, by ``_waiter``
     at import)."""
-    global _waiter, _FIRE_PER_POLL
+    global _waiter
     _waiter = waiter
-    _FIRE_PER_POLL = waiter.FIRE_PER_POLL
 
 
-# _waiter.FIRE_PER_POLL, read by bind_waiter; the asyncio driver's modes
-# (_loops._IDLE, _SPIN: AsyncioEntry.tick sets them as _tick does; a test
-# holds them equal).
-cdef Py_ssize_t _FIRE_PER_POLL = 64
+# The asyncio driver's mode while a poll is queued (_loops._SPIN: read by
+# AsyncioEntry._watch; a test holds them equal).
 cdef enum:
-    _LOOP_IDLE = 0
     _LOOP_SPIN = 1
 
 
@@ -2530,80 +2526,12 @@ cdef class AsyncioEntry:
     cdef object _loop  # a weak reference
     cdef readonly Watchlist watchlist
     cdef object _driver  # (it owns this entry: the cycle is the collector's, as a bound method's was)
-    cdef double _min_sleep_s
     cdef object __weakref__
 
-    def __init__(self, loop, Watchlist watchlist not None, driver, double min_sleep_s=20e-6):
+    def __init__(self, loop, Watchlist watchlist not None, driver):
         self._loop = weakref.ref(loop)
         self.watchlist = watchlist
         self._driver = driver
-        self._min_sleep_s = min_sleep_s  # _loops.MIN_SLEEP_S: a shorter planned sleep spins
-
-    def tick(self, bint timer_fired=False):
-        """``AsyncioDriver._tick`` from C, what a spinning poll calls: poll
-        once, run what fired, plan (``LoopDriver.step`` and ``Driver.poll``,
-        the same steps in the same order), and queue the next poll while
-        spinning. A sleep is planned by the driver's ``_plan()`` (the timer is
-        Python's). Under a trace, or with a pacer of another type, it is
-        ``_tick()`` itself. Costs the watch list's poll and, where the spin
-        goes on, one ``call_soon``; never blocks (a record's query is one
-        ``cuEventQuery`` per busy stream)."""
-        cdef Pacer pacer
-        cdef Watchlist watchlist = self.watchlist
-        cdef list fired
-        cdef Py_ssize_t nfired
-        cdef double now, delay = 0.0
-        driver = self._driver
-        p = driver.pacer
-        if type(p) is not Pacer or _hooks is None or _hooks.active is not None or _waiter is None:
-            return driver._tick(timer_fired)
-        pacer = <Pacer>p
-        driver._mode = _LOOP_IDLE
-        driver._later = None
-        # Driver.poll:
-        now = _now()
-        if timer_fired:
-            pacer.woke(now)
-        else:
-            pacer._asked = 0.0  # interrupted()
-        fired = watchlist.poll(now, _FIRE_PER_POLL)
-        nfired = len(fired)
-        if nfired:
-            run_fired(driver, fired)
-        if _hooks.active is not None:  # a callback began a trace
-            _hooks.polled(driver, now, timer_fired, fired)
-        if watchlist.pending == 0:
-            when = None
-        elif nfired == _FIRE_PER_POLL:
-            when = now  # more may have completed: fire them at the next loop iteration
-        elif nfired == 0 and now < pacer.spin_ends:
-            when = now  # the plan still says spin
-        else:
-            when = pacer.next_poll(watchlist.oldest(), _now(), driver.arm)
-        # LoopDriver.step:
-        if when is None:
-            planned = None
-        else:
-            delay = <double>when - _now()
-            if delay < self._min_sleep_s:
-                delay = 0.0
-            else:
-                pacer.sleeping_until(when)
-            planned = delay
-        if _hooks.active is not None:
-            _hooks.planned(driver, planned)
-        # AsyncioDriver._tick:
-        if planned is None or driver._mode != _LOOP_IDLE:
-            return None  # nothing to watch, or a callback's new wait queued a poll
-        if delay:
-            driver._plan(delay)
-            return None
-        loop = _weak_get(self._loop)
-        if loop is None:
-            return None
-        driver._mode = _LOOP_SPIN
-        loop.call_soon(driver._spin)
-        return None
 
     def await_one(self, future, record, finish):
         """``AsyncioDriver.await_one`` once it found other waits pending:
@@ -2636,8 +2564,7 @@ cdef class AsyncioEntry:
             pacer.new_wait(_now())
         # ensure_polling() returns at once where a poll is queued already
         # (spinning: the common case of many awaits): not called then, one
-        # Python frame fewer per await. (The driver's mode is read as
-        # AsyncioEntry.tick sets it.)
+        # Python frame fewer per await.
         if driver._mode != _LOOP_SPIN:
             driver.ensure_polling()
         self.watchlist._add_watch(watch)

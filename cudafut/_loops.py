@@ -191,14 +191,7 @@ class AsyncioDriver(LoopDriver):
         self.arm = self._arm
         # The native core's side of this waiter: awaits among other pending
         # waits are made there, from C (None on the pure core).
-        self._entry = (
-            None if _native is None else _native.AsyncioEntry(loop, self.watchlist, self, MIN_SLEEP_S)
-        )
-        # What a spinning poll calls: on the native core its entry's tick(),
-        # the same steps as _tick() from C (no Python frame for the poll, the
-        # step and the plan while spinning); the timer's and a notice's polls
-        # call _tick().
-        self._spin: Callable[[], None] = self._tick if self._entry is None else self._entry.tick
+        self._entry = None if _native is None else _native.AsyncioEntry(loop, self.watchlist, self)
         # The read ends still watched when the driver goes (its loop closed).
         weakref.finalize(self, _close_all, self._notices)
         _with_notices.add(self)
@@ -212,7 +205,7 @@ class AsyncioDriver(LoopDriver):
         if self._mode == _SLEEP:
             self._cancel_sleep()
         self._mode = _SPIN
-        loop.call_soon(self._spin)
+        loop.call_soon(self._tick)
 
     async def _checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -239,19 +232,12 @@ class AsyncioDriver(LoopDriver):
         delay = self.step(timer_fired)
         if delay is None or self._mode != _IDLE:
             return  # nothing to watch, or a callback's new wait queued a poll
-        self._plan(delay)
-
-    def _plan(self, delay: float) -> None:
-        """After a poll that left this driver idle with waits pending: poll
-        again at the next loop iteration (``delay`` 0.0) or sleep ``delay``
-        seconds (the timer armed: one system call). The native tick calls
-        it for a sleep only."""
         loop = self._loop()
         if loop is None:
             return
         if not delay:
             self._mode = _SPIN
-            loop.call_soon(self._spin)
+            loop.call_soon(self._tick)
             return
         self._mode = _SLEEP
         timer = self._timer

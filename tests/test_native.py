@@ -958,7 +958,7 @@ def test_a_known_status_is_final_whatever_settle_is_told(fake_cuda: testing.Fake
     fake_cuda.complete_all()
 
 
-# -- many awaits: the spinning poll and a new wait from C ---------------------------------
+# -- many awaits: a new wait from C while a poll is queued ---------------------------------
 
 _LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
 
@@ -991,26 +991,6 @@ def _spin_many(loop: str, fake_cuda: testing.FakeCuda, n: int) -> list[int]:
 
 @native_only
 @pytest.mark.parametrize("loop", _LOOPS)
-def test_spinning_polls_run_from_c_not_through_the_drivers_python_tick(
-    loop: str, fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # AsyncioEntry.tick is _tick's twin: a spinning poll, and the next one it
-    # queues, make no call of the Python method (which the timer's and a
-    # notice's polls still call).
-    ticks: list[bool] = []
-    tick = _loops.AsyncioDriver._tick
-
-    def counted(self: Any, timer_fired: bool = False) -> None:
-        ticks.append(timer_fired)
-        tick(self, timer_fired)
-
-    monkeypatch.setattr(_loops.AsyncioDriver, "_tick", counted)
-    assert _spin_many(loop, fake_cuda, 200) == list(range(200))
-    assert ticks == []
-
-
-@native_only
-@pytest.mark.parametrize("loop", _LOOPS)
 def test_an_await_among_others_asks_for_a_poll_only_where_none_is_queued(
     loop: str, fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1032,7 +1012,6 @@ def test_an_await_among_others_asks_for_a_poll_only_where_none_is_queued(
 
 
 @native_only
-def test_the_native_tick_sets_the_asyncio_drivers_modes_by_their_values() -> None:
-    # AsyncioEntry.tick and _watch write and compare the driver's _mode as C
-    # constants (0 idle, 1 spinning).
-    assert (_loops._IDLE, _loops._SPIN) == (0, 1)
+def test_the_native_await_reads_the_asyncio_drivers_spinning_mode_by_its_value() -> None:
+    # AsyncioEntry._watch compares the driver's _mode with a C constant.
+    assert _loops._SPIN == 1
