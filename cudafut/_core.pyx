@@ -53,6 +53,7 @@ installed), and the pool is the fake's.
 """
 
 cimport cython
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
@@ -124,6 +125,36 @@ cdef cu_ctx_get_current_t cu_ctx_get_current = NULL
 # Optional (NULL: the pool creates and destroys through the backend).
 cdef cu_event_create_t cu_event_create = NULL
 cdef cu_event_destroy_t cu_event_destroy = NULL
+cdef extern from *:
+    """
+    /* Ask the CPU to load an object's cache line and the `lines` after it,
+       and the GC header just before it, ahead of use. A hint: it reads
+       nothing and never faults (a non-GC object's "header" is just the
+       bytes before it; NULL or None is harmless). Where the compiler has no
+       such builtin, nothing. */
+    static inline void cudafut_prefetch(PyObject *op, int lines) {
+    #if defined(__GNUC__) || defined(__clang__)
+        const char *p = (const char *)op;
+        int i;
+        __builtin_prefetch(p - 16);
+        for (i = 0; i <= lines; i++) __builtin_prefetch(p + 64 * i);
+    #else
+        (void)op; (void)lines;
+    #endif
+    }
+    /* The object a task's wake-up callable is bound to (the C Task's is a
+       builtin function, a Python task's a bound method), or NULL: borrowed. */
+    static inline PyObject *cudafut_bound_self(PyObject *fn) {
+        if (PyCFunction_Check(fn)) return PyCFunction_GET_SELF(fn);
+        if (PyMethod_Check(fn)) return PyMethod_GET_SELF(fn);
+        return NULL;
+    }
+    """
+    void cudafut_prefetch(PyObject *op, int lines) noexcept nogil
+    PyObject *cudafut_type "(PyObject *)Py_TYPE"(PyObject *op) noexcept nogil
+    PyObject *cudafut_bound_self(PyObject *fn) noexcept
+
+
 cdef extern from *:
     """
     /* What a weak reference refers to, a new reference (None once it is
@@ -2105,7 +2136,10 @@ cdef class Pacer:
         for rec in records:
             hist = None
             if predict:
-                hist = _histories.get(rec.stream_key)
+                # (An EventRecord's members read from C: a poll that plans
+                # looks at the oldest record of every busy stream.)
+                key = (<EventRecord>rec).stream_key if type(rec) is EventRecord else rec.stream_key
+                hist = _histories.get(key)
                 if hist is None:
                     modes, surprised = (), True
                 else:
@@ -2121,7 +2155,7 @@ cdef class Pacer:
             ahead = False  # a mode's window is open now or still to come
             if modes:
                 # As predictor.start(): modes come from a history (hist).
-                t = rec.t
+                t = (<EventRecord>rec).t if type(rec) is EventRecord else rec.t
                 start = hist.done_at
                 if start < t:
                     start = t
@@ -2205,6 +2239,12 @@ def bind_waiter(waiter):
     at import)."""
     global _waiter
     _waiter = waiter
+
+
+# The asyncio driver's mode while a poll is queued (_loops._SPIN: read by
+# AsyncioEntry._watch; a test holds them equal).
+cdef enum:
+    _LOOP_SPIN = 1
 
 
 cdef class Watch:
@@ -2369,6 +2409,15 @@ cdef class Watchlist:
             n = len(watches)
             first = True
             while i < n:
+                # (A hint, as in _Wakeups: the watches and records ahead of
+                # the walk, apart in memory, asked for before they are read.)
+                if i + _WATCH_AHEAD < PyList_GET_SIZE(watches):
+                    cudafut_prefetch(PyList_GET_ITEM(watches, i + _WATCH_AHEAD), 2)
+                    watch = <Watch><object>PyList_GET_ITEM(watches, i + _WATCH_AHEAD // 2)
+                    cudafut_prefetch(<PyObject*>watch.record, 2)
+                    if type(watch) is AsyncioAwait:  # what run_fired reads of it: the task's wake-up
+                        cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._wakeup, 0)
+                        cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._context, 0)
                 watch = <Watch>watches[i]
                 callback = watch.callback
                 if callback is not None:
@@ -2424,6 +2473,13 @@ cdef class Watchlist:
 # -- one await in an asyncio task ---------------------------------------------------
 
 cdef class AsyncioEntry  # below: the loop's side that makes them
+
+# How many wake-ups ahead _Wakeups asks the CPU for the objects a wake-up
+# touches (twice as far for those its list names), and how many watches
+# ahead a poll's walk asks for a watch (half as far for its record).
+cdef enum:
+    _AHEAD = 2
+    _WATCH_AHEAD = 8
 
 # The states of an AsyncioAwait.
 cdef enum:
@@ -2655,8 +2711,28 @@ cdef class _Wakeups:
         cdef Py_ssize_t i = 0
         cdef Py_ssize_t n = len(items)
         cdef _Wakeups rest
+        cdef PyObject* ahead
+        cdef AsyncioAwait wait_ahead
         self.items = None  # run once
         while i < n:
+            # The wake-ups run in firing order, a stream's records at a time:
+            # their tasks, awaits and futures lie apart in memory, each a
+            # cache miss the CPU would wait for. Ask for them a few wake-ups
+            # ahead: first the objects this list names, then (named by those,
+            # in cache by then) the task and the await's future and record.
+            if i + 6 * _AHEAD < n:
+                cudafut_prefetch(PyList_GET_ITEM(items, i + 6 * _AHEAD), 1)
+                cudafut_prefetch(PyList_GET_ITEM(items, i + 6 * _AHEAD + 1), 2)
+                cudafut_prefetch(PyList_GET_ITEM(items, i + 6 * _AHEAD + 2), 1)
+            if i + 3 * _AHEAD < n:
+                ahead = cudafut_bound_self(PyList_GET_ITEM(items, i + 3 * _AHEAD))
+                if ahead != NULL:
+                    cudafut_prefetch(ahead, 3)
+                ahead = PyList_GET_ITEM(items, i + 3 * _AHEAD + 1)
+                if cudafut_type(ahead) == <PyObject*>AsyncioAwait:
+                    wait_ahead = <AsyncioAwait><object>ahead
+                    cudafut_prefetch(<PyObject*>wait_ahead._future, 2)
+                    cudafut_prefetch(<PyObject*>wait_ahead.record, 2)
             wakeup = items[i]
             wait = items[i + 1]
             context = items[i + 2]
@@ -2804,7 +2880,7 @@ cdef class AsyncioEntry:
         """``Driver.watch``: the driver's pacer starts a spin (from C where
         it is the native :class:`Pacer`), the driver a poll (its
         ``ensure_polling()``, the one Python call of an await among
-        others), and the watch is added."""
+        others, skipped while a poll is queued), and the watch is added."""
         # First, as Driver.watch: if they raise, no watch is left behind.
         driver = self._driver
         pacer = driver.pacer
@@ -2812,7 +2888,11 @@ cdef class AsyncioEntry:
             (<Pacer>pacer)._new_wait(_now())
         else:
             pacer.new_wait(_now())
-        driver.ensure_polling()
+        # ensure_polling() returns at once where a poll is queued already
+        # (spinning: the common case of many awaits): not called then, one
+        # Python frame fewer per await.
+        if driver._mode != _LOOP_SPIN:
+            driver.ensure_polling()
         self.watchlist._add_watch(watch)
         return 0
 

@@ -10,8 +10,10 @@ native core can show it (the watermark, the counters), the test says so.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import gc
+import importlib.util
 import sys
 import sysconfig
 import threading
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import CudaFuture, _backend, _compiled, _events, _lifetimes, _pools, testing
+from cudafut import CudaFuture, _backend, _compiled, _events, _lifetimes, _loops, _pools, testing
 from cudafut._interface import records_of
 from tests.children import until
 from tests.subproc import run_python
@@ -1093,3 +1095,62 @@ def test_a_known_status_is_final_whatever_settle_is_told(fake_cuda: testing.Fake
     assert done.settle(0) == 0 and asked == [True]
     assert done.settle(700) == 0 and asked == [True]  # settled once: no confirm again
     fake_cuda.complete_all()
+
+
+# -- many awaits: a new wait from C while a poll is queued ---------------------------------
+
+_LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
+
+
+def _spin_many(loop: str, fake_cuda: testing.FakeCuda, n: int) -> list[int]:
+    """``n`` tasks await records of one stream while the policy spins (a
+    plain loop, not in debug mode); the records complete after a few loop
+    iterations. Returns the tasks' values."""
+    from tests.runners import run_on
+
+    async def main() -> list[int]:
+        stream = fake_cuda.stream()
+        futs = [cudafut.record(i, stream=stream) for i in range(n)]
+
+        async def one(fut: CudaFuture[int]) -> int:
+            return await fut
+
+        tasks = [asyncio.ensure_future(one(f)) for f in futs]
+        for _ in range(20):  # every await joins the waiter; it spins meanwhile
+            await asyncio.sleep(0)
+        fake_cuda.complete_all()
+        return await asyncio.gather(*tasks)
+
+    previous = cudafut.set_wait_policy("low_latency")
+    try:
+        return run_on(loop, main)
+    finally:
+        cudafut.set_wait_policy(previous)
+
+
+@native_only
+@pytest.mark.parametrize("loop", _LOOPS)
+def test_an_await_among_others_asks_for_a_poll_only_where_none_is_queued(
+    loop: str, fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ensure_polling() returns at once while a poll is queued (spinning): the
+    # native await does not call it then. Where none is queued it must, or
+    # the await would never be polled: the tasks' values prove it was.
+    modes: list[int] = []
+    ensure = _loops.AsyncioDriver.ensure_polling
+
+    def counted(self: Any) -> None:
+        modes.append(self._mode)
+        ensure(self)
+
+    monkeypatch.setattr(_loops.AsyncioDriver, "ensure_polling", counted)
+    assert _spin_many(loop, fake_cuda, 200) == list(range(200))
+    # (The first await spun alone in its task; it joins the others through
+    # the driver's Python path, Driver.watch, which asks in any mode.)
+    assert modes.count(_loops._SPIN) <= 1, modes
+
+
+@native_only
+def test_the_native_await_reads_the_asyncio_drivers_spinning_mode_by_its_value() -> None:
+    # AsyncioEntry._watch compares the driver's _mode with a C constant.
+    assert _loops._SPIN == 1
