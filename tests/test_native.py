@@ -419,9 +419,9 @@ def test_a_dropped_future_whose_record_has_a_confirm_runs_it_though_a_newer_reco
     stream = _pools.streams.get(0, 0)
     asked: list[int] = []
 
-    def confirm() -> Exception:
+    def confirm() -> cudafut.CudaError:
         asked.append(1)
-        return RuntimeError("collective aborted: peer died")
+        return cudafut.CudaError(999, "collective aborted: peer died")
 
     rec = _events.record(int(stream.ptr), 0, confirm, stream)
     produced = set_future(np.zeros(2), (rec,), KEPT_BY_PRODUCER)
@@ -433,7 +433,7 @@ def test_a_dropped_future_whose_record_has_a_confirm_runs_it_though_a_newer_reco
     gc.collect()
     until(lambda: produced.done(), "the collective's future settled")
     assert asked
-    assert isinstance(produced.exception(), RuntimeError)
+    assert isinstance(produced.exception(), cudafut.CudaError)
 
 
 @native_only
