@@ -111,6 +111,11 @@ async def _slow_value(value: float) -> float:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_notice_ends_the_wait_for_work_of_unknown_duration(seen: _Seen, loop: str) -> None:
+    # Timed polls a second apart (the fixture restores the policy): only the
+    # notice can end the 50 ms wait early, however loaded the host. With
+    # the default 20 ms, a timed poll once saw the work done before a
+    # notice thread delayed by a loaded host did.
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, notice_sleep_s=1.0))
     assert run_on(loop, _slow_value, 7.0) == 7.0
     assert seen.fired >= 1, "no notice ended the wait: it was polled on timers"
     # One notice per wait: a notice that fired before the work ended would
