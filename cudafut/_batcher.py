@@ -133,8 +133,11 @@ class Batcher(Generic[In, Out]):
     ``min_in_flight``, whichever comes first: batches stay small at low
     load and grow with it. Up to
     ``max_in_flight`` batches run at once, so the next batch forms while the
-    GPU runs one; while that many run, requests wait and the next batch
-    takes them all (up to ``max_batch``) as soon as one ends. With
+    GPU runs one; while that many run, requests wait, and when one ends the
+    next batch goes by the same rule (at once if fewer than
+    ``min_in_flight`` now run). Where ``min_in_flight`` equals
+    ``max_in_flight`` (as ``max_in_flight=1`` makes it by default), no
+    batch waits to fill and ``max_delay_s`` has no effect. With
     ``buckets`` (sizes such as ``(1, 2, 4, 8, 16, 32, 64)``), a batch of
     ``n`` requests is padded up to the smallest bucket of at least ``n`` by
     repeating its last item, so that ``run_batch`` only ever sees those
@@ -303,6 +306,9 @@ class Batcher(Generic[In, Out]):
         self._broken = None
         self._former_cancelled = False  # while started (its loop ended?)
         self._in_flight = 0
+        # Batches spawned whose task has not run a line yet: asyncio drops
+        # a task cancelled before its first step without running its body.
+        self._unstarted: dict[int, list[tuple[Any, Any, float, tuple[EventRecord, ...]]]] = {}
         self._batches = 0
         self._items = 0
         self._padded = 0
@@ -619,6 +625,17 @@ class Batcher(Generic[In, Out]):
         finally:
             self._closed = True
             self._fail_queued()
+            self._fail_unstarted()
+
+    def _fail_unstarted(self) -> None:
+        """Fail the requests of batches whose task was cancelled before it
+        ran (leaving the block with an exception): nobody may wait for ever."""
+        unstarted, self._unstarted = self._unstarted, {}
+        for batch in unstarted.values():
+            self._in_flight -= 1
+            error = InvalidStateError("the Batcher closed before this item's batch ran")
+            for entry in batch:
+                _fail_slot(entry[1], error)
 
     def _former_ended(self, task: asyncio.Task[None]) -> None:
         if self._closing:
@@ -689,6 +706,7 @@ class Batcher(Generic[In, Out]):
                         batch.append(entry)
                 if batch:
                     self._in_flight += 1
+                    self._unstarted[id(batch)] = batch
                     rt.spawn(self._run, batch)
         finally:
             self._want = _IDLE
@@ -703,6 +721,7 @@ class Batcher(Generic[In, Out]):
         return n  # unreachable: max_batch <= the largest bucket
 
     async def _run(self, batch: list[tuple[Any, Any, float, tuple[EventRecord, ...]]]) -> None:
+        del self._unstarted[id(batch)]
         n = len(batch)
         try:
             items = [entry[0] for entry in batch]

@@ -2740,26 +2740,53 @@ cdef class _Wakeups:
             try:
                 _run_in(context, wakeup, wait)
             except (SystemExit, KeyboardInterrupt):
-                if i < n:
-                    rest = _Wakeups.__new__(_Wakeups)
-                    rest.loop = self.loop
-                    rest.items = items[i:]
-                    self.loop.call_soon(rest)
+                self._again(items, i)
                 raise
             except BaseException as exc:
-                self.loop.call_exception_handler(
-                    {"message": f"Exception in callback {wakeup!r}({wait!r})", "exception": exc}
-                )
+                try:
+                    self._report(wakeup, wait, context, exc)
+                except BaseException:  # the loop's handler raised SystemExit or KeyboardInterrupt
+                    self._again(items, i)
+                    raise
+
+    cdef int _again(self, list items, Py_ssize_t i) except -1:
+        """Schedule the wake-ups from ``items[i]`` on: an exception is
+        leaving this callback, and no task may be stranded."""
+        cdef _Wakeups rest
+        if i < len(items):
+            rest = _Wakeups.__new__(_Wakeups)
+            rest.loop = self.loop
+            rest.items = items[i:]
+            self.loop.call_soon(rest)
+        return 0
+
+    cdef int _report(self, object wakeup, object wait, object context, object exc) except -1:
+        """The loop's exception handler, given what ``Handle._run`` gives it
+        (a handle made now, only for the report)."""
+        import asyncio
+
+        handle = asyncio.Handle(wakeup, (wait,), self.loop, context)
+        self.loop.call_exception_handler(
+            {"message": f"Exception in callback {wakeup!r}({wait!r})", "exception": exc, "handle": handle}
+        )
+        return 0
 
     cdef int schedule(self, object driver) except -1:
-        """``loop.call_soon(self)``; a failure (the loop closed) is the
-        driver's to report, as each await's ``call_soon`` failing was."""
+        """``loop.call_soon(self)``; a failure is the driver's to report,
+        as each await's ``call_soon`` failing was (nothing propagates: the
+        rest of the poll must run). A ``KeyboardInterrupt`` or
+        ``SystemExit`` that landed inside ``call_soon`` (a signal) leaves the
+        loop running: the batch is scheduled once more, or its tasks would
+        never wake."""
         try:
             self.loop.call_soon(self)
         except BaseException as exc:
-            if not isinstance(exc, Exception):
-                raise
             driver.report("cudafut: exception in an internal wake-up callback", exc)
+            if not isinstance(exc, Exception):
+                try:
+                    self.loop.call_soon(self)
+                except BaseException as again:
+                    driver.report("cudafut: exception in an internal wake-up callback", again)
         return 0
 
 

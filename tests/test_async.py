@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _loops, testing
+from cudafut import _compiled, _loops, testing
 from cudafut._interface import records_of
 from tests.fakes import FakeRecord, set_future, stream_records
 
@@ -557,6 +557,100 @@ def test_a_keyboard_interrupt_in_a_woken_task_strands_no_other_task(fake_cuda: t
         assert isinstance(tasks[2].exception(), KeyboardInterrupt)
     finally:
         loop.close()
+
+
+class _RaisingWakeTask(asyncio.tasks._PyTask):  # type: ignore[misc,name-defined]
+    """A Python task whose next wake-up raises ``boom`` (once)."""
+
+    boom: BaseException | None = None
+
+    def _Task__wakeup(self, fut: Any) -> None:  # noqa: N802 - the name _PyTask calls
+        boom, self.boom = self.boom, None
+        if boom is not None:
+            raise boom
+        super()._Task__wakeup(fut)
+
+
+def test_a_loop_handler_raising_for_a_woken_task_strands_no_other_task(fake_cuda: testing.FakeCuda) -> None:
+    """A task's wake-up raises: the loop's exception handler gets it, with
+    the ``handle`` ``Handle._run`` would give; the handler raises
+    ``SystemExit``, which stops the loop, and the tasks the same poll woke
+    after it still run when the loop runs again."""
+    stream = fake_cuda.stream()
+    log: list[int] = []
+    contexts: list[dict[str, Any]] = []
+
+    def handler(_loop: Any, context: dict[str, Any]) -> None:
+        contexts.append(context)
+        raise SystemExit
+
+    async def wake(i: int, fut: cudafut.CudaFuture[Any]) -> None:
+        await fut
+        log.append(i)
+
+    async def start() -> list[asyncio.Task[None]]:
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(lambda lp, coro, **kw: _RaisingWakeTask(coro, loop=lp, **kw))
+        futs = [cudafut.record(i, stream=stream) for i in range(6)]
+        tasks = [asyncio.ensure_future(wake(i, f)) for i, f in enumerate(futs)]
+        tasks[2].boom = ValueError("boom")  # type: ignore[attr-defined]
+        await _until_pending(5)  # the first spins alone in its task
+        fake_cuda.complete_all()
+        return tasks
+
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(handler)
+    try:
+        tasks = loop.run_until_complete(start())
+        with pytest.raises(SystemExit):
+            loop.run_until_complete(asyncio.gather(*tasks[3:]))
+        loop.run_until_complete(asyncio.gather(*tasks[3:]))
+        assert sorted(log) == [0, 1, 3, 4, 5]
+        assert isinstance(contexts[0]["exception"], ValueError)
+        assert isinstance(contexts[0]["handle"], asyncio.Handle)
+        # Task 2's wake-up raised: it waits for ever, as with a Handle; its
+        # "destroyed but pending" report is not this test's.
+        loop.set_exception_handler(lambda _loop, _context: None)
+        del tasks
+        gc.collect()
+    finally:
+        loop.close()
+
+
+def test_an_interrupt_inside_call_soon_strands_no_woken_task(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``KeyboardInterrupt`` that lands inside the loop's ``call_soon``
+    (a signal) as a poll schedules its wake-ups is reported, and every task
+    the poll woke still runs (it was so with a ``call_soon`` per await)."""
+    stream = fake_cuda.stream()
+    log: list[int] = []
+
+    async def wake(i: int, fut: cudafut.CudaFuture[Any]) -> None:
+        await fut
+        log.append(i)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        futs = [cudafut.record(i, stream=stream) for i in range(6)]
+        tasks = [asyncio.ensure_future(wake(i, f)) for i, f in enumerate(futs)]
+        await _until_pending(5)
+        real = loop.call_soon
+        interrupted: list[bool] = []
+
+        def call_soon(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if not interrupted and type(fn).__name__ == "_Wakeups":
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            return real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_soon", call_soon)
+        fake_cuda.complete_all()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert interrupted or not _compiled.native()  # the pure core schedules a handle per await
+
+    asyncio.run(main())
+    assert sorted(log) == [0, 1, 2, 3, 4, 5]
 
 
 async def test_closing_a_coroutine_that_awaits_among_others_removes_its_wait(

@@ -429,6 +429,39 @@ async def test_submit_outside_the_block_is_refused() -> None:
             pass
 
 
+@pytest.mark.parametrize("yields", range(5))
+async def test_leaving_with_an_exception_fails_a_batch_whose_task_never_started(yields: int) -> None:
+    # asyncio drops a task cancelled before its first step without running
+    # its body: a batch spawned just before the block raised must still
+    # answer its requests (with 2 yields, its task was made and not yet run).
+    async def run_batch(items: list[int]) -> list[int]:
+        await anyio.sleep(3600)
+        return items
+
+    batcher = cudafut.Batcher(run_batch, max_delay_s=0)
+    outcome: list[BaseException | int] = []
+
+    async def one() -> None:
+        try:
+            outcome.append(await batcher.submit(1))
+        except cudafut.InvalidStateError as exc:
+            outcome.append(exc)
+
+    raised: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            async with batcher:
+                tg.start_soon(one)
+                for _ in range(yields):
+                    await anyio.sleep(0)
+                1 / 0  # noqa: B018
+    except BaseException as exc:  # the task group wraps it in an exception group
+        raised = exc
+    assert "ZeroDivisionError" in repr(raised)
+    assert len(outcome) == 1 and isinstance(outcome[0], cudafut.InvalidStateError)
+    assert batcher.statistics().in_flight == 0
+
+
 async def test_leaving_with_an_exception_fails_the_queued_requests() -> None:
     gate = anyio.Event()
 
