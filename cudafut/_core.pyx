@@ -628,6 +628,18 @@ cdef class EventRecord:
         cdef _Stream state = self.state
         return state is not None and state.ordered and self.seq <= state.done
 
+    cdef inline bint _known_now(self) noexcept:
+        """Whether the status is known without asking CUDA: kept, or answered
+        by the stream's watermark (then kept as 0), never where a ``confirm``
+        must run first (in the polling thread) or the host failed it."""
+        if self._known:
+            return True
+        if self._answered() and self._failure is None and self._confirm is None:
+            self._status = 0
+            self._known = True
+            return True
+        return False
+
     cdef inline bint _fast(self) noexcept:
         return self.calls is _CUDA_BE and _driver_ready()
 
@@ -662,14 +674,9 @@ cdef class EventRecord:
     def known(self):
         """The status if it is known without asking CUDA (kept, or answered
         by the stream's watermark), else None: never a driver call."""
-        if not self._known:
-            if self._answered() and self._failure is None and self._confirm is None:
-                # (a confirm runs in the polling thread, never here)
-                self._status = 0
-                self._known = True
-                return 0
-            return None
-        return self._status
+        if self._known_now():
+            return self._status
+        return None
 
     def settle(self, int raw):
         """Take ``raw``, the event's final status (0 or an error code), once
@@ -1506,11 +1513,7 @@ cdef int _future_del(FutureCore fut) except -1:
         records = fut._records
         if records is not None and len(records) == 1 and type(records[0]) is EventRecord and not _forked:
             rec = <EventRecord>records[0]
-            if rec._known:
-                return 0
-            if rec._confirm is None and rec._answered():  # a confirm must run: the loop below
-                rec._status = 0
-                rec._known = True
+            if rec._known_now():  # (one with a confirm runs it: the loop below)
                 return 0
             st = rec.state
             if rec._confirm is None and st is not None and st.ordered:
@@ -1641,10 +1644,7 @@ cdef void _collect(_Stream st) noexcept:
     # whole before the first reference goes.
     for i in range(n):
         rec = <EventRecord>st.held[i].rec
-        if not rec._known and rec._answered():
-            rec._status = 0
-            rec._known = True
-        if rec._known:
+        if rec._known_now():
             going[gone] = st.held[i]
             gone += 1
         else:
@@ -1797,10 +1797,8 @@ cdef object _query_quietly(EventRecord rec):
     """The status of ``rec`` (answered by its stream's watermark, or asked of
     CUDA), None while pending or where a query fails (the Python twin then
     asks again and reports). Runs no ``confirm``: the caller checked."""
-    if rec._answered():
-        rec._status = 0
-        rec._known = True
-        return 0
+    if rec._known_now():
+        return rec._status
     try:
         return rec._query()
     except Exception:
@@ -2607,9 +2605,7 @@ cdef class AsyncioAwait(Watch):
         if context is None:  # as call_soon(context=None): the current context, copied now
             context = PyContext_CopyCurrent()
         if batch is None or batch.loop is not self._loop:
-            batch = _Wakeups.__new__(_Wakeups)
-            batch.loop = self._loop
-            batch.items = []
+            batch = _new_wakeups(self._loop, [])
         batch.items.append(wakeup)
         batch.items.append(self)
         batch.items.append(context)
@@ -2650,22 +2646,24 @@ cdef class AsyncioAwait(Watch):
 
     def result(self):
         """None once the record completed or failed; raises CancelledError
-        if cancelled. (The task's wake-up calls it on every await: its
-        states are read here, without a call of ``exception()``.)"""
-        cdef int state = self._state
-        if state == A_CANCELLED:
-            raise self._cancelled_error()
-        if state == A_WAITING or state == A_NEW:
-            raise _AsyncioInvalidState("Result is not ready.")
+        if cancelled. (The task's wake-up calls it on every await: a C
+        call, not a call of ``exception()``.)"""
+        self._check_ready()
         return None
 
     def exception(self):
+        self._check_ready()
+        return None
+
+    cdef inline int _check_ready(self) except -1:
+        """Raise CancelledError if cancelled, InvalidStateError while not
+        yet fired (as an asyncio future's ``result()``)."""
         cdef int state = self._state
         if state == A_CANCELLED:
             raise self._cancelled_error()
         if state == A_WAITING or state == A_NEW:
             raise _AsyncioInvalidState("Result is not ready.")
-        return None
+        return 0
 
     def cancel(self, msg=None):
         """Wake the task with CancelledError; False if the wait is over."""
@@ -2710,7 +2708,6 @@ cdef class _Wakeups:
         cdef list items = self.items
         cdef Py_ssize_t i = 0
         cdef Py_ssize_t n = len(items)
-        cdef _Wakeups rest
         cdef PyObject* ahead
         cdef AsyncioAwait wait_ahead
         self.items = None  # run once
@@ -2752,12 +2749,8 @@ cdef class _Wakeups:
     cdef int _again(self, list items, Py_ssize_t i) except -1:
         """Schedule the wake-ups from ``items[i]`` on: an exception is
         leaving this callback, and no task may be stranded."""
-        cdef _Wakeups rest
         if i < len(items):
-            rest = _Wakeups.__new__(_Wakeups)
-            rest.loop = self.loop
-            rest.items = items[i:]
-            self.loop.call_soon(rest)
+            self.loop.call_soon(_new_wakeups(self.loop, items[i:]))
         return 0
 
     cdef int _report(self, object wakeup, object wait, object context, object exc) except -1:
@@ -2788,6 +2781,13 @@ cdef class _Wakeups:
                 except BaseException as again:
                     driver.report("cudafut: exception in an internal wake-up callback", again)
         return 0
+
+
+cdef _Wakeups _new_wakeups(object loop, list items):
+    cdef _Wakeups batch = _Wakeups.__new__(_Wakeups)
+    batch.loop = loop
+    batch.items = items
+    return batch
 
 
 cdef inline object _run_in(object context, object fn, object arg):
@@ -2822,13 +2822,13 @@ def run_fired(driver, list fired):
             wait = <AsyncioAwait>callback
             if debug < 0:
                 debug = 1 if wait._loop.get_debug() else 0
-        if type(callback) is AsyncioAwait and not debug:
-            fresh = wait._fire_into(batch)
-            if fresh is not batch:
-                if batch is not None:
-                    batch.schedule(driver)
-                batch = fresh
-            continue
+            if not debug:
+                fresh = wait._fire_into(batch)
+                if fresh is not batch:
+                    if batch is not None:
+                        batch.schedule(driver)
+                    batch = fresh
+                continue
         if batch is not None:
             batch.schedule(driver)
             batch = None
