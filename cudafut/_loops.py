@@ -870,18 +870,13 @@ class AsyncioTasks:
         caller takes True as the deadline reached (asking ``now()`` again
         would sleep again for less than a millisecond, a busy loop)."""
         wake = self._wake = self.loop.create_future()
-        if deadline is None:
-            try:
-                await wake
-            finally:
-                self._wake = None
-            return False
-        timer = self.loop.call_at(deadline, _at_deadline, wake)
+        timer = None if deadline is None else self.loop.call_at(deadline, _at_deadline, wake)
         try:
             return bool(await wake)
         finally:
             self._wake = None
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         task: asyncio.Task[None] = self.loop.create_task(fn(*args))  # type: ignore[arg-type]
