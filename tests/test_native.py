@@ -39,6 +39,21 @@ def _record_on(stream: Any) -> cudafut.CudaFuture[Any]:
     return cudafut.record(np.zeros(2), stream=stream)
 
 
+def _query_askers(monkeypatch: pytest.MonkeyPatch, fut: cudafut.CudaFuture[Any]) -> list[int]:
+    """The threads that query an event through ``fut``'s backend from now
+    on (each query's thread, appended to the list returned)."""
+    backend = records_of(fut)[0].calls
+    real = backend.event_query
+    askers: list[int] = []
+
+    def event_query(handle: int) -> int:
+        askers.append(threading.get_ident())
+        return int(real(handle))
+
+    monkeypatch.setattr(backend, "event_query", event_query)
+    return askers
+
+
 # -- wrong arguments: an exception, never a crash ----------------------------------------
 
 BAD_CALLS = [
@@ -184,15 +199,7 @@ def test_a_finalizer_asks_cuda_nothing_of_records_a_newer_one_answered(
     futs = [_record_on(stream) for _ in range(3)]
     fake_cuda.complete(futs[-1])
     assert futs[-1].done()  # asks CUDA: the stream's watermark now answers the older ones
-    backend = records_of(futs[0])[0].calls
-    real = backend.event_query
-    askers: list[int] = []
-
-    def event_query(handle: int) -> int:
-        askers.append(threading.get_ident())
-        return int(real(handle))
-
-    monkeypatch.setattr(backend, "event_query", event_query)
+    askers = _query_askers(monkeypatch, futs[0])
     del futs
     gc.collect()
     assert askers == []
@@ -341,15 +348,7 @@ def test_a_dropped_pending_future_asks_cuda_nothing_and_keeps_its_value_until_it
     value = np.zeros(2)
     ref = weakref.ref(value)
     fut = cudafut.record(value, stream=stream)
-    backend = records_of(fut)[0].calls
-    real = backend.event_query
-    askers: list[int] = []
-
-    def event_query(handle: int) -> int:
-        askers.append(threading.get_ident())
-        return int(real(handle))
-
-    monkeypatch.setattr(backend, "event_query", event_query)
+    askers = _query_askers(monkeypatch, fut)
     del fut, value
     gc.collect()
     assert threading.get_ident() not in askers  # the finalizer asked nothing (the watcher thread may)
