@@ -323,13 +323,17 @@ def _run_share(
     """Run one copy thread's share on ``device`` through two staging blocks
     of its own, and report to the transfer however it ends."""
     error: BaseException | None = None
+    stages: list[Any] = []
     try:
         with _backend.current.on_device(device):
             biggest = max(n for _, _, n in pieces)
-            stages = [_staging(biggest) for _ in range(min(2, len(pieces)))]
+            stages += [_staging(biggest) for _ in range(min(2, len(pieces)))]
             stager(pieces, stages, stream, device, ptr)
     except BaseException as exc:  # noqa: BLE001 - handed to the future
         error = exc
+    # The staging blocks go back (each after its guard) before the future can
+    # complete: once a copy is done, memory_statistics() no longer counts them.
+    stages.clear()
     transfer.job_done(error)
 
 
