@@ -7,8 +7,12 @@ Two parts:
   ``submit()``, ``record()`` and ``run_in_executor``'s submission in the
   same run; and how long an asyncio loop stalls (a 1 ms ticker's lateness)
   while 1,000 launches of a trivial function, then 200 of a ResNet-50
-  forward, are in flight: the first round (cold launcher threads) apart
-  from the later ones, and again on new launcher threads warmed first by
+  forward, are in flight, against ``run_in_executor`` on as many threads,
+  the two alternated round by round (10 and 8 warm rounds each after a
+  cold one): the first round (cold launcher threads) apart from the later
+  ones, whose max and p99 are judged with the median of their rounds'
+  maxima beside them and every garbage collection of 1 ms or more in them;
+  and again on new launcher threads warmed first by
   :func:`cudafut.warm_launchers`.
 - ``models``: examples/service/compare.py for ResNet-50 and ViT-B/16 in
   fp16 (random weights): each handler of examples/service/server.py and
@@ -48,6 +52,7 @@ model.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import sys
 import time
@@ -149,12 +154,15 @@ def _processes_part(quick: bool, progress: Progress) -> dict[str, Any]:
     return out
 
 
-def _compare_module() -> Any:
+def _service(name: str) -> Any:
+    """The module ``name`` of examples/service (the folder put on the path)."""
     if str(SERVICE) not in sys.path:
         sys.path.insert(0, str(SERVICE))
-    import compare  # type: ignore[import-not-found]
+    return importlib.import_module(name)
 
-    return compare
+
+def _compare_module() -> Any:
+    return _service("compare")
 
 
 def steps(quick: bool) -> int:
@@ -211,54 +219,117 @@ def _caller_costs(quick: bool) -> dict[str, Any]:
     return out
 
 
+#: Warm rounds of each way after its cold first one (``--quick``: 2 each):
+#: the ways alternate round by round, so a garbage collection or a
+#: preemption lands in either; one round's max is noise (the switch interval
+#: is 5 ms), the median of the rounds' maxima is not.
+STALL_WARM_ROUNDS = {"trivial": 10, "resnet50": 8}
+#: Garbage collections at least this long are recorded in each stall round (ms).
+STALL_GC_MS = 1.0
+
+
+def _warm_rounds(quick: bool) -> dict[str, int]:
+    return {kind: 2 if quick else n for kind, n in STALL_WARM_ROUNDS.items()}
+
+
+def _round_order(names: list[str], r: int) -> list[str]:
+    """The ways' order in round ``r``: as given in even rounds, reversed in
+    odd ones (launch, executor, executor, launch, ...): neither way always
+    follows the other."""
+    return names if r % 2 == 0 else names[::-1]
+
+
 async def _stall(
-    launches: int, rounds: int, make: Any, pool: ThreadPoolExecutor | None, prepare: Any = None
-) -> dict[str, float]:
+    launches: int,
+    warm_rounds: int,
+    make: Any,
+    ways: dict[str, ThreadPoolExecutor | None],
+    prepare: Any = None,
+) -> dict[str, dict[str, Any]]:
     """A 1 ms ticker's lateness while ``launches`` tasks each launch and
-    await one call (``make(round, i)`` gives ``launch()``'s arguments),
-    ``rounds`` times; with ``pool``, each task awaits
-    ``loop.run_in_executor(pool, ...)`` of the same call instead (the host
-    part only: no wait for the GPU). The first round is reported apart
+    await one call (``make(round, i)`` gives ``launch()``'s arguments), for
+    each way of ``ways``: ``None`` awaits ``cudafut.launch``, an executor
+    awaits ``loop.run_in_executor(executor, ...)`` of the same call (the
+    host part only: no wait for the GPU). One cold round of each way, then
+    ``warm_rounds`` warm ones, the ways alternating round by round on one
+    loop (:func:`_round_order`). The first round is reported apart
     (``cold_*``: the first model call on a thread or stream costs PyTorch
-    its per-thread and per-stream set-up), the later ones as ``warm_*``,
-    and all of them together as before (``max_stall_ms``, ``p99_stall_ms``).
-    ``prepare()``, if given, returns a future awaited first, under the
-    ticker too (``prepare_*``: ``cudafut.warm_launchers``)."""
+    its per-thread and per-stream set-up), the later ones as ``warm_*``
+    (max and p99 over all of them, and the median of their maxima), and
+    all of them together as before (``max_stall_ms``, ``p99_stall_ms``).
+    Every garbage collection of :data:`STALL_GC_MS` or more within a round
+    is recorded with its round (examples/service/pauses.py's recorder,
+    without its count of tracked objects, which would stall the loop
+    itself). ``prepare()``, if given, returns a future awaited first, under
+    the ticker too (``prepare_*``: ``cudafut.warm_launchers``), reported
+    with the first way."""
     import cudafut
 
     loop = asyncio.get_running_loop()
     ticker = Ticker()
     late = ticker.late
 
-    async def one(r: int, i: int) -> None:
+    async def one(pool: ThreadPoolExecutor | None, r: int, i: int) -> None:
         if pool is None:
             await cudafut.launch(*make(r, i))
         else:
             await loop.run_in_executor(pool, *make(r, i))
 
+    names = list(ways)
+    by_round: dict[str, list[list[float]]] = {n: [] for n in names}
+    gcs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    walls = dict.fromkeys(names, 0.0)
+    recorder = _service("pauses").PauseRecorder(STALL_GC_MS, count_tracked=False)
     ticker.start()
     await asyncio.sleep(0.05)
     idle = list(late)
     late.clear()
-    out: dict[str, float] = {}
-    if prepare is not None:
-        t0 = time.perf_counter()
-        await prepare()
-        out["prepare_s"] = round(time.perf_counter() - t0, 3)
-        out["prepare_max_stall_ms"] = round(max(late, default=0.0) * 1e3, 3)
-        late.clear()
-    by_round: list[list[float]] = []
-    t0 = time.perf_counter()
-    for r in range(rounds):
-        await asyncio.gather(*(one(r, i) for i in range(launches)))
-        by_round.append(list(late))
-        late.clear()
-    wall = time.perf_counter() - t0
+    first: dict[str, float] = {}
+    with recorder:
+        if prepare is not None:
+            t0 = time.perf_counter()
+            await prepare()
+            first["prepare_s"] = round(time.perf_counter() - t0, 3)
+            first["prepare_max_stall_ms"] = round(max(late, default=0.0) * 1e3, 3)
+        for r in range(1 + warm_rounds):
+            for name in _round_order(names, r):
+                late.clear()
+                recorder.pauses.clear()
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(ways[name], r, i) for i in range(launches)))
+                walls[name] += time.perf_counter() - t0
+                by_round[name].append(list(late))
+                gcs[name] += [
+                    {"round": r, "ms": p["ms"], "generation": p["generation"], "collected": p["collected"]}
+                    for p in recorder.pauses
+                ]
     await ticker.stop()
+    return {
+        name: {
+            **_stall_figures(by_round[name], gcs[name], idle, launches / walls[name] * (1 + warm_rounds)),
+            **(first if name == names[0] else {}),
+        }
+        for name in names
+    }
+
+
+def _stall_figures(
+    by_round: list[list[float]], gcs: list[dict[str, Any]], idle: list[float], per_s: float
+) -> dict[str, Any]:
+    """One way's figures from its rounds' lateness samples (the first round
+    cold) and the collections recorded in them (see :func:`_stall`)."""
     every = [x for lates in by_round for x in lates]
     warm = [x for lates in by_round[1:] for x in lates]
     ms = stall_ms
-
+    maxima = [ms(lates) for lates in by_round]
+    warm_gcs = [g for g in gcs if g["round"] > 0]
+    # The warm round that holds the longest stall, and the longest collection in it.
+    worst = 1 + maxima[1:].index(max(maxima[1:])) if len(maxima) > 1 else 0
+    in_worst = [g["ms"] for g in warm_gcs if g["round"] == worst]
+    generations = [0, 0, 0]
+    for g in warm_gcs:
+        if 0 <= g["generation"] < 3:
+            generations[g["generation"]] += 1
     return {
         "max_stall_ms": ms(every),
         "p99_stall_ms": ms(every, 99),
@@ -266,42 +337,65 @@ async def _stall(
         "cold_p99_stall_ms": ms(by_round[0], 99),
         "warm_max_stall_ms": ms(warm),
         "warm_p99_stall_ms": ms(warm, 99),
+        "warm_rounds": len(by_round) - 1,
+        "round_max_stall_ms": maxima,
+        "warm_median_round_max_ms": round(float(np.median(maxima[1:])), 3) if len(maxima) > 1 else 0.0,
         "idle_max_stall_ms": ms(idle),
-        "launches_per_s": round(launches * rounds / wall, 1),
-        **out,
+        "launches_per_s": round(per_s, 1),
+        "gc_over_ms": STALL_GC_MS,
+        "gc": gcs,
+        "warm_gc": {
+            "count": len(warm_gcs),
+            "longest_ms": max((g["ms"] for g in warm_gcs), default=None),
+            "total_ms": round(sum(g["ms"] for g in warm_gcs), 3),
+            "by_generation": generations,
+            "in_longest_stall_round_ms": max(in_worst, default=None),
+        },
     }
 
 
 def _stalls(quick: bool, make_trivial: Any, make_model: Any, warm_model: Any) -> dict[str, Any]:
     """:func:`_stall` for trivial and model launches, through ``launch()``
-    and, as the baseline, ``run_in_executor`` on as many threads; then the
-    model again through new launcher threads warmed first by
+    and, as the baseline, ``run_in_executor`` on as many threads, round by
+    round; then the model again through new launcher threads warmed first by
     ``cudafut.warm_launchers(*warm_model)`` (``launch_warmed``)."""
     import cudafut
     from cudafut import _backend, _launch
 
-    out: dict[str, Any] = {}
-    trivial_rounds = 3 if quick else 10
-    model_rounds = 3 if quick else 5  # the first is cold, the others warm
+    warm = _warm_rounds(quick)
     pool = ThreadPoolExecutor(_launch.launcher_threads())
+    ways: dict[str, ThreadPoolExecutor | None] = {"launch": None, "run_in_executor": pool}
     try:
-        for way, executor in (("launch", None), ("run_in_executor", pool)):
-            out[way] = {
-                "trivial": asyncio.run(_stall(1000, trivial_rounds, make_trivial, executor)),
-                "resnet50": asyncio.run(_stall(200, model_rounds, make_model, executor)),
-            }
+        trivial = asyncio.run(_stall(1000, warm["trivial"], make_trivial, ways))
+        model = asyncio.run(_stall(200, warm["resnet50"], make_model, ways))
     finally:
         pool.shutdown()
+    out: dict[str, Any] = {way: {"trivial": trivial[way], "resnet50": model[way]} for way in ways}
     device = _backend.current.current_device()
     _backend.current.cupy().cuda.Device(device).synchronize()
     if not _launch.stop(device):  # new threads and streams, as cold as the first ones were
         raise RuntimeError("the launcher threads did not end")
-    out["launch_warmed"] = {
-        "resnet50": asyncio.run(
-            _stall(200, model_rounds, make_model, None, lambda: cudafut.warm_launchers(*warm_model))
-        ),
-    }
+    warmed = _stall(
+        200, warm["resnet50"], make_model, {"launch": None}, lambda: cudafut.warm_launchers(*warm_model)
+    )
+    out["launch_warmed"] = {"resnet50": asyncio.run(warmed)["launch"]}
     return out
+
+
+def _stall_settings(quick: bool) -> dict[str, Any]:
+    """What the stall figures depend on beside the code: the interpreter's
+    switch interval (how long a thread that wants the GIL waits before
+    asking its holder to drop it: the loop thread's wait behind a launcher
+    or executor thread), the launcher threads, the rounds."""
+    from cudafut import _launch
+
+    return {
+        "switch_interval_s": sys.getswitchinterval(),
+        "launcher_threads": _launch.launcher_threads(),
+        "warm_rounds": _warm_rounds(quick),
+        "alternated": True,
+        "gc_over_ms": STALL_GC_MS,
+    }
 
 
 def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
@@ -315,10 +409,8 @@ def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
     )
     cp = _backend.current.cupy()
     x = cp.ones(16, dtype=cp.float32)
-    _compare_module()  # examples/service on the path
-    import models  # type: ignore[import-not-found]
-
-    served = models.Served("resnet50")
+    served = _service("models").Served("resnet50")
+    out["stall_settings"] = _stall_settings(quick)
     out["stalls"] = _stalls(
         quick,
         lambda r, i: (lambda: x + 1,),
@@ -330,7 +422,9 @@ def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
         m = s["resnet50"]
         progress.step(
             f"serve: {key}: loop stall with {trivial}200 ResNet-50 calls {m['cold_max_stall_ms']} ms "
-            f"in the first round, {m['warm_max_stall_ms']} ms after (p99 {m['warm_p99_stall_ms']} ms)"
+            f"in the first round, {m['warm_max_stall_ms']} ms after (p99 {m['warm_p99_stall_ms']} ms, "
+            f"median round's max {m['warm_median_round_max_ms']} ms, {m['warm_gc']['count']} collections "
+            f"of {STALL_GC_MS:g} ms or more)"
         )
     return out
 
@@ -465,16 +559,46 @@ def _targets(result: dict[str, Any]) -> list[str]:
                     and s["warm_p99_stall_ms"] <= base["warm_p99_stall_ms"]
                     else "**missed**)"
                 )
+                + _rounds_beside(s, base)
             )
         for kind, s in stalls.get("launch_warmed", {}).items():
             worst = max(s["cold_max_stall_ms"], s["warm_max_stall_ms"])
+            median = (
+                f", median round's max {s['warm_median_round_max_ms']} ms"
+                if "warm_median_round_max_ms" in s
+                else ""
+            )
             lines.append(
                 f"- loop stall, {kind} launches after warm_launchers(): first round max "
-                f"{s['cold_max_stall_ms']} ms, later rounds {s['warm_max_stall_ms']} ms "
+                f"{s['cold_max_stall_ms']} ms, later rounds {s['warm_max_stall_ms']} ms{median} "
                 f"({_goal(worst, 2, at_least=False, unit=' ms')}); "
                 f"warm_launchers() itself {s['prepare_s']} s, loop stall {s['prepare_max_stall_ms']} ms"
             )
     return [*lines, ""]
+
+
+def _rounds_beside(s: dict[str, Any], base: dict[str, Any]) -> str:
+    """Beside the stall target (max and p99 over every later round): the
+    median of the rounds' maxima and the collections seen in those rounds,
+    for runs that alternated the ways round by round (none before)."""
+    if "warm_median_round_max_ms" not in s or "warm_median_round_max_ms" not in base:
+        return ""
+    mine, theirs = s["warm_median_round_max_ms"], base["warm_median_round_max_ms"]
+    return (
+        f"; median round's max {mine} / {theirs} ms ({_ratio(mine, theirs)}), "
+        f"{s['warm_rounds']} and {base['warm_rounds']} later rounds alternated; garbage collections "
+        f"of {s['gc_over_ms']:g} ms or more in them: launch {_gc_text(s['warm_gc'])}, "
+        f"run_in_executor {_gc_text(base['warm_gc'])}"
+    )
+
+
+def _gc_text(g: dict[str, Any]) -> str:
+    """A way's collections in its later stall rounds, in words."""
+    if not g["count"]:
+        return "none"
+    held = g["in_longest_stall_round_ms"]
+    where = "none" if held is None else f"{held} ms"
+    return f"{g['count']} (longest {g['longest_ms']} ms; {where} in the round of its longest stall)"
 
 
 def _delta(value: float | None, base: float | None) -> float | None:
@@ -551,6 +675,20 @@ def _process_targets(processes: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _stall_settings_text(settings: dict[str, Any] | None) -> str:
+    """How the stall rounds ran, for the table's heading (nothing for a run
+    from before they alternated)."""
+    if not settings:
+        return ""
+    rounds = ", ".join(f"{kind} {n}" for kind, n in settings["warm_rounds"].items())
+    return (
+        f"; later rounds of each way: {rounds}, `launch` and `run_in_executor` alternated round by round; "
+        f"garbage collections of {settings['gc_over_ms']:g} ms or more recorded in each round; "
+        f"{settings['launcher_threads']} launcher threads, switch interval "
+        f"{settings['switch_interval_s'] * 1e3:g} ms (`sys.getswitchinterval()`)"
+    )
+
+
 #: How the calling-thread table names each call it timed.
 _CALLS = {
     "launch": "`cudafut.launch(fn)`",
@@ -574,20 +712,32 @@ def markdown(result: dict[str, Any]) -> list[str]:
         lines += [
             "Loop stalls (a 1 ms ticker's lateness) with launches in flight; the first round apart "
             "(cold: new threads and streams), then the later rounds (`launch_warmed`: new launcher "
-            "threads, warmed by `warm_launchers()` first); idle: the same ticker with nothing in flight:",
+            "threads, warmed by `warm_launchers()` first); idle: the same ticker with nothing in flight"
+            + _stall_settings_text(launch.get("stall_settings"))
+            + ":",
             "",
         ]
+        # The median round's max and the collections: runs since the ways alternate.
+        rounds = any("warm_gc" in s for by_kind in launch["stalls"].values() for s in by_kind.values())
+        over = launch.get("stall_settings", {}).get("gc_over_ms", STALL_GC_MS)
+        added = f"| later rounds' median max ms | later GCs of {over:g} ms or more: count, longest ms "
+        added = added if rounds else ""
         lines += [
             "| way | calls in flight | first round max ms | later max ms | later p99 ms "
-            "| all max ms | all p99 ms | idle max ms | calls/s |",
-            "|---|---|---|---|---|---|---|---|---|",
+            + added
+            + "| all max ms | all p99 ms | idle max ms | calls/s |",
+            "|---" * (11 if rounds else 9) + "|",
         ]
         for way, by_kind in launch["stalls"].items():
             for kind, s in by_kind.items():
                 n = "1,000 trivial" if kind == "trivial" else f"200 {kind}"
+                g = s.get("warm_gc")
+                gcs = "-" if g is None else f"{g['count']}, {g['longest_ms'] or '-'}"
+                median = f"| {s.get('warm_median_round_max_ms', '-')} | {gcs} " if rounds else ""
                 lines.append(
                     f"| {way} | {n} | {s.get('cold_max_stall_ms', '-')} | {s.get('warm_max_stall_ms', '-')} "
-                    f"| {s.get('warm_p99_stall_ms', '-')} | {s['max_stall_ms']} | {s['p99_stall_ms']} "
+                    f"| {s.get('warm_p99_stall_ms', '-')} {median}"
+                    f"| {s['max_stall_ms']} | {s['p99_stall_ms']} "
                     f"| {s['idle_max_stall_ms']} | {s['launches_per_s']:,.0f} |"
                 )
         lines.append("")

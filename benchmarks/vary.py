@@ -10,6 +10,13 @@ the same duration (launch + ``stream.synchronize()``, modelled as the
 duration plus the floor of an empty kernel, both measured in this run; the
 model's error at 0.2, 2 and 20 ms is reported beside it).
 
+Beside cudafut's waiters, the peers: a bare thread blocked on a
+blocking-sync event (no event loop: the targets' reference), the floor of
+an asyncio task woken by such a thread (one per stream, handing the
+completion to the loop with ``call_soon_threadsafe``: what a notice-driven
+``await`` is judged against, beside the thread), ``run_in_executor`` of the
+event's ``synchronize()``, and ``asyncio.sleep(0)`` polling.
+
 Every strategy runs every pattern with the same durations (seeded), in
 interleaved rounds, each on fresh streams (so nothing learnt carries over
 from another strategy). CuPy is imported inside ``run()``.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import queue
 import random
 import statistics
 import threading
@@ -51,20 +59,37 @@ BALANCED_NOTICES = "cudafut await (balanced, native notices)"
 BALANCED_HOSTFN = "cudafut await (balanced, host-function notices)"
 #: Notices alone: no spin around predicted ends (WaitPolicy.predict=False).
 NOTICES_ONLY = "cudafut await (notices, no predicted spin)"
+#: Native notices, and a poll at least every 1 ms while they are armed
+#: (``notice_sleep_s=0.001``, the default ``max_sleep_s``: the shortest that
+#: changes anything, a shorter one counting as ``max_sleep_s``), instead of
+#: every 20 ms.
+BALANCED_NOTICES_1MS = "cudafut await (balanced, notices and 1 ms polls)"
+#: The floor of an interrupt-driven completion delivered to an asyncio task:
+#: the task launches and records a blocking-sync event, a thread of its
+#: stream (made once per run) blocks on it and wakes the task with
+#: ``loop.call_soon_threadsafe``. :data:`THREAD` is a bare thread with no
+#: loop to wake: this is the least a notice-driven ``await`` can cost.
+FLOOR = (
+    "floor: a thread per stream blocked on a blocking-sync event, "
+    "waking the awaiting task (call_soon_threadsafe)"
+)
 STRATEGIES = (
     BALANCED,
     BALANCED_NOTICES,
+    BALANCED_NOTICES_1MS,
     BALANCED_HOSTFN,
     NOTICES_ONLY,
     LOW_CPU,
     LOW_LATENCY,
     THREAD,
+    FLOOR,
     EXECUTOR,
     SLEEP0,
 )
 _PRESETS: dict[str, WaitPolicy | str] = {
     BALANCED: "balanced",
     BALANCED_NOTICES: WaitPolicy(notify=True),
+    BALANCED_NOTICES_1MS: WaitPolicy(notify=True, notice_sleep_s=0.001),
     BALANCED_HOSTFN: WaitPolicy(notify=True),
     NOTICES_ONLY: WaitPolicy(predict=False, notify=True),
     LOW_CPU: "low_cpu",
@@ -210,6 +235,61 @@ def _run_threads(gpu: Any, jobs: Jobs, streams: list[Any]) -> tuple[Latencies, f
     return lats, m.ratio
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # cancelled meanwhile
+        fut.set_result(None)
+
+
+def _run_floor(gpu: Any, jobs: Jobs, streams: list[Any]) -> tuple[Latencies, float]:
+    """:data:`FLOOR`: each task launches, records its stream's blocking-sync
+    event and hands it to its stream's thread, which blocks on it and wakes
+    the task's future through ``loop.call_soon_threadsafe``."""
+
+    async def main() -> tuple[Latencies, float]:
+        loop = asyncio.get_running_loop()
+        events: dict[int, Any] = {}
+        queues: list[queue.SimpleQueue[tuple[Any, asyncio.Future[None]] | None]] = [
+            queue.SimpleQueue() for _ in streams
+        ]
+
+        def waiter(q: queue.SimpleQueue[tuple[Any, asyncio.Future[None]] | None]) -> None:
+            while (item := q.get()) is not None:
+                ev, fut = item
+                ev.synchronize()
+                loop.call_soon_threadsafe(_wake, fut)
+
+        async def task(durations: list[float], s: Any, q: queue.SimpleQueue[Any]) -> list[float]:
+            ev = _event_of(events, s, block=True)
+            out = []
+            for d in durations:
+                ns = int(d * 1e9)
+                fut = loop.create_future()
+                t = time.perf_counter()
+                gpu.work(ns, on=s)
+                ev.record(s)
+                q.put((ev, fut))
+                await fut
+                out.append(time.perf_counter() - t)
+            return out
+
+        threads = [threading.Thread(target=waiter, args=(q,), daemon=True) for q in queues]
+        for th in threads:
+            th.start()
+        try:
+            with CpuMeter() as m:
+                lats = await asyncio.gather(
+                    *(task(d, s, q) for d, s, q in zip(jobs, streams, queues, strict=True))
+                )
+        finally:
+            for q in queues:
+                q.put(None)
+            for th in threads:
+                th.join()
+        return list(lats), m.ratio
+
+    return asyncio.run(main())
+
+
 def _strategy(name: str, gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) -> Callable[..., Any]:
     if name in _PRESETS:
         preset = _PRESETS[name]
@@ -227,6 +307,8 @@ def _strategy(name: str, gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) 
         return run_cudafut
     if name == THREAD:
         return lambda jobs, streams: _run_threads(gpu, jobs, streams)
+    if name == FLOOR:
+        return lambda jobs, streams: _run_floor(gpu, jobs, streams)
     if name == EXECUTOR:
         return lambda jobs, streams: _run_async(_await_executor(gpu, pool), jobs, streams)
     return lambda jobs, streams: _run_async(_await_sleep0(gpu), jobs, streams)
@@ -323,6 +405,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
             for layout in LAYOUTS
         }
     out["targets"] = _targets(out)
+    out["ratios"] = _all_ratios(out)
     return out
 
 
@@ -350,6 +433,58 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The peers the default policy's figures are divided by (the ``ratios``
+#: of the JSON, and the Targets table's last columns): the bare blocked
+#: thread of the targets, and the floor of a task woken by such a thread.
+PEERS = {"thread": THREAD, "floor": FLOOR}
+#: Their Targets columns ("the floor" alone is the launch + synchronize model).
+_PEER_COLUMNS = {
+    "thread": "p50 / p90 / CPU over the blocked thread",
+    "floor": "p50 / p90 / CPU over the floor strategy",
+}
+
+
+def _over(value: float, base: float) -> float | None:
+    return round(value / base, 2) if base > 0 else None
+
+
+def _ratios(rows: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """The default policy's extra p50, extra p90 and CPU / wall over each
+    peer's of :data:`PEERS` that the rows have (older runs lack the floor)."""
+    mine = rows[BALANCED]
+    return {
+        key: {
+            "p50": _over(mine["extra_p50_us"], rows[peer]["extra_p50_us"]),
+            "p90": _over(mine["extra_p90_us"], rows[peer]["extra_p90_us"]),
+            "cpu": _over(mine["cpu_per_wall"], rows[peer]["cpu_per_wall"]),
+        }
+        for key, peer in PEERS.items()
+        if peer in rows
+    }
+
+
+def _all_ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_ratios` of every pattern and layout, keyed as the targets are."""
+    return {
+        f"{pattern} [{layout}]": _ratios(rows)
+        for pattern, layouts in result["patterns"].items()
+        for layout, rows in layouts.items()
+    }
+
+
+def _names(result: dict[str, Any]) -> list[str]:
+    """The strategies of a result, in its order (a run from before a
+    strategy was added lacks it)."""
+    layouts = next(iter(result["patterns"].values()))
+    return list(next(iter(layouts.values())))
+
+
+def _ratio_cell(r: dict[str, float | None] | None) -> str:
+    if r is None:
+        return "-"
+    return " / ".join("-" if r[k] is None else f"{r[k]:.2f}x" for k in ("p50", "p90", "cpu"))
+
+
 def markdown(result: dict[str, Any]) -> list[str]:
     lines = [
         "## vary: work whose duration changes",
@@ -360,12 +495,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
         + f"), in µs, p50 / p90 / max, and process CPU / wall; {result['rounds']} interleaved round(s).",
         "",
     ]
+    names = _names(result)
     for layout in LAYOUTS:
-        lines += [f"### {layout}", "", "| pattern | " + " | ".join(STRATEGIES) + " |"]
-        lines.append("|---" * (len(STRATEGIES) + 1) + "|")
+        lines += [f"### {layout}", "", "| pattern | " + " | ".join(names) + " |"]
+        lines.append("|---" * (len(names) + 1) + "|")
         for pattern, layouts in result["patterns"].items():
             cells = []
-            for name in STRATEGIES:
+            for name in names:
                 q = layouts[layout][name]
                 cells.append(
                     f"{q['extra_p50_us']:.0f} / {q['extra_p90_us']:.0f} / {q['extra_max_us']:.0f}, "
@@ -373,13 +509,25 @@ def markdown(result: dict[str, Any]) -> list[str]:
                 )
             lines.append(f"| {pattern} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["### Targets (default policy against the blocking-sync thread, same run)", ""]
-    lines += ["| pattern | " + " | ".join(_target_names(result)) + " |"]
-    lines.append("|---" * (len(_target_names(result)) + 1) + "|")
+    # Beside the verdicts, the default policy over the thread and over the
+    # floor: for runs that have the floor (the tables of older runs stay as they were).
+    ratios = _all_ratios(result) if FLOOR in names else {}
+    extra = [_PEER_COLUMNS[key] for key in PEERS] if ratios else []
+    heading = "### Targets (default policy against the blocking-sync thread, same run)"
+    if ratios:
+        heading = heading.removesuffix(")") + (
+            "; beside them its extra p50, extra p90 and CPU / wall over the blocked thread's and over "
+            "the floor strategy's, a thread blocked on the event that wakes the awaiting task)"
+        )
+    lines += [heading, ""]
+    lines += ["| pattern | " + " | ".join(_target_names(result) + extra) + " |"]
+    lines.append("|---" * (len(_target_names(result)) + len(extra) + 1) + "|")
     for key, checks in result["targets"].items():
         cells = [
             "" if n not in checks else "met" if checks[n] else "**missed**" for n in _target_names(result)
         ]
+        if ratios:
+            cells += [_ratio_cell(ratios.get(key, {}).get(peer)) for peer in PEERS]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
@@ -398,12 +546,13 @@ def plots(result: dict[str, Any], out: Path, stem: str) -> list[Path]:
         return []
     patterns = list(result["patterns"])
     short = [p.split(":")[0] for p in patterns]
+    names = _names(result)
     fig, axes = plt.subplots(2, len(LAYOUTS), figsize=(15, 8), sharex=True)
-    width = 0.8 / len(STRATEGIES)
+    width = 0.8 / len(names)
     for col, layout in enumerate(LAYOUTS):
         top, bottom = axes[0][col], axes[1][col]
-        for k, name in enumerate(STRATEGIES):
-            xs = [i + (k - len(STRATEGIES) / 2 + 0.5) * width for i in range(len(patterns))]
+        for k, name in enumerate(names):
+            xs = [i + (k - len(names) / 2 + 0.5) * width for i in range(len(patterns))]
             rows = [result["patterns"][p][layout][name] for p in patterns]
             p50 = [max(1.0, r["extra_p50_us"]) for r in rows]
             p90 = [max(1.0, r["extra_p90_us"]) for r in rows]

@@ -3,14 +3,19 @@ it runs, and the targets it reports, from committed results."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from benchmarks import serve
 from benchmarks.support import tables
+from cudafut import testing
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -110,3 +115,81 @@ def test_a_goal_says_met_missed_or_not_measured() -> None:
     # A goal met only because the baseline was slower says so.
     assert serve._signed(serve._delta(1.0, 3.5)) == "-2.5 ms, the no-GPU server the slower"
     assert serve._signed(serve._delta(None, 3.5)) == "not measured"
+
+
+def test_the_stall_ways_alternate_round_by_round() -> None:
+    assert [serve._round_order(["launch", "executor"], r) for r in range(3)] == [
+        ["launch", "executor"],
+        ["executor", "launch"],
+        ["launch", "executor"],
+    ]
+
+
+def test_the_stall_rounds_record_their_collections(fake_cuda: testing.FakeCuda) -> None:
+    """_stall on the fake GPU, launch() and run_in_executor alternated: one
+    cold round and the warm ones of each way, and a full collection that each
+    way's calls run in their first warm round, recorded with its round; the
+    report then judges max and p99 over the warm rounds, with the median
+    round's max and the collections beside them."""
+    fake_cuda.auto_complete = True
+    held = [[i] for i in range(300_000)]  # a full collection walks them: well over 1 ms
+    gc.collect()  # in the oldest generation now: no full collection of the collector's own is due
+    rounds: dict[str, list[int]] = {"launcher": [], "executor": []}
+
+    def call(r: int, i: int) -> int:
+        if i == 0:  # each way's round starts with its first call
+            where = "executor" if threading.current_thread().name.startswith("ThreadPool") else "launcher"
+            rounds[where].append(r)
+            if r == 1:
+                gc.collect()
+        return i
+
+    with ThreadPoolExecutor(2) as pool:
+        ways: dict[str, ThreadPoolExecutor | None] = {"launch": None, "run_in_executor": pool}
+        out = asyncio.run(serve._stall(20, 3, lambda r, i: (call, r, i), ways))
+    assert rounds == {"launcher": [0, 1, 2, 3], "executor": [0, 1, 2, 3]}
+    for way in ways:
+        s = out[way]
+        assert s["warm_rounds"] == 3 and len(s["round_max_stall_ms"]) == 4, s
+        assert s["warm_median_round_max_ms"] <= s["warm_max_stall_ms"] <= s["max_stall_ms"]
+        full = [g for g in s["gc"] if g["generation"] == 2 and g["round"] == 1]
+        assert full and full[0]["ms"] >= serve.STALL_GC_MS, s["gc"]
+        assert all(0 <= g["round"] <= 3 and g["ms"] >= serve.STALL_GC_MS for g in s["gc"]), s["gc"]
+        assert s["warm_gc"]["count"] >= 1 and s["warm_gc"]["by_generation"][2] >= 1, s["warm_gc"]
+        assert s["warm_gc"]["longest_ms"] >= full[0]["ms"]
+        assert "prepare_s" not in s
+    del held
+    caller = {k: {"p50_us": 1.0, "p99_us": 2.0} for k in serve._CALLS}
+    launch = {
+        "caller": caller,
+        "stall_settings": {
+            "switch_interval_s": 0.005,
+            "launcher_threads": 2,
+            "warm_rounds": {"trivial": 3},
+            "alternated": True,
+            "gc_over_ms": 1.0,
+        },
+        "stalls": {way: {"trivial": out[way]} for way in ways},
+    }
+    text = "\n".join(serve.markdown({"launch": launch}))
+    assert "switch interval 5 ms (`sys.getswitchinterval()`)" in text
+    assert "| later rounds' median max ms | later GCs of 1 ms or more: count, longest ms |" in text
+    line = next(x for x in text.splitlines() if "later rounds against run_in_executor" in x)
+    target = r"\(target: at most 1x each: (met|\*\*missed\*\*)\); median round's max [\d.]+ / [\d.]+ ms "
+    assert re.search(target + r"\([\d.]+x|-\), 3 and 3 later rounds alternated", line), line
+    assert re.search(r"in them: launch [1-9]\d* \(longest [\d.]+ ms; ", line), line
+    assert re.search(r"run_in_executor [1-9]\d* \(longest [\d.]+ ms; ", line), line
+
+
+def test_a_stall_result_from_before_the_rounds_alternated_reads_as_before() -> None:
+    """The committed runs before: no median, no collections, the same columns."""
+    runs = [r for r in tables.runs() if "serve: launch" in r.parts]
+    if not runs:
+        pytest.skip("no committed run of the serve section's launch part")
+    data = json.loads((RESULTS / max(runs, key=lambda r: (r.date, r.name)).name).read_text())
+    launch = data["serve"]["launch"]
+    if "stall_settings" in launch:
+        pytest.skip("the newest committed run alternates its rounds")
+    text = "\n".join(serve.markdown({"launch": launch}))
+    assert "median" not in text and "GCs" not in text
+    assert "later rounds against run_in_executor: max " in text

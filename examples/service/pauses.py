@@ -49,14 +49,22 @@ class PauseRecorder:
     collection is timed: about 0.1 µs an object, 30 ms for 300,000 on a
     slow CPU, which the thread pays too) and one write to ``path``. So it
     is a measuring tool: freezing (docs/serving.md) leaves few objects to
-    count in the collections that remain.
+    count in the collections that remain. ``count_tracked=False`` skips
+    that count (``tracked`` is then None): for a thread whose own stalls
+    are measured with a low threshold (the serve benchmark's loop stalls,
+    1 ms), where the walk would cost more than the collection it records.
     """
 
     def __init__(
-        self, threshold_ms: float = THRESHOLD_MS, path: str | os.PathLike[str] | None = None
+        self,
+        threshold_ms: float = THRESHOLD_MS,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        count_tracked: bool = True,
     ) -> None:
         self.threshold_ms = threshold_ms
         self.path = None if path is None else Path(path)
+        self.count_tracked = count_tracked
         self.pauses: list[dict[str, Any]] = []
         self._start = 0.0
         self._t = 0.0
@@ -94,7 +102,7 @@ class PauseRecorder:
             "ms": round(ms, 3),
             "generation": info.get("generation", -1),
             "collected": collected,
-            "tracked": len(gc.get_objects()) + collected,
+            "tracked": len(gc.get_objects()) + collected if self.count_tracked else None,
             "pid": os.getpid(),
         }
         self.pauses.append(pause)
