@@ -249,7 +249,7 @@ cdef int C_FAILED = -1
 # How many handles the pool keeps free per device (beyond: destroyed), and
 # the devices it serves (the ordinals a process can see are far fewer).
 cdef enum:
-    MAX_FREE = 4096
+    MAX_FREE = 16384
     MAX_DEVICES = 64
 
 #: CU_EVENT_DISABLE_TIMING, as the runtime's cudaEventDisableTiming.
