@@ -996,9 +996,9 @@ cdef class FutureCore:
     without a lookup. ``__await__`` is the type's own slot, so ``await fut``
     calls it without a Python-level lookup, and ``__del__`` its finalizer.
     A member not set yet reads None (``_state`` None: ``__init__`` never
-    ran)."""
+    ran); ``_lock`` is made on first use."""
 
-    cdef public object _lock
+    cdef object _lazy_lock  # _lock, made on first use
     cdef public object _state
     cdef public object _devices
     cdef public object _value
@@ -1012,6 +1012,25 @@ cdef class FutureCore:
     cdef public bint _retrieved
     cdef public bint _stream_given
     cdef object __weakref__
+
+    @property
+    def _lock(self):
+        """The future's lock, made on first use: a future that record()
+        made and an await consumed never takes it (a lock fewer to make and
+        free per await). Made under the GIL, checked again after the
+        allocation, so racing threads get the same lock."""
+        lock = self._lazy_lock
+        if lock is None:
+            lock = _allocate_lock()
+            if self._lazy_lock is None:
+                self._lazy_lock = lock
+            else:
+                lock = self._lazy_lock
+        return lock
+
+    @_lock.setter
+    def _lock(self, value):
+        self._lazy_lock = value
 
     def __await__(self):
         """``await fut``: resolve when the GPU work is done; never blocks the loop.
@@ -1065,7 +1084,7 @@ cdef object _current_driver = None  # _loops.current_driver
 cdef object _mapped_pages = None  # _streams' pages known mapped (check_stream_address)
 cdef object _block_type = None  # _memory's block of the allocator wrapper
 cdef long long _page_size = 4096
-cdef object _allocate_lock = None
+cdef object _allocate_lock = __import__("_thread").allocate_lock
 cdef object _get_running_loop = None
 # then(): the Python twin (CudaFuture.then), its helpers for what the native
 # path hands back (a step that raised, a returned future), _engine's
@@ -1169,7 +1188,6 @@ def new_pending():
     if _Future is None:
         raise RuntimeError("the native futures are not bound yet (import cudafut)")
     cdef FutureCore fut = FutureCore.__new__(_Future)
-    fut._lock = _allocate_lock()
     fut._state = _PENDING
     fut._records = ()
     if _hooks.active is not None:  # a trace began meanwhile: as __init__, it sees the future
@@ -1365,7 +1383,6 @@ def set_future(value, tuple records, keep=None, maker=None):
     if maker is not None or _hooks is None or _hooks.active is not None:
         return _set_future_py(value, records, keep, maker)
     fut = FutureCore.__new__(_Future)
-    fut._lock = _allocate_lock()
     fut._value = value
     fut._records = records
     fut._keep = keep
@@ -1484,7 +1501,6 @@ cdef FutureCore _set_future(object value, EventRecord rec, object keep):
     """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future);
     the members not set here are None and False, as ``__init__`` leaves them."""
     cdef FutureCore fut = FutureCore.__new__(_Future)
-    fut._lock = _allocate_lock()
     fut._value = value
     fut._records = (rec,)
     fut._keep = keep
