@@ -996,9 +996,9 @@ cdef class FutureCore:
     without a lookup. ``__await__`` is the type's own slot, so ``await fut``
     calls it without a Python-level lookup, and ``__del__`` its finalizer.
     A member not set yet reads None (``_state`` None: ``__init__`` never
-    ran)."""
+    ran); ``_lock`` is made on first use."""
 
-    cdef public object _lock
+    cdef object _lazy_lock  # _lock, made on first use
     cdef public object _state
     cdef public object _devices
     cdef public object _value
@@ -1012,6 +1012,25 @@ cdef class FutureCore:
     cdef public bint _retrieved
     cdef public bint _stream_given
     cdef object __weakref__
+
+    @property
+    def _lock(self):
+        """The future's lock, made on first use: a future that record()
+        made and an await consumed never takes it (a lock fewer to make and
+        free per await). Made under the GIL, checked again after the
+        allocation, so racing threads get the same lock."""
+        lock = self._lazy_lock
+        if lock is None:
+            lock = _allocate_lock()
+            if self._lazy_lock is None:
+                self._lazy_lock = lock
+            else:
+                lock = self._lazy_lock
+        return lock
+
+    @_lock.setter
+    def _lock(self, value):
+        self._lazy_lock = value
 
     def __await__(self):
         """``await fut``: resolve when the GPU work is done; never blocks the loop.
@@ -1065,7 +1084,7 @@ cdef object _current_driver = None  # _loops.current_driver
 cdef object _mapped_pages = None  # _streams' pages known mapped (check_stream_address)
 cdef object _block_type = None  # _memory's block of the allocator wrapper
 cdef long long _page_size = 4096
-cdef object _allocate_lock = None
+cdef object _allocate_lock = __import__("_thread").allocate_lock
 cdef object _get_running_loop = None
 # then(): the Python twin (CudaFuture.then), its helpers for what the native
 # path hands back (a step that raised, a returned future), _engine's
@@ -1169,7 +1188,6 @@ def new_pending():
     if _Future is None:
         raise RuntimeError("the native futures are not bound yet (import cudafut)")
     cdef FutureCore fut = FutureCore.__new__(_Future)
-    fut._lock = _allocate_lock()
     fut._state = _PENDING
     fut._records = ()
     if _hooks.active is not None:  # a trace began meanwhile: as __init__, it sees the future
@@ -1365,7 +1383,6 @@ def set_future(value, tuple records, keep=None, maker=None):
     if maker is not None or _hooks is None or _hooks.active is not None:
         return _set_future_py(value, records, keep, maker)
     fut = FutureCore.__new__(_Future)
-    fut._lock = _allocate_lock()
     fut._value = value
     fut._records = records
     fut._keep = keep
@@ -1484,7 +1501,6 @@ cdef FutureCore _set_future(object value, EventRecord rec, object keep):
     """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future);
     the members not set here are None and False, as ``__init__`` leaves them."""
     cdef FutureCore fut = FutureCore.__new__(_Future)
-    fut._lock = _allocate_lock()
     fut._value = value
     fut._records = (rec,)
     fut._keep = keep
@@ -2879,12 +2895,17 @@ cdef class AsyncioEntry:
     cdef object _loop  # a weak reference
     cdef readonly Watchlist watchlist
     cdef object _driver  # (it owns this entry: the cycle is the collector's, as a bound method's was)
+    cdef bint _base  # the loop is an asyncio.BaseEventLoop: its _thread_id says where it runs
     cdef object __weakref__
 
     def __init__(self, loop, Watchlist watchlist not None, driver):
+        import asyncio
+
         self._loop = weakref.ref(loop)
         self.watchlist = watchlist
         self._driver = driver
+        # (From 3.12 on, asyncio's getter makes no system call: asked there.)
+        self._base = isinstance(loop, asyncio.BaseEventLoop) and sys.version_info < (3, 12)
 
     def await_one(self, future, record, finish):
         """``AsyncioDriver.await_one`` once it found other waits pending:
@@ -2924,6 +2945,26 @@ cdef class AsyncioEntry:
         return 0
 
 
+cdef inline bint _runs_here(AsyncioEntry entry, object loop) except -1:
+    """Whether ``loop`` is this thread's running loop. An
+    ``asyncio.BaseEventLoop`` says so itself: ``run_forever`` keeps the
+    running thread's ident in ``_thread_id`` for as long as the loop is that
+    thread's running loop (no other loop can run in the thread meanwhile),
+    and a forked child, whose thread may have the same ident, never gets
+    here (``_forked``). Read without asking asyncio, whose getter makes a
+    ``getpid()`` system call per await before Python 3.12. Other loops
+    (uvloop), Python 3.12 on, or an ident that differs: asyncio is asked."""
+    if entry._base:
+        tid = getattr(loop, "_thread_id", None)
+        if type(tid) is int and tid > 0:
+            try:
+                if <unsigned long>tid == PyThread_get_thread_ident():
+                    return True
+            except OverflowError:  # not an ident: asyncio is asked
+                pass
+    return _get_running_loop() is loop
+
+
 cdef object _entry_await(FutureCore fut, EventRecord rec):
     """``await fut`` of a pending record, where the running loop is the
     asyncio loop that awaited last and other waits are pending there: its
@@ -2940,7 +2981,7 @@ cdef object _entry_await(FutureCore fut, EventRecord rec):
     if entry.watchlist.pending == 0:
         return None  # a lone wait: the driver's (it may spin from the task)
     loop = _weak_get(entry._loop)
-    if loop is None or _get_running_loop() is not loop:
+    if loop is None or not _runs_here(entry, loop):
         return None
     wait = entry._make(loop, fut, rec, awaited)
     wait._checked_in = PyThread_get_thread_ident()  # its first next() needs no second look
