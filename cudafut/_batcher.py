@@ -28,7 +28,7 @@ from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture
 from ._interface import complete_with, fail_future, new_future, set_future, share_state, until_set
-from ._launch import enqueue
+from ._launch import enqueue_as_caller
 from ._log import logger
 from ._producers import record
 from ._values import find_devices
@@ -755,7 +755,7 @@ class Batcher(Generic[In, Out]):
                         if self.device is None
                         else _cuda.check_device(self.device)
                     )
-                    fut = enqueue(self.run_batch, (items,), {}, dev, _torch.current_records(dev) + after)
+                    fut = enqueue_as_caller(self.run_batch, (items,), {}, dev, after)
                     try:
                         if handing:  # submit_future()'s futures: set once enqueued
                             await until_set(fut)

@@ -552,6 +552,26 @@ def enqueue(
     return future
 
 
+def enqueue_as_caller(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: int,
+    after: tuple[EventRecord, ...],
+) -> CudaFuture[Any]:
+    """:func:`enqueue`, its stream to wait for ``after`` and, as
+    :func:`launch` has it, for the calling thread's current streams of
+    ``device``: noted here, recorded by the launcher that takes the job (no
+    CUDA call on the calling thread, unless a stream is the per-thread
+    default stream, which only its thread can record on)."""
+    callers = _caller_streams(device)
+    for handle, _, _ in callers:
+        if handle == _PER_THREAD:
+            mine = tuple(_events.record(h, device, None, owner) for h, owner, _ in callers)
+            return enqueue(fn, args, kwargs, device, mine + after)
+    return enqueue(fn, args, kwargs, device, after, callers)
+
+
 def stop(device: int, timeout: float = 60.0) -> bool:
     """End the launcher threads of ``device`` once they have run what is
     queued for them; the next launch on the device starts new ones, with
