@@ -2243,6 +2243,32 @@ def timer_settime(int fd, long long ns):
         raise OSError(err, strerror(err).decode())
 
 
+cdef extern from "<unistd.h>" nogil:
+    ssize_t read(int fd, void *buf, size_t count)
+
+cdef extern from "<errno.h>" nogil:
+    int EAGAIN
+    int EWOULDBLOCK
+    int EINTR
+
+
+def timer_drain(int fd):
+    """Read a timerfd's expiry count from C, GIL held (one system call):
+    whether it had expired (False: not expired or re-armed, ``EAGAIN``; or
+    interrupted). What ``_timer.Timer.drain`` reads with: ``os.read``
+    releases the GIL, and the loop's thread then waits to take it back
+    from whichever thread took it meanwhile (a launcher thread running a
+    model's Python: tens of µs in the serving model). Raises OSError on
+    other failures, as ``os.read``."""
+    cdef unsigned long long count = 0
+    if read(fd, &count, 8) >= 0:
+        return True
+    err = errno
+    if err == EAGAIN or err == EWOULDBLOCK or err == EINTR:
+        return False
+    raise OSError(err, strerror(err).decode())
+
+
 # -- the waiter's watch list ---------------------------------------------------------
 
 cdef object _waiter = None  # cudafut._waiter: its predictor, read when a poll learns

@@ -87,10 +87,27 @@ def _choose_settime() -> Callable[[int, int], None]:
     return _settime
 
 
+def _os_drain(fd: int) -> bool:
+    try:
+        os.read(fd, 8)
+    except (BlockingIOError, InterruptedError):
+        return False
+    return True
+
+
+def _choose_drain() -> Callable[[int], bool]:
+    """The native core's ``timer_drain`` (the read from C, the GIL held),
+    else ``os.read`` (which releases the GIL)."""
+    from . import _compiled
+
+    native = _compiled.native()
+    return _os_drain if native is None else native.timer_drain
+
+
 class Timer:
     """A non-blocking timerfd: :meth:`arm` it, watch :attr:`fd` for reading."""
 
-    __slots__ = ("_settime", "fd")
+    __slots__ = ("_drain", "_settime", "fd")
 
     def __init__(self) -> None:
         if hasattr(os, "timerfd_create"):
@@ -102,6 +119,7 @@ class Timer:
                 raise OSError(err, os.strerror(err))
             self.fd = fd
         self._settime = _choose_settime()
+        self._drain = _choose_drain()
 
     def arm(self, delay: float) -> None:
         """Become readable ``delay`` seconds from now (at least 1 ns); replaces
@@ -118,12 +136,10 @@ class Timer:
 
     def drain(self) -> bool:
         """Consume the expiry, so that the fd stops being readable; whether
-        there was one (False: the timer had not expired, or was re-armed)."""
-        try:
-            os.read(self.fd, 8)
-        except (BlockingIOError, InterruptedError):
-            return False
-        return True
+        there was one (False: the timer had not expired, or was re-armed).
+        On the native core the read keeps the GIL (``os.read`` releases it,
+        and the loop's thread then waits to take it back)."""
+        return self._drain(self.fd)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

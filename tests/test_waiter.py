@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import cudafut
-from cudafut import _policy, _timer, _waiter
+from cudafut import _compiled, _policy, _timer, _waiter
 from tests.fakes import FakeRecord, gone, stream_records
 
 
@@ -139,9 +139,11 @@ def test_the_timer_fires_at_the_time_asked_and_can_be_disarmed() -> None:
     try:
         timer.arm(2e-3)
         assert select.select([timer.fd], [], [], 0)[0] == []
+        assert not timer.drain()  # not expired yet
         assert select.select([timer.fd], [], [], 1.0)[0] == [timer.fd]
-        timer.drain()
+        assert timer.drain()
         assert select.select([timer.fd], [], [], 0)[0] == []
+        assert not timer.drain()  # read already
         timer.arm(5e-3)
         timer.disarm()
         assert select.select([timer.fd], [], [], 0.02)[0] == []
@@ -158,6 +160,19 @@ def test_the_timer_settime_call_reports_a_failure_and_a_closed_timer_disarms_qui
     with pytest.raises(OSError, match="Bad file descriptor"):
         timer._settime(timer.fd, 1_000)  # the chosen call itself (a closed timer's fd is -1)
     timer.disarm()  # nothing to stop: no error
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        timer.drain()  # as os.read: only "not expired" reads False
+
+
+def test_the_timer_drains_from_c_on_the_native_core() -> None:
+    # os.read releases the GIL; the native core's read keeps it.
+    timer = _timer.make_timer()
+    assert timer is not None
+    try:
+        native = _compiled.native()
+        assert timer._drain is (_timer._os_drain if native is None else native.timer_drain)
+    finally:
+        timer.close()
 
 
 class _ReentrantRecord(FakeRecord):
