@@ -344,8 +344,10 @@ def test_the_pinned_pool_and_the_threads_return_to_where_they_started() -> None:
     while cudafut.memory_statistics().held and time.monotonic() < deadline:
         time.sleep(0.01)
     after = cudafut.memory_statistics()
-    assert after.pinned_in_use == before.pinned_in_use
-    assert after.pinned_blocks_in_use == before.pinned_blocks_in_use
+    # At most where it started: a block an earlier test left in use (1 MB,
+    # held by nothing the statistics count) was seen going back meanwhile.
+    assert after.pinned_in_use <= before.pinned_in_use
+    assert after.pinned_blocks_in_use <= before.pinned_blocks_in_use
     assert after.held == 0
     assert _other_threads() == others  # nothing started per copy
     copy_threads = [t for t in threading.enumerate() if t.name.startswith("cudafut-copy")]
