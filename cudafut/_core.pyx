@@ -2921,17 +2921,12 @@ cdef class AsyncioEntry:
     cdef object _loop  # a weak reference
     cdef readonly Watchlist watchlist
     cdef object _driver  # (it owns this entry: the cycle is the collector's, as a bound method's was)
-    cdef bint _base  # the loop is an asyncio.BaseEventLoop: its _thread_id says where it runs
     cdef object __weakref__
 
     def __init__(self, loop, Watchlist watchlist not None, driver):
-        import asyncio
-
         self._loop = weakref.ref(loop)
         self.watchlist = watchlist
         self._driver = driver
-        # (From 3.12 on, asyncio's getter makes no system call: asked there.)
-        self._base = isinstance(loop, asyncio.BaseEventLoop) and sys.version_info < (3, 12)
 
     def await_one(self, future, record, finish):
         """``AsyncioDriver.await_one`` once it found other waits pending:
@@ -2971,26 +2966,6 @@ cdef class AsyncioEntry:
         return 0
 
 
-cdef inline bint _runs_here(AsyncioEntry entry, object loop) except -1:
-    """Whether ``loop`` is this thread's running loop. An
-    ``asyncio.BaseEventLoop`` says so itself: ``run_forever`` keeps the
-    running thread's ident in ``_thread_id`` for as long as the loop is that
-    thread's running loop (no other loop can run in the thread meanwhile),
-    and a forked child, whose thread may have the same ident, never gets
-    here (``_forked``). Read without asking asyncio, whose getter makes a
-    ``getpid()`` system call per await before Python 3.12. Other loops
-    (uvloop), Python 3.12 on, or an ident that differs: asyncio is asked."""
-    if entry._base:
-        tid = getattr(loop, "_thread_id", None)
-        if type(tid) is int and tid > 0:
-            try:
-                if <unsigned long>tid == PyThread_get_thread_ident():
-                    return True
-            except OverflowError:  # not an ident: asyncio is asked
-                pass
-    return _get_running_loop() is loop
-
-
 cdef object _entry_await(FutureCore fut, EventRecord rec):
     """``await fut`` of a pending record, where the running loop is the
     asyncio loop that awaited last and other waits are pending there: its
@@ -3007,7 +2982,7 @@ cdef object _entry_await(FutureCore fut, EventRecord rec):
     if entry.watchlist.pending == 0:
         return None  # a lone wait: the driver's (it may spin from the task)
     loop = _weak_get(entry._loop)
-    if loop is None or not _runs_here(entry, loop):
+    if loop is None or _get_running_loop() is not loop:
         return None
     wait = entry._make(loop, fut, rec, awaited)
     wait._checked_in = PyThread_get_thread_ident()  # its first next() needs no second look
