@@ -141,7 +141,7 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
 def _kept(kept: list[Any], make: Callable[[], None], n: int = 4000) -> float:
     """µs per ``make()`` that appends what it makes to ``kept``, best of
     seven; ``kept`` is emptied after each timing, untimed. ``n`` stays
-    under the 4,096 free events the pool keeps per device: more live
+    under the 16,384 free events the pool keeps per device: more live
     records would make each timing create new CUDA events (and each
     emptying destroy them), and time that instead."""
     times = []
