@@ -1084,7 +1084,7 @@ cdef object _current_driver = None  # _loops.current_driver
 cdef object _mapped_pages = None  # _streams' pages known mapped (check_stream_address)
 cdef object _block_type = None  # _memory's block of the allocator wrapper
 cdef long long _page_size = 4096
-cdef object _allocate_lock = __import__("_thread").allocate_lock
+cdef object _allocate_lock = None
 cdef object _get_running_loop = None
 # then(): the Python twin (CudaFuture.then), its helpers for what the native
 # path hands back (a step that raised, a returned future), _engine's
