@@ -109,14 +109,10 @@ class WaitPolicy:
     on: it lasts up to ``notice_sleep_s``, and the notice ends it when the
     work completes (a notice lost to a context error is caught by that poll).
 
-    CUDA notices are off by default (``notify=False``).
-    ``WaitPolicy(notify=True, notice_sleep_s=1e-3)``, notices beside the
-    timed polls, noticed work that no learnt duration covers sooner at p90
-    in the ``vary`` benchmark (docs/performance.md), at about the same CPU.
-    They are not the default because the first notice on a device makes
-    its notice streams, and making a stream can wait behind a kernel that
-    never ends (an NCCL collective whose peer died): in the GPU suite that
-    wait held up the collective's abort.
+    CUDA notices are off by default (``notify=False``): in the ``vary``
+    benchmark (benchmarks/results/), timed polls noticed work of changing
+    duration earlier than notices in most rows, at the median and at p90.
+    ``WaitPolicy(notify=True)`` turns them on.
 
     Attributes:
         spin_s: after a new wait, poll continuously (yielding to the event
