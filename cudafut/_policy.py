@@ -105,14 +105,17 @@ class WaitPolicy:
     is longer than ``max_sleep_s``: a completion is noticed at most
     ``max_sleep_s`` after it happens, plus the operating system's wake-up
     delay (docs/performance.md, "Bounded regret"). The one exception is a
-    sleep with a notice armed (``notify=True``) for every stream it waits
-    on: it lasts up to ``notice_sleep_s``, and the notice ends it when the
-    work completes (a notice lost to a context error is caught by that poll).
+    sleep with a notice armed for every stream it waits on, where
+    ``notice_sleep_s`` is set above ``max_sleep_s``: it lasts up to
+    ``notice_sleep_s``, and the notice ends it when the work completes (a
+    notice lost to a context error is caught by that poll).
 
-    CUDA notices are off by default (``notify=False``): in the ``vary``
-    benchmark (benchmarks/results/), timed polls noticed work of changing
-    duration earlier than notices in most rows, at the median and at p90.
-    ``WaitPolicy(notify=True)`` turns them on.
+    CUDA notices are on by default (``notify=True``), beside polls at most
+    ``max_sleep_s`` apart (``notice_sleep_s`` = 1 ms): whichever comes first
+    ends the wait. In the ``vary`` benchmark (docs/performance.md), work
+    that no learnt duration covers (random durations, the jobs after a
+    step) was noticed sooner at p90 than with the polls alone, at about
+    the same CPU; ``WaitPolicy(notify=False)`` polls on timers only.
 
     Attributes:
         spin_s: after a new wait, poll continuously (yielding to the event
@@ -127,21 +130,25 @@ class WaitPolicy:
             the expected ends of durations that repeat.
         cpu_budget: for predicted work, the largest share of the wait that
             may be spent spinning before the expected end (0 to 1).
-        notify: off by default. When on, where no learnt duration says
-            when work ends (unknown or unpredictable work), an asyncio or
-            uvloop waiter asks CUDA for a notice instead of polling on a
-            timer: a host function that is libc's ``close()`` of a pipe the
-            loop watches (or a native notice thread), launched on a notice
-            stream after the oldest pending event of each stream (no Python
-            runs on CUDA's threads: docs/design.md, hazard 1). One notice
-            per stream at a time, not one per await. Trio and blocking
-            waits (``result()``) poll on timers either way.
+        notify: on by default. Where no learnt duration says when work
+            ends (unknown or unpredictable work), an asyncio or uvloop
+            waiter asks CUDA for a notice, and polls on a timer only as
+            often as ``notice_sleep_s`` says: a native notice thread (or a
+            host function that is libc's ``close()``) closes a pipe the
+            loop watches, after the oldest pending event of each stream (no
+            Python runs on CUDA's threads: docs/design.md, hazard 1). One
+            notice per stream at a time, not one per await, each costing a
+            stream wait and an event record on the loop's thread. Trio and
+            blocking waits (``result()``) poll on timers either way.
         notice_sleep_s: with ``notify=True``, the longest sleep while
-            notices are armed for every stream waited on: a poll that also catches what a notice cannot
-            report. CUDA runs no host function after a context error, so a
-            sticky error is seen at most this late, as is a failure decided
-            on the host (a collective past its timeout). Less than
-            ``max_sleep_s`` counts as ``max_sleep_s``.
+            notices are armed for every stream waited on: a poll that also
+            catches what a notice cannot report. CUDA runs no host function
+            after a context error, so a sticky error is seen at most this
+            late, as is a failure decided on the host (a collective past its
+            timeout). Less than ``max_sleep_s`` counts as ``max_sleep_s``
+            (the default, 1 ms: a poll at least every ``max_sleep_s``, as
+            without notices; a longer one polls less and leaves the wait to
+            the notice: later at p90 in ``vary``).
 
     Every number may be any real number (NumPy scalars and ``Fraction``
     included, bools not).
@@ -162,8 +169,8 @@ class WaitPolicy:
     max_sleep_s: float = 1e-3
     predict: bool = True
     cpu_budget: float = 0.05
-    notify: bool = False
-    notice_sleep_s: float = 20e-3
+    notify: bool = True
+    notice_sleep_s: float = 1e-3
 
     def __post_init__(self) -> None:
         values = {}
@@ -203,8 +210,12 @@ PolicyName = Literal["balanced", "low_latency", "low_cpu"]
 
 PRESETS: Final[dict[str, WaitPolicy]] = {
     "balanced": WaitPolicy(),
-    "low_latency": WaitPolicy(spin_s=math.inf, predict=False),
-    "low_cpu": WaitPolicy(spin_s=20e-6, first_sleep_s=200e-6, max_sleep_s=2e-3, cpu_budget=0.01),
+    # low_latency spins for the whole wait: a notice would only cost its arm.
+    "low_latency": WaitPolicy(spin_s=math.inf, predict=False, notify=False),
+    # low_cpu as measured in vary: timed polls only.
+    "low_cpu": WaitPolicy(
+        spin_s=20e-6, first_sleep_s=200e-6, max_sleep_s=2e-3, cpu_budget=0.01, notify=False
+    ),
 }
 
 _policy = PRESETS["balanced"]
@@ -214,12 +225,11 @@ def set_wait_policy(policy: WaitPolicy | PolicyName) -> WaitPolicy:
     """Set how every waiter in the process polls; return the previous policy.
 
     ``policy`` is a :class:`WaitPolicy` or a preset's name: ``"balanced"``
-    (default: spins around learnt durations, otherwise sleeps of at most
-    1 ms), ``"low_latency"`` (spin for the whole wait: one busy core per
-    waiting thread or loop) or ``"low_cpu"`` (short spins, sleeps of up to
-    2 ms). None of the presets asks for CUDA notices: pass
-    ``WaitPolicy(notify=True)`` for them. Takes effect at each waiter's
-    next poll. Costs nothing.
+    (default: spins around learnt durations, otherwise CUDA notices and
+    sleeps of at most 1 ms), ``"low_latency"`` (spin for the whole wait: one
+    busy core per waiting thread or loop) or ``"low_cpu"`` (short spins,
+    sleeps of up to 2 ms, no notices). Takes effect at each waiter's next
+    poll. Costs nothing.
 
     Raises:
         ValueError: an unknown preset name.

@@ -51,7 +51,7 @@ POLICIES = {
     "predict off": cudafut.WaitPolicy(predict=False),
     "spin 0, predict off": cudafut.WaitPolicy(spin_s=0, predict=False),
     "low_cpu": PRESETS["low_cpu"],
-    "notify": cudafut.WaitPolicy(notify=True),
+    "timed polls only": cudafut.WaitPolicy(notify=False),
 }
 
 

@@ -512,14 +512,15 @@ def test_await_in_a_plain_asyncio_run(cp: Any, producer: Any) -> None:
 
 # -- the wait policy on repeating work -----------------------------------------
 
-# Notices are off by default: the last two ask for them (notify=True).
+# Notices are on by default, beside 1 ms polls ("balanced"); the last three:
+# timed polls only, and notices with polls 20 ms apart (the notice ends the wait).
 POLICIES = [
     "balanced",
     "low_cpu",
     "low_latency",
-    cudafut.WaitPolicy(predict=False, spin_s=0),
-    cudafut.WaitPolicy(notify=True),
-    cudafut.WaitPolicy(predict=False, spin_s=0, notify=True),
+    cudafut.WaitPolicy(predict=False, spin_s=0, notify=False),
+    cudafut.WaitPolicy(notify=False),
+    cudafut.WaitPolicy(predict=False, spin_s=0, notice_sleep_s=20e-3),
 ]
 
 
@@ -529,8 +530,8 @@ POLICIES = [
         "balanced",
         "low_cpu",
         "low_latency",
-        "no-spin-no-prediction",
-        "notices",
+        "no-spin-no-prediction-polls",
+        "polls",
         "no-spin-no-prediction-notices",
     ],
 )

@@ -39,8 +39,9 @@ pytestmark = pytest.mark.gpu
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
 SPIN_MS = 50.0
 
-#: The default policy with notices on (they are off by default).
-NOTICES = cudafut.WaitPolicy(notify=True)
+#: Notices with polls 20 ms apart: the notice, not a timed poll, ends a wait
+#: (the default polls every 1 ms beside them).
+NOTICES = cudafut.WaitPolicy(notify=True, notice_sleep_s=20e-3)
 
 
 #: Who delivers a notice: a native notice thread (cudafut._waker, where the
@@ -197,7 +198,7 @@ import asyncio, time, cudafut
 from cudafut import _backend, _cuda, _waker
 from tests import kernels
 cp = _backend.current.cupy()
-cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # off by default
+cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, notice_sleep_s=20e-3))
 deadline = time.monotonic() + 30
 while _backend.current.notice_stream(0) is None and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -239,7 +240,7 @@ from cudafut import _backend, _cuda
 from tests import kernels
 cp = _backend.current.cupy()
 native = sys.argv[1] == "native"
-cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # off by default
+cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, notice_sleep_s=20e-3))
 _cuda.set_native_notices(native)
 deadline = time.monotonic() + 30
 while not native and _backend.current.notice_stream(0) is None and time.monotonic() < deadline:

@@ -261,7 +261,7 @@ def test_set_in_one_thread_while_a_loop_in_another_awaits(cp: Any) -> None:
 
 @pytest.fixture(params=[False, True], ids=["timed polls", "notices"])
 def notify(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """The default policy, then with CUDA notices on (off by default)."""
+    """Timed polls only, then with CUDA notices on (the default)."""
     old = cudafut.set_wait_policy(cudafut.WaitPolicy(notify=request.param))
     yield bool(request.param)
     cudafut.set_wait_policy(old)

@@ -351,7 +351,7 @@ def test_a_run_without_rich_or_matplotlib(
     assert cli.main(["--quick", "--out", str(tmp_path), "--policy", "low_cpu"]) == 0
     assert measured == [True]
     assert cudafut.get_wait_policy() == cudafut.WaitPolicy(
-        spin_s=20e-6, first_sleep_s=200e-6, max_sleep_s=2e-3, cpu_budget=0.01
+        spin_s=20e-6, first_sleep_s=200e-6, max_sleep_s=2e-3, cpu_budget=0.01, notify=False
     )
     out, err = capsys.readouterr()
     notes = [line for line in err.splitlines() if line.startswith("note:")]

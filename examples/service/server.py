@@ -33,7 +33,8 @@ Run it (from the repository root, on a machine with a GPU and torchvision;
     python examples/service/server.py --model resnet50 --mode batch_graph --port 8080
 
 ``--wait-policy`` picks how the loop's waiter polls (a preset of
-:func:`cudafut.set_wait_policy`, or ``notify`` for CUDA notices), to see
+:func:`cudafut.set_wait_policy`, or ``polls`` for timed polls without CUDA
+notices), to see
 what the waiter's spins cost a loop that also serves HTTP.
 ``--max-batch`` and ``--max-in-flight`` size the batch modes' pipeline
 (default: the ``Batcher``'s, the largest bucket and 4; docs/serving.md,
@@ -393,9 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
     parser.add_argument(
         "--wait-policy",
-        choices=("balanced", "low_latency", "low_cpu", "notify"),
+        choices=("balanced", "low_latency", "low_cpu", "polls"),
         default="balanced",
-        help="how the loop's waiter polls (cudafut.set_wait_policy; notify: WaitPolicy(notify=True))",
+        help="how the loop's waiter polls (cudafut.set_wait_policy; polls: WaitPolicy(notify=False))",
     )
     parser.add_argument(
         "--no-gc-freeze",
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    policy = cudafut.WaitPolicy(notify=True) if args.wait_policy == "notify" else args.wait_policy
+    policy = cudafut.WaitPolicy(notify=False) if args.wait_policy == "polls" else args.wait_policy
     cudafut.set_wait_policy(policy)
     from cudafut._cli.selfcheck import require_gpu
 
