@@ -62,6 +62,10 @@ BALANCED_NOTICES = "cudafut await (balanced, native notices)"
 BALANCED_HOSTFN = "cudafut await (balanced, host-function notices)"
 #: Notices alone: no spin around predicted ends (WaitPolicy.predict=False).
 NOTICES_ONLY = "cudafut await (notices, no predicted spin)"
+#: Notices and nothing else: no spin after a new wait or around predicted
+#: ends, polls 20 ms apart while notices are armed: the least CPU a notice
+#: can cost, against the floor strategy's.
+NOTICES_NO_SPIN = "cudafut await (notices only, no spin)"
 #: The balanced policy without notices: timed polls alone
 #: (WaitPolicy(notify=False)), the default of runs before notices were.
 BALANCED_POLLS = "cudafut await (balanced, timed polls only)"
@@ -80,6 +84,7 @@ STRATEGIES = (
     BALANCED_NOTICES,
     BALANCED_HOSTFN,
     NOTICES_ONLY,
+    NOTICES_NO_SPIN,
     LOW_CPU,
     LOW_LATENCY,
     THREAD,
@@ -93,6 +98,7 @@ _PRESETS: dict[str, WaitPolicy | str] = {
     BALANCED_NOTICES: WaitPolicy(notify=True, notice_sleep_s=20e-3),
     BALANCED_HOSTFN: WaitPolicy(notify=True, notice_sleep_s=20e-3),
     NOTICES_ONLY: WaitPolicy(predict=False, notify=True, notice_sleep_s=20e-3),
+    NOTICES_NO_SPIN: WaitPolicy(spin_s=0, predict=False, notify=True, notice_sleep_s=20e-3),
     LOW_CPU: "low_cpu",
     LOW_LATENCY: "low_latency",
 }

@@ -115,6 +115,7 @@ class CudaBackend:
     on_device = _runtime.on_device
     pointer_device = staticmethod(_runtime.pointer_device)
     pointer_is_pinned = staticmethod(_copy_calls.pointer_is_pinned)
+    prepare_notices = staticmethod(_notices.prepare_notices)
     runtime = staticmethod(_runtime.runtime)
     stream_device = staticmethod(_streams.stream_device)
     stream_synchronize = staticmethod(_streams.stream_synchronize)

@@ -34,6 +34,8 @@ _notice_pool: dict[int, list[int]] = {}
 _notice_turn: dict[int, int] = {}
 _notice_making: set[int] = set()
 _notice_broken: dict[int, BaseException] = {}
+# Set, per device, when its helper has finished (streams made or not).
+_notice_made: dict[int, threading.Event] = {}
 _NOTICE_STREAMS_PER_DEVICE: Final = 32
 # Idle notice streams looked for per request (a stream query each).
 _NOTICE_TRIES: Final = 4
@@ -159,6 +161,9 @@ def _make_notice_streams(device: int) -> None:
             else:
                 _notice_broken[device] = _runtime.cuda_error(getattr(failure, "status", 999), device)
         _notice_making.discard(device)
+        done = _notice_made.get(device)
+    if done is not None:
+        done.set()
 
 
 # At most this many native notice threads, each blocked on one notice
@@ -229,18 +234,7 @@ def notice_stream(device: int) -> int | None:
                 if isinstance(broken, CudaError):
                     raise CudaError(broken.code, broken.name, broken.description, device=device)
                 raise CudaUnavailableError(str(broken))
-            if device not in _notice_making:
-                _notice_making.add(device)
-                try:
-                    threading.Thread(
-                        target=_make_notice_streams,
-                        args=(device,),
-                        name="cudafut-notice-streams",
-                        daemon=True,
-                    ).start()
-                except BaseException:
-                    _notice_making.discard(device)
-                    raise
+            _start_helper(device)
             return None
         turn = _notice_turn.get(device, 0)
         _notice_turn[device] = turn + _NOTICE_TRIES
@@ -250,6 +244,56 @@ def notice_stream(device: int) -> int | None:
         if rt.streamQuery(stream) == 0:  # idle: no notice queued there
             return stream
     return None
+
+
+def _start_helper(device: int) -> threading.Event:
+    # Under _notice_lock: the helper that makes ``device``'s notice streams,
+    # started unless it runs; the event set when it has finished.
+    done = _notice_made.get(device)
+    if done is None:
+        done = _notice_made[device] = threading.Event()
+    if device not in _notice_making:
+        _notice_making.add(device)
+        try:
+            threading.Thread(
+                target=_make_notice_streams,
+                args=(device,),
+                name="cudafut-notice-streams",
+                daemon=True,
+            ).start()
+        except BaseException:
+            _notice_making.discard(device)
+            raise
+    return done
+
+
+def prepare_notices(device: int, timeout: float) -> bool:
+    """Make ``device``'s notice streams now, if no notice has yet, and wait
+    up to ``timeout`` seconds for them; return whether they exist.
+
+    For work that may never end unless a CUDA call ends it, such as an
+    NCCL collective whose peer died (its abort records an event): the
+    first notice on a device makes its streams, and a creation behind such
+    work may wait for ever, holding up that very call (docs/design.md,
+    hazard 11). :class:`cudafut.distributed.ProcessGroup` calls this before
+    its first collective. Blocks the calling thread while the streams are
+    made (32 stream creations on a helper thread, well under a millisecond
+    on an idle GPU; up to ``timeout`` where a creation waits for running
+    work); once they exist, costs a dictionary lookup. Never raises: where
+    no stream can be made (no libcuda, a forked child), notices are off and
+    this returns False.
+    """
+    if _runtime.forked:
+        return False
+    with _notice_lock:
+        if device in _notice_pool:
+            return True
+        if device in _notice_broken:
+            return False
+        done = _start_helper(device)
+    done.wait(timeout)
+    with _notice_lock:
+        return device in _notice_pool
 
 
 def close_after(record: Any, fd: int, stream: int) -> None:
@@ -336,7 +380,7 @@ def _after_fork_in_child() -> None:
     # refuses CUDA in the child, runs before this one.
     global _notice_lock
     _notice_lock = threading.Lock()  # another thread may have held it at the fork
-    for table in (_notice_pool, _notice_turn, _notice_broken):
+    for table in (_notice_pool, _notice_turn, _notice_broken, _notice_made):
         table.clear()
     _notice_making.clear()
     _primary_contexts.clear()  # the child has no CUDA context (forked)

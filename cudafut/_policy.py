@@ -116,6 +116,15 @@ class WaitPolicy:
     that no learnt duration covers (random durations, the jobs after a
     step) was noticed sooner at p90 than with the polls alone, at about
     the same CPU; ``WaitPolicy(notify=False)`` polls on timers only.
+    The first notice on a device makes its 32 notice streams on a helper
+    thread; CUDA may hold that creation, and other CUDA calls of the
+    process with it, until the GPU's running work ends (docs/design.md,
+    hazard 11), once per device. Where running work can only end by a CUDA
+    call of the same process (an NCCL collective whose peer died, ended by
+    its abort), that wait would never end: a
+    :class:`cudafut.distributed.ProcessGroup` makes the streams when it is
+    made, before its first collective; around such work of your own, use
+    ``notify=False`` until a first notice has been made.
 
     Attributes:
         spin_s: after a new wait, poll continuously (yielding to the event

@@ -384,6 +384,9 @@ class _Backend:
     def notice_stream(self, device: int) -> int:
         return 0  # the fake's notices need no stream
 
+    def prepare_notices(self, device: int, timeout: float) -> bool:
+        return True  # nothing to make
+
     def close_after(self, record: Any, fd: int, stream: int) -> None:
         # As CUDA's host function: ``fd`` is closed when the record's event
         # completes (in the thread that completes it), never if it fails.

@@ -73,9 +73,11 @@ def test_the_new_strategies() -> None:
     assert isinstance(polls, WaitPolicy) and not polls.notify
     # The default (BALANCED) has notices beside 1 ms polls; the notice rows
     # keep the 20 ms polls they were measured with before.
-    for name in (vary.BALANCED_NOTICES, vary.BALANCED_HOSTFN, vary.NOTICES_ONLY):
+    for name in (vary.BALANCED_NOTICES, vary.BALANCED_HOSTFN, vary.NOTICES_ONLY, vary.NOTICES_NO_SPIN):
         policy = vary._PRESETS[name]
         assert isinstance(policy, WaitPolicy) and policy.notify and policy.notice_sleep_s == 20e-3
+    bare = vary._PRESETS[vary.NOTICES_NO_SPIN]
+    assert isinstance(bare, WaitPolicy) and bare.spin_s == 0 and not bare.predict
     assert vary.steps(quick=True) == 8 * 2 * len(vary.STRATEGIES) + 1
 
 

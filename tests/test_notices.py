@@ -279,7 +279,7 @@ def stub_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(_notices, "_host_close", (lambda ptr, fn, fd: results.pop(0) if results else 0, 1))
     monkeypatch.setattr(_runtime, "_rt", _Stub())
     monkeypatch.setattr(_backend.current, "stream_wait", lambda stream, event, device: None)
-    for table in ("_notice_pool", "_notice_turn", "_notice_broken"):
+    for table in ("_notice_pool", "_notice_turn", "_notice_broken", "_notice_made"):
         monkeypatch.setattr(_notices, table, {})
     monkeypatch.setattr(_notices, "_notice_making", set())
     return results
@@ -482,6 +482,55 @@ def test_a_helper_that_made_some_streams_uses_them_and_says_so(
         maker.settle()
     assert _backend.current.notice_stream(0) in made
     assert any("made 2 of 32 notice streams" in r.getMessage() for r in caplog.records)
+
+
+def test_prepared_notice_streams_are_made_before_any_notice_asks(maker: _Maker) -> None:
+    assert _backend.current.prepare_notices(0, 30.0) is True
+    assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE
+    assert threading.get_ident() not in maker.threads, "streams were made on the caller's thread"
+    # The first notice takes a stream at once, and nothing is made again.
+    assert _backend.current.notice_stream(0) is not None
+    assert _backend.current.prepare_notices(0, 30.0) is True
+    assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE
+
+
+def test_preparing_behind_a_creation_that_waits_gives_up_at_its_timeout(maker: _Maker) -> None:
+    maker.gate.clear()  # a creation waiting behind running work
+    assert _backend.current.prepare_notices(0, 0.05) is False
+    assert _backend.current.notice_stream(0) is None  # still being made: polls meanwhile
+    maker.gate.set()
+    maker.settle()
+    assert _backend.current.prepare_notices(0, 0.0) is True
+    assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE, "a second helper made streams"
+
+
+def test_preparing_where_no_stream_can_be_made_is_false_never_an_error(
+    maker: _Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(device: int) -> int:
+        raise _cuda.cuda_error(2, device)
+
+    monkeypatch.setattr(_notices, "_new_stream_handle", failing)
+    assert _backend.current.prepare_notices(0, 30.0) is False
+    assert _backend.current.prepare_notices(0, 30.0) is False
+    with pytest.raises(cudafut.CudaError):
+        _backend.current.notice_stream(0)
+
+
+def test_a_new_process_group_prepares_its_devices_notice_streams() -> None:
+    from cudafut.distributed import _group
+
+    asked: list[tuple[int, float]] = []
+    def prepare(device: int, timeout: float) -> bool:
+        asked.append((device, timeout))
+        return True
+
+    with testing.fake_cuda(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_backend.current, "prepare_notices", prepare)
+        _group.ProcessGroup(object(), 0, [0], 0, 5.0, "test")
+        assert asked == [(0, _group._PREPARE_NOTICES_S)]
+        _group.ProcessGroup(object(), 0, [0], 0, 5.0, "test", stream=object())  # a test's own stream
+        assert len(asked) == 1
 
 
 @pytest.mark.parametrize("loop", LOOPS)
