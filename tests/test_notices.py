@@ -521,6 +521,7 @@ def test_a_new_process_group_prepares_its_devices_notice_streams() -> None:
     from cudafut.distributed import _group
 
     asked: list[tuple[int, float]] = []
+
     def prepare(device: int, timeout: float) -> bool:
         asked.append((device, timeout))
         return True
