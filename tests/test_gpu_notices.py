@@ -149,12 +149,18 @@ def test_notices_leave_no_pipe_and_no_thread(seen: _Seen, loop: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "policy", [cudafut.WaitPolicy(notify=False), "balanced"], ids=["notify=False", "balanced (the default)"]
+    "policy", [cudafut.WaitPolicy(notify=False), "low_cpu"], ids=["notify=False", "low_cpu"]
 )
 def test_without_notify_the_wait_is_polled(seen: _Seen, policy: Any) -> None:
     cudafut.set_wait_policy(policy)
     assert run_on("asyncio", _slow_value, 3.0) == 3.0
     assert seen.armed == 0 and seen.fired == 0
+
+
+def test_the_default_policy_asks_for_notices(seen: _Seen) -> None:
+    cudafut.set_wait_policy("balanced")
+    assert run_on("asyncio", _slow_value, 3.0) == 3.0
+    assert seen.armed >= 1
 
 
 def test_the_host_function_is_libc_close_itself() -> None:
