@@ -89,6 +89,11 @@ class Backend(Protocol):
     def use_device(self, device: int) -> None: ...
 
 
+#: How long a caller of ``prepare_notices`` at start-up (a new process group,
+#: ``warm_launchers``) waits for a device's notice streams: made in well under
+#: a millisecond on an idle GPU, longer only behind running work.
+PREPARE_NOTICES_S: Final = 10.0
+
 #: The calls a backend implements, by name: the methods of :class:`Backend`.
 SEAM: Final = tuple(name for name in vars(Backend) if not name.startswith("_"))
 

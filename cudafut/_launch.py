@@ -253,6 +253,9 @@ def _warm_here(warm: _Warm, index: int, ptr: int, device: int, streams: dict[int
     job = warm.jobs[index]
     warm.jobs[index] = None  # its future keeps what it needs
     if job is not None:
+        # A service's start-up: the device's notice streams made now, not by
+        # its first notice behind the requests' work (docs/design.md, hazard 11).
+        _backend.current.prepare_notices(device, _backend.PREPARE_NOTICES_S)
         _run(job, ptr, device, streams)
 
 
@@ -468,6 +471,12 @@ def warm_launchers(
     GPU work. Where ``fn`` raised on some threads, the future fails, once
     every thread has run ``fn``, with the first of those exceptions.
     Cancelling it does not stop the runs.
+
+    Each thread first makes sure the device's CUDA notice streams exist
+    (:class:`WaitPolicy`'s ``notify``), waiting up to 10 s for them: made
+    by the first notice instead, their creation could wait behind the
+    requests' work and hold other CUDA calls of the process meanwhile
+    (docs/design.md, hazard 11). Once made, that costs a lookup.
 
     Blocks neither the calling thread nor the loop: the cost there is that
     of one :func:`launch` per thread (an event recorded, a future and a

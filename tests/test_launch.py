@@ -151,6 +151,32 @@ def test_warm_launchers_runs_fn_once_on_each_launcher_thread_with_its_stream_cur
     assert sorted(seen) == sorted(want)
 
 
+def test_warm_launchers_makes_the_devices_notice_streams_before_fn_on_a_launcher_thread(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda.auto_complete = True
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "2")
+    order: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def prepare(device: int, timeout: float) -> bool:
+        assert (device, timeout) == (0, _backend.PREPARE_NOTICES_S)
+        with lock:
+            order.append(("prepare", threading.current_thread().name))
+        return True
+
+    def warm() -> None:
+        with lock:
+            order.append(("fn", threading.current_thread().name))
+
+    monkeypatch.setattr(_backend.current, "prepare_notices", prepare)
+    cudafut.warm_launchers(warm).result(timeout=10)
+    threads = {name for _, name in order}
+    assert len(threads) == 2 and threading.current_thread().name not in threads
+    for name in threads:  # on each thread, the streams before fn
+        assert [what for what, n in order if n == name] == ["prepare", "fn"]
+
+
 def test_warm_launchers_starts_the_launchers_and_waits_for_each_threads_gpu_work(
     fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:

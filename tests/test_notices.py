@@ -529,7 +529,7 @@ def test_a_new_process_group_prepares_its_devices_notice_streams() -> None:
     with testing.fake_cuda(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(_backend.current, "prepare_notices", prepare)
         _group.ProcessGroup(object(), 0, [0], 0, 5.0, "test")
-        assert asked == [(0, _group._PREPARE_NOTICES_S)]
+        assert asked == [(0, _backend.PREPARE_NOTICES_S)]
         _group.ProcessGroup(object(), 0, [0], 0, 5.0, "test", stream=object())  # a test's own stream
         assert len(asked) == 1
 

@@ -41,9 +41,6 @@ WATCH_EVERY_S: Final = 5e-3
 _DOUBT: Final = 0.1
 #: torch.distributed's default for NCCL.
 DEFAULT_TIMEOUT_S: Final = 600.0
-#: How long a new group waits for its device's notice streams (made in well
-#: under a millisecond on an idle GPU; longer only behind running work).
-_PREPARE_NOTICES_S: Final = 10.0
 #: The store's calls made by a start-up end this long after its deadline:
 #: the deadline, not the store's own timeout, tells of a silent store.
 _STORE_SLACK_S: Final = 0.05
@@ -161,7 +158,7 @@ class ProcessGroup:
             # made by the first notice instead, their creation could wait
             # behind a collective whose peer died, and hold up its abort
             # (docs/design.md, hazard 11).
-            _backend.current.prepare_notices(device, _PREPARE_NOTICES_S)
+            _backend.current.prepare_notices(device, _backend.PREPARE_NOTICES_S)
         self.stream = stream
         # Calls reach NCCL in one order, whichever threads make them.
         self._call_lock = threading.Lock()
