@@ -78,7 +78,7 @@ cdef extern from "Python.h":
     Py_ssize_t PY_SSIZE_T_MAX
 from cpython.ref cimport Py_XDECREF
 from libc.errno cimport errno
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
@@ -386,6 +386,7 @@ cdef class _Stream:
     cdef Py_ssize_t capheld
     cdef Py_ssize_t reclaim_at  # a record on this stream reclaims once nheld reaches it
     cdef bint armed  # the watcher thread holds a _Sweeper of this stream
+    cdef bint unsorted  # a drop came after a newer one's: sorted before the next read
 
     def __cinit__(self, key, long long device):
         self.key = key
@@ -1621,12 +1622,13 @@ cdef int _defer(_Stream st, EventRecord rec, object value, object keep) except -
             raise MemoryError()
         st.held = grown
         st.capheld = cap
-    # By number, which a binary search over the list needs; a drop is nearly
-    # always of the newest record held, so nothing moves.
+    # Appended: the readers want the list by number (a binary search), and
+    # sort it first where a drop came out of order. Sorting at each drop
+    # would cost a list freed newest first (CPython's list does) a move of
+    # every entry per drop: quadratic in the futures dropped.
     i = st.nheld
-    while i > 0 and st.held[i - 1].seq > rec.seq:
-        st.held[i] = st.held[i - 1]
-        i -= 1
+    if i > 0 and st.held[i - 1].seq > rec.seq:
+        st.unsorted = True
     Py_INCREF(rec)
     Py_INCREF(value)
     Py_INCREF(keep)
@@ -1641,9 +1643,23 @@ cdef int _defer(_Stream st, EventRecord rec, object value, object keep) except -
     return 0
 
 
+cdef int _by_seq(const void *a, const void *b) noexcept nogil:
+    cdef long long x = (<const _Held *>a).seq
+    cdef long long y = (<const _Held *>b).seq
+    return (x > y) - (x < y)
+
+
+cdef void _sort_held(_Stream st) noexcept:
+    """``st``'s list by number, if a drop came out of order (see _defer)."""
+    if st.unsorted:
+        qsort(st.held, st.nheld, sizeof(_Held), _by_seq)
+        st.unsorted = False
+
+
 cdef void _collect(_Stream st) noexcept:
     """Let go of the entries of ``st`` whose records are known complete or
-    failed, or answered by the stream's watermark. No driver call."""
+    failed, or answered by the stream's watermark; the list left by number.
+    No driver call."""
     global _deferred
     cdef Py_ssize_t n = st.nheld
     cdef Py_ssize_t i
@@ -1653,6 +1669,7 @@ cdef void _collect(_Stream st) noexcept:
     cdef EventRecord rec
     if n == 0:
         return
+    _sort_held(st)
     going = <_Held *>malloc(n * sizeof(_Held))
     if going == NULL:
         return
@@ -1786,6 +1803,7 @@ cdef void _let_go(_Stream st) noexcept:
     cdef Py_ssize_t n = st.nheld
     st.held = NULL
     st.nheld = st.capheld = 0
+    st.unsorted = False
     _deferred -= n
     _release_held(going, n)
     free(going)
@@ -1800,6 +1818,7 @@ cdef void _arm(_Stream st) noexcept:
     sweeper.live = True
     st.armed = True
     _sweepers += 1
+    _sort_held(st)  # the oldest first
     try:
         _lifetimes.hold((_held_rec(st, 0),), sweeper)
     except BaseException:  # no watcher (the interpreter ends, no thread): the next record tries again
@@ -1964,7 +1983,7 @@ cdef object _future_await(FutureCore fut):
             r = records[0]
             if type(r) is EventRecord:
                 rec = <EventRecord>r
-                if not rec._known and rec._query() is None:
+                if not rec._known and (_behind_a_watch(rec) or rec._query() is None):
                     wait = _entry_await(fut, rec)
                     if wait is not None:
                         return wait
@@ -2964,6 +2983,47 @@ cdef class AsyncioEntry:
             driver.ensure_polling()
         self.watchlist._add_watch(watch)
         return 0
+
+
+cdef bint _behind_a_watch(EventRecord rec) except -1:
+    """Whether the running loop's waiter (the asyncio loop that awaited
+    last, as :func:`_entry_await` finds it) watches an older record of
+    ``rec``'s stream: a stream completes in order, so ``rec`` was pending
+    at that record's last poll too, and an await of ``rec`` may wait
+    without asking CUDA (a query of pending work costs about as much as the
+    rest of the await). Where that older record has ended since, the
+    waiter's next poll, due at the next loop iteration while it spins after
+    a new wait, finds ``rec``'s end. Only on a stream whose records are
+    numbered in its order (``ordered``: no other stream's records share its
+    numbers), for a record that no host failure or ``confirm`` speaks for."""
+    cdef AsyncioEntry entry
+    cdef _Queue queue
+    cdef Watch head
+    cdef _Stream state = rec.state
+    if state is None or not state.ordered or rec._failure is not None or rec._confirm is not None:
+        return False
+    if _last_entry is None:
+        return False
+    e = _weak_get(_last_entry)
+    if e is None:
+        return False
+    entry = <AsyncioEntry>e
+    if entry.watchlist.pending == 0:
+        return False
+    q = entry.watchlist._queues.get(rec.stream_key)
+    if q is None:
+        return False
+    queue = <_Queue>q
+    if queue.head >= len(queue.watches):
+        return False
+    head = <Watch>queue.watches[queue.head]
+    if head.callback is None or head.seq >= rec.seq:
+        return False
+    older = head.record
+    if type(older) is not EventRecord or (<EventRecord>older).state is not state:
+        return False
+    loop = _weak_get(entry._loop)
+    return loop is not None and _get_running_loop() is loop
 
 
 cdef object _entry_await(FutureCore fut, EventRecord rec):

@@ -394,6 +394,40 @@ def test_a_record_reclaims_its_streams_dropped_futures_in_batch(
 
 
 @native_only
+def test_futures_dropped_newest_first_are_reclaimed_as_if_dropped_oldest_first(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A list of futures freed at once drops its newest first (CPython's list
+    # frees from its end): the stream's list, appended out of order, must
+    # still read by number when a record reclaims it.
+    sweepers: list[object] = []
+    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: sweepers.append(obj))
+    stream = _pools.streams.get(0, 0)
+    values = [np.zeros(2) for _ in range(64)]
+    refs = [weakref.ref(v) for v in values]
+    futures = [cudafut.record(v, stream=stream) for v in values]
+    del values
+    while futures:
+        futures.pop()  # the newest first
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    fake_cuda.complete_all()
+    asked: list[int] = []
+    real = _backend.current.event_query
+
+    def event_query(handle: int) -> int:
+        asked.append(handle)
+        return int(real(handle))
+
+    monkeypatch.setattr(_backend.current, "event_query", event_query)
+    kept = _record_on(stream)
+    assert len(asked) <= 2  # the newest dropped one answers for the older ones
+    assert all(r() is None for r in refs)
+    fake_cuda.complete_all()
+    assert kept.done()
+
+
+@native_only
 def test_dropped_pending_futures_give_the_collector_nothing_to_track(fake_cuda: testing.FakeCuda) -> None:
     stream = _pools.streams.get(0, 0)
     value = np.zeros(2)
@@ -1153,3 +1187,88 @@ def test_an_await_among_others_asks_for_a_poll_only_where_none_is_queued(
 def test_the_native_await_reads_the_asyncio_drivers_spinning_mode_by_its_value() -> None:
     # AsyncioEntry._watch compares the driver's _mode with a C constant.
     assert _loops._SPIN == 1
+
+
+@native_only
+@pytest.mark.parametrize("loop", _LOOPS)
+def test_an_await_behind_an_older_watched_record_of_its_stream_asks_cuda_nothing(
+    loop: str, fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stream completes in order: while the loop's waiter watches an older
+    # record of the stream, a newer one is pending too, and its await waits
+    # without a query. The waiter's polls find its end all the same.
+    from tests.runners import run_on
+
+    asked: list[int] = []
+    behind: list[int] = []
+
+    async def main() -> list[int]:
+        stream = fake_cuda.stream()
+        futs = [cudafut.record(i, stream=stream) for i in range(4)]
+        backend = records_of(futs[0])[0].calls
+        real = backend.event_query
+
+        def event_query(handle: int) -> int:
+            asked.append(handle)
+            return int(real(handle))
+
+        monkeypatch.setattr(backend, "event_query", event_query)
+
+        async def one(fut: CudaFuture[int]) -> int:
+            return await fut
+
+        # The first spins alone, the second joins the waiter's list, the
+        # last two arrive behind it.
+        tasks = [asyncio.ensure_future(one(f)) for f in futs]
+        behind.extend(records_of(f)[0].handle for f in futs[2:])
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not set(behind) & set(asked), "an await behind a watched record asked CUDA"
+        fake_cuda.complete_all()
+        return await asyncio.gather(*tasks)
+
+    previous = cudafut.set_wait_policy("low_latency")
+    try:
+        assert run_on(loop, main) == [0, 1, 2, 3]
+    finally:
+        cudafut.set_wait_policy(previous)
+
+
+@native_only
+def test_an_await_on_another_stream_than_the_watched_records_asks_cuda(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.runners import run_on
+
+    asked: list[int] = []
+    other: list[int] = []
+
+    async def main() -> list[int]:
+        one_stream, two_stream = fake_cuda.stream(), fake_cuda.stream()
+        futs = [cudafut.record(i, stream=one_stream) for i in range(2)]
+        last = cudafut.record(2, stream=two_stream)
+        backend = records_of(futs[0])[0].calls
+        real = backend.event_query
+
+        def event_query(handle: int) -> int:
+            asked.append(handle)
+            return int(real(handle))
+
+        monkeypatch.setattr(backend, "event_query", event_query)
+
+        async def one(fut: CudaFuture[int]) -> int:
+            return await fut
+
+        tasks = [asyncio.ensure_future(one(f)) for f in [*futs, last]]
+        other.append(records_of(last)[0].handle)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert other[0] in asked
+        fake_cuda.complete_all()
+        return await asyncio.gather(*tasks)
+
+    previous = cudafut.set_wait_policy("low_latency")
+    try:
+        assert run_on("asyncio", main) == [0, 1, 2]
+    finally:
+        cudafut.set_wait_policy(previous)
