@@ -1983,7 +1983,7 @@ cdef object _future_await(FutureCore fut):
             r = records[0]
             if type(r) is EventRecord:
                 rec = <EventRecord>r
-                if not rec._known and (_behind_a_watch(rec) or rec._query() is None):
+                if not rec._known and rec._query() is None:
                     wait = _entry_await(fut, rec)
                     if wait is not None:
                         return wait
@@ -2983,47 +2983,6 @@ cdef class AsyncioEntry:
             driver.ensure_polling()
         self.watchlist._add_watch(watch)
         return 0
-
-
-cdef bint _behind_a_watch(EventRecord rec) except -1:
-    """Whether the running loop's waiter (the asyncio loop that awaited
-    last, as :func:`_entry_await` finds it) watches an older record of
-    ``rec``'s stream: a stream completes in order, so ``rec`` was pending
-    at that record's last poll too, and an await of ``rec`` may wait
-    without asking CUDA (a query of pending work costs about as much as the
-    rest of the await). Where that older record has ended since, the
-    waiter's next poll, due at the next loop iteration while it spins after
-    a new wait, finds ``rec``'s end. Only on a stream whose records are
-    numbered in its order (``ordered``: no other stream's records share its
-    numbers), for a record that no host failure or ``confirm`` speaks for."""
-    cdef AsyncioEntry entry
-    cdef _Queue queue
-    cdef Watch head
-    cdef _Stream state = rec.state
-    if state is None or not state.ordered or rec._failure is not None or rec._confirm is not None:
-        return False
-    if _last_entry is None:
-        return False
-    e = _weak_get(_last_entry)
-    if e is None:
-        return False
-    entry = <AsyncioEntry>e
-    if entry.watchlist.pending == 0:
-        return False
-    q = entry.watchlist._queues.get(rec.stream_key)
-    if q is None:
-        return False
-    queue = <_Queue>q
-    if queue.head >= len(queue.watches):
-        return False
-    head = <Watch>queue.watches[queue.head]
-    if head.callback is None or head.seq >= rec.seq:
-        return False
-    older = head.record
-    if type(older) is not EventRecord or (<EventRecord>older).state is not state:
-        return False
-    loop = _weak_get(entry._loop)
-    return loop is not None and _get_running_loop() is loop
 
 
 cdef object _entry_await(FutureCore fut, EventRecord rec):
