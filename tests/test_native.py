@@ -358,19 +358,28 @@ def test_a_dropped_pending_future_asks_cuda_nothing_and_keeps_its_value_until_it
 
 
 @native_only
+@pytest.mark.parametrize("order", ["each at once", "newest first"])
 def test_a_record_reclaims_its_streams_dropped_futures_in_batch(
-    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch, order: str
 ) -> None:
     # The watcher thread kept out (the sweeper it would get is kept here,
-    # never let go): the next record on the stream reclaims alone.
+    # never let go): the next record on the stream reclaims alone. A list of
+    # futures freed at once drops its newest first (CPython's list frees from
+    # its end): the stream's list, appended out of order, reads by number.
     sweepers: list[object] = []
     monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: sweepers.append(obj))
     stream = _pools.streams.get(0, 0)
     values = [np.zeros(2) for _ in range(64)]
     refs = [weakref.ref(v) for v in values]
-    for v in values:
-        cudafut.record(v, stream=stream)  # dropped at once
-    del values, v
+    if order == "each at once":
+        for v in values:
+            cudafut.record(v, stream=stream)  # dropped at once
+        del v
+    else:
+        futures = [cudafut.record(v, stream=stream) for v in values]
+        while futures:
+            futures.pop()
+    del values
     gc.collect()
     assert len(sweepers) == 1  # one for the stream, not one per drop
     assert all(r() is not None for r in refs)
@@ -389,40 +398,6 @@ def test_a_record_reclaims_its_streams_dropped_futures_in_batch(
     assert all(r() is None for r in refs)
     # Their 64 events back in the pool before the record took one.
     assert _pools.events.counts()[0][0] == free_before + 63
-    fake_cuda.complete_all()
-    assert kept.done()
-
-
-@native_only
-def test_futures_dropped_newest_first_are_reclaimed_as_if_dropped_oldest_first(
-    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A list of futures freed at once drops its newest first (CPython's list
-    # frees from its end): the stream's list, appended out of order, must
-    # still read by number when a record reclaims it.
-    sweepers: list[object] = []
-    monkeypatch.setattr(_lifetimes, "hold", lambda records, obj: sweepers.append(obj))
-    stream = _pools.streams.get(0, 0)
-    values = [np.zeros(2) for _ in range(64)]
-    refs = [weakref.ref(v) for v in values]
-    futures = [cudafut.record(v, stream=stream) for v in values]
-    del values
-    while futures:
-        futures.pop()  # the newest first
-    gc.collect()
-    assert all(r() is not None for r in refs)
-    fake_cuda.complete_all()
-    asked: list[int] = []
-    real = _backend.current.event_query
-
-    def event_query(handle: int) -> int:
-        asked.append(handle)
-        return int(real(handle))
-
-    monkeypatch.setattr(_backend.current, "event_query", event_query)
-    kept = _record_on(stream)
-    assert len(asked) <= 2  # the newest dropped one answers for the older ones
-    assert all(r() is None for r in refs)
     fake_cuda.complete_all()
     assert kept.done()
 
