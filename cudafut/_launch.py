@@ -255,7 +255,12 @@ def _warm_here(warm: _Warm, index: int, ptr: int, device: int, streams: dict[int
     if job is not None:
         # A service's start-up: the device's notice streams made now, not by
         # its first notice behind the requests' work (docs/design.md, hazard 11).
-        _backend.current.prepare_notices(device, _backend.PREPARE_NOTICES_S)
+        try:
+            _backend.current.prepare_notices(device, _backend.PREPARE_NOTICES_S)
+        except Exception:  # noqa: BLE001 - a launcher thread never dies of it, and fn still runs
+            logger.warning(
+                "cudafut: a launcher thread could not prepare device %d's notices", device, exc_info=True
+            )
         _run(job, ptr, device, streams)
 
 

@@ -290,8 +290,19 @@ def prepare_notices(device: int, timeout: float) -> bool:
             return True
         if device in _notice_broken:
             return False
-        done = _start_helper(device)
-    done.wait(timeout)
+        try:
+            done = _start_helper(device)
+        except Exception as exc:  # noqa: BLE001 - no helper thread (none can start): the first notice tries again
+            refused: Exception | None = exc
+        else:
+            refused = None
+    if refused is not None:  # logged outside the lock
+        _log.logger.warning(
+            "cudafut: could not start the notice-stream helper of device %d", device, exc_info=refused
+        )
+        return False
+    # Event.wait overflows past TIMEOUT_MAX (math.inf included).
+    done.wait(min(timeout, threading.TIMEOUT_MAX))
     with _notice_lock:
         return device in _notice_pool
 

@@ -177,6 +177,23 @@ def test_warm_launchers_makes_the_devices_notice_streams_before_fn_on_a_launcher
         assert [what for what, n in order if n == name] == ["prepare", "fn"]
 
 
+def test_warm_launchers_runs_fn_where_preparing_the_notices_fails(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A launcher thread never dies of it: the future would never be set.
+    fake_cuda.auto_complete = True
+    monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "2")
+    ran: list[str] = []
+
+    def prepare(device: int, timeout: float) -> bool:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_backend.current, "prepare_notices", prepare)
+    cudafut.warm_launchers(lambda: ran.append(threading.current_thread().name)).result(timeout=10)
+    assert len(set(ran)) == 2
+    assert cudafut.launch(lambda: 7).result(timeout=10) == 7  # the threads still serve
+
+
 def test_warm_launchers_starts_the_launchers_and_waits_for_each_threads_gpu_work(
     fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import importlib.util
 import logging
+import math
 import os
 import signal
 import threading
@@ -515,6 +516,27 @@ def test_preparing_where_no_stream_can_be_made_is_false_never_an_error(
     assert _backend.current.prepare_notices(0, 30.0) is False
     with pytest.raises(cudafut.CudaError):
         _backend.current.notice_stream(0)
+
+
+def test_preparing_where_no_helper_thread_can_start_is_false_never_an_error(
+    maker: _Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = threading.Thread.start
+
+    def refused(thread: threading.Thread) -> None:
+        if thread.name == "cudafut-notice-streams":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    assert _backend.current.prepare_notices(0, 30.0) is False
+    assert not _notices._notice_making, "a helper that never started counts as running"
+    monkeypatch.setattr(threading.Thread, "start", start)  # threads again: the next call makes them
+    assert _backend.current.prepare_notices(0, 30.0) is True
+
+
+def test_preparing_without_a_time_limit_waits_for_the_streams(maker: _Maker) -> None:
+    assert _backend.current.prepare_notices(0, math.inf) is True
 
 
 def test_a_new_process_group_prepares_its_devices_notice_streams() -> None:
