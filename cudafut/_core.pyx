@@ -1707,6 +1707,7 @@ cdef void _reclaim(_Stream st) noexcept:
     # (an allocator's free), which would otherwise reclaim again.
     st.reclaim_at = PY_SSIZE_T_MAX
     _collect(st)
+    _sort_held(st)  # a value let go may have dropped an older record here
     before = st.nheld
     if before:
         # Both read before a query: one through the runtime (or the fake)
@@ -1733,6 +1734,7 @@ cdef void _sweep(_Stream st) noexcept:
     cdef Py_ssize_t mid
     cdef bint failed = False
     _collect(st)
+    _sort_held(st)  # a value let go may have dropped an older record here
     if st.nheld:
         # Copied: a query through the runtime (or the fake) runs Python,
         # which may change the list meanwhile.

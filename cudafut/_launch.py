@@ -481,7 +481,8 @@ def warm_launchers(
     (:class:`WaitPolicy`'s ``notify``), waiting up to 10 s for them: made
     by the first notice instead, their creation could wait behind the
     requests' work and hold other CUDA calls of the process meanwhile
-    (docs/design.md, hazard 11). Once made, that costs a lookup.
+    (docs/design.md, hazard 11). Once made, that costs a lookup; until
+    then, each thread runs no launch while it waits.
 
     Blocks neither the calling thread nor the loop: the cost there is that
     of one :func:`launch` per thread (an event recorded, a future and a

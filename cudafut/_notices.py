@@ -276,12 +276,13 @@ def prepare_notices(device: int, timeout: float) -> bool:
     first notice on a device makes its streams, and a creation behind such
     work may wait for ever, holding up that very call (docs/design.md,
     hazard 11). :class:`cudafut.distributed.ProcessGroup` calls this before
-    its first collective. Blocks the calling thread while the streams are
-    made (32 stream creations on a helper thread, well under a millisecond
-    on an idle GPU; up to ``timeout`` where a creation waits for running
-    work); once they exist, costs a dictionary lookup. Never raises: where
-    no stream can be made (no libcuda, a forked child), notices are off and
-    this returns False.
+    its first collective, and :func:`cudafut.warm_launchers` on each
+    launcher thread. Blocks the calling thread while the streams are made
+    (32 stream creations on a helper thread, well under a millisecond on an
+    idle GPU; up to ``timeout`` where a creation waits for running work,
+    logged as a warning then); once they exist, costs a dictionary lookup.
+    Never raises: where no stream can be made (no libcuda, a forked child,
+    no thread to make them on), notices are off and this returns False.
     """
     if _runtime.forked:
         return False
@@ -302,7 +303,14 @@ def prepare_notices(device: int, timeout: float) -> bool:
         )
         return False
     # Event.wait overflows past TIMEOUT_MAX (math.inf included).
-    done.wait(min(timeout, threading.TIMEOUT_MAX))
+    if not done.wait(min(timeout, threading.TIMEOUT_MAX)):
+        # The hazard this guards against may still come: say so.
+        _log.logger.warning(
+            "cudafut: device %d's notice streams were not made within %g s (a stream creation waits "
+            "for the GPU's running work); the first notice uses them once made",
+            device,
+            timeout,
+        )
     with _notice_lock:
         return device in _notice_pool
 

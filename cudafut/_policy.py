@@ -123,8 +123,9 @@ class WaitPolicy:
     call of the same process (an NCCL collective whose peer died, ended by
     its abort), that wait would never end: a
     :class:`cudafut.distributed.ProcessGroup` makes the streams when it is
-    made, before its first collective; around such work of your own, use
-    ``notify=False`` until a first notice has been made.
+    made, before its first collective (waiting up to 10 s for them, with a
+    warning past that); around such work of your own, use ``notify=False``
+    until a first notice has been made.
 
     Attributes:
         spin_s: after a new wait, poll continuously (yielding to the event

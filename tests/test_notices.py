@@ -495,9 +495,13 @@ def test_prepared_notice_streams_are_made_before_any_notice_asks(maker: _Maker) 
     assert len(maker.made) == _notices._NOTICE_STREAMS_PER_DEVICE
 
 
-def test_preparing_behind_a_creation_that_waits_gives_up_at_its_timeout(maker: _Maker) -> None:
+def test_preparing_behind_a_creation_that_waits_gives_up_at_its_timeout(
+    maker: _Maker, caplog: pytest.LogCaptureFixture
+) -> None:
     maker.gate.clear()  # a creation waiting behind running work
-    assert _backend.current.prepare_notices(0, 0.05) is False
+    with caplog.at_level(logging.WARNING, logger="cudafut"):
+        assert _backend.current.prepare_notices(0, 0.05) is False
+    assert any("notice streams were not made within 0.05 s" in r.getMessage() for r in caplog.records)
     assert _backend.current.notice_stream(0) is None  # still being made: polls meanwhile
     maker.gate.set()
     maker.settle()
