@@ -1669,9 +1669,9 @@ cdef void _collect(_Stream st) noexcept:
     cdef EventRecord rec
     if n == 0:
         return
-    _sort_held(st)
     going = <_Held *>malloc(n * sizeof(_Held))
     if going == NULL:
+        _sort_held(st)
         return
     # Runs no Python (the list holds every record it reads): the list is
     # whole before the first reference goes.
@@ -1687,6 +1687,8 @@ cdef void _collect(_Stream st) noexcept:
     _deferred -= gone
     _release_held(going, gone)
     free(going)
+    # Last: a value let go above may have dropped an older record here.
+    _sort_held(st)
 
 
 cdef object _held_rec(_Stream st, Py_ssize_t i):
@@ -1707,7 +1709,6 @@ cdef void _reclaim(_Stream st) noexcept:
     # (an allocator's free), which would otherwise reclaim again.
     st.reclaim_at = PY_SSIZE_T_MAX
     _collect(st)
-    _sort_held(st)  # a value let go may have dropped an older record here
     before = st.nheld
     if before:
         # Both read before a query: one through the runtime (or the fake)
@@ -1734,7 +1735,6 @@ cdef void _sweep(_Stream st) noexcept:
     cdef Py_ssize_t mid
     cdef bint failed = False
     _collect(st)
-    _sort_held(st)  # a value let go may have dropped an older record here
     if st.nheld:
         # Copied: a query through the runtime (or the fake) runs Python,
         # which may change the list meanwhile.
