@@ -382,6 +382,11 @@ class _Maker:
         return stream
 
 
+def _no_stream(device: int) -> int:
+    """A stream creation that CUDA refuses (code 2, out of memory)."""
+    raise _cuda.cuda_error(2, device)
+
+
 @pytest.fixture
 def maker(stub_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Maker]:
     made = _Maker()
@@ -432,10 +437,7 @@ def test_a_notice_takes_an_idle_stream_never_one_with_a_notice_queued(maker: _Ma
 def test_a_helper_that_cannot_make_streams_is_a_cuda_error_for_the_caller(
     maker: _Maker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(device: int) -> int:
-        raise _cuda.cuda_error(2, device)
-
-    monkeypatch.setattr(_notices, "_new_stream_handle", failing)
+    monkeypatch.setattr(_notices, "_new_stream_handle", _no_stream)
     assert _backend.current.notice_stream(0) is None
     maker.settle()
     raised = []
@@ -512,10 +514,7 @@ def test_preparing_behind_a_creation_that_waits_gives_up_at_its_timeout(
 def test_preparing_where_no_stream_can_be_made_is_false_never_an_error(
     maker: _Maker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(device: int) -> int:
-        raise _cuda.cuda_error(2, device)
-
-    monkeypatch.setattr(_notices, "_new_stream_handle", failing)
+    monkeypatch.setattr(_notices, "_new_stream_handle", _no_stream)
     assert _backend.current.prepare_notices(0, 30.0) is False
     assert _backend.current.prepare_notices(0, 30.0) is False
     with pytest.raises(cudafut.CudaError):
