@@ -36,10 +36,17 @@ RATIO_FLOOR = "cudafut / the hand-written waiter (host CPU per future)"
 #: (each round runs the kinds back to back): how far one run's figure moves.
 RATIO_RANGE = "cudafut / plain asyncio with the same event record, lowest and highest round"
 RATIO_GC_OFF = "cudafut / plain asyncio with the same event record, gc off"
+#: The median of the rounds' own ratios (each round runs the two back to
+#: back, so drift between rounds cancels), with the collector on and off.
+RATIO_PAIRED = "cudafut / plain asyncio with the same event record, median of the rounds' own ratios"
+RATIO_PAIRED_GC_OFF = (
+    "cudafut / plain asyncio with the same event record, gc off, median of the rounds' own ratios"
+)
 #: Interleaved repetitions of each scenario: the median is reported.
 #: Interleaved rounds: the collector's pauses land on one kind or another,
-#: and a run of 3 moved the ratio from 1.05x to 1.71x between runs.
-ROUNDS = 7
+#: and a run of 3 moved the ratio from 1.05x to 1.71x between runs; 7
+#: rounds still gave 1.32x and 1.51x on one tree in two runs.
+ROUNDS = 11
 
 
 def steps(quick: bool) -> int:
@@ -223,11 +230,17 @@ def measure(
     res[OVER_PLAIN] = mine - res[PLAIN]["host_cpu_us_per_future"]
     res[RATIO_RECORD] = mine / res[PLAIN_RECORD]["host_cpu_us_per_future"]
     res[RATIO_FLOOR] = mine / res[FLOOR]["host_cpu_us_per_future"]
-    per_round = sorted(
-        a["host_cpu_us_per_future"] / b["host_cpu_us_per_future"]
-        for a, b in zip(runs[AWAIT], runs[PLAIN_RECORD], strict=True)
-    )
+
+    def own_ratios(rounds: dict[str, list[dict[str, float]]]) -> list[float]:
+        return sorted(
+            a["host_cpu_us_per_future"] / b["host_cpu_us_per_future"]
+            for a, b in zip(rounds[AWAIT], rounds[PLAIN_RECORD], strict=True)
+        )
+
+    per_round = own_ratios(runs)
     res[RATIO_RANGE] = [per_round[0], per_round[-1]]
+    res[RATIO_PAIRED] = statistics.median(per_round)
+    res[RATIO_PAIRED_GC_OFF] = statistics.median(own_ratios(no_gc))
     res[RATIO_GC_OFF] = (
         res[AWAIT]["host_cpu_us_per_future_gc_off"] / res[PLAIN_RECORD]["host_cpu_us_per_future_gc_off"]
     )
@@ -260,6 +273,11 @@ def markdown(result: dict[str, Any]) -> list[str]:
         if RATIO_RANGE in many:  # results from before the spread was kept have none
             low, high = many[RATIO_RANGE]
             spread = f"; a round's own: {low:.2f}x-{high:.2f}x; gc off: {many[RATIO_GC_OFF]:.2f}x"
+        if RATIO_PAIRED in many:  # results from before it was kept have none
+            spread += (
+                f"; the median of the rounds' own ratios: {many[RATIO_PAIRED]:.2f}x, "
+                f"gc off {many[RATIO_PAIRED_GC_OFF]:.2f}x"
+            )
         lines += [
             "",
             f"{RATIO_RECORD}: {many[RATIO_RECORD]:.2f}x (medians of {many['rounds']} rounds{spread}).",

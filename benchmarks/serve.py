@@ -322,6 +322,7 @@ def _stall_figures(
     warm = [x for lates in by_round[1:] for x in lates]
     ms = stall_ms
     maxima = [ms(lates) for lates in by_round]
+    p99s = [ms(lates, 99) for lates in by_round]
     warm_gcs = [g for g in gcs if g["round"] > 0]
     # The warm round that holds the longest stall, and the longest collection in it.
     worst = 1 + maxima[1:].index(max(maxima[1:])) if len(maxima) > 1 else 0
@@ -340,6 +341,10 @@ def _stall_figures(
         "warm_rounds": len(by_round) - 1,
         "round_max_stall_ms": maxima,
         "warm_median_round_max_ms": round(float(np.median(maxima[1:])), 3) if len(maxima) > 1 else 0.0,
+        # Each round's p99 and their median over the warm rounds: how far a
+        # p99 moves from round to round, beside the difference between ways.
+        "round_p99_stall_ms": p99s,
+        "warm_median_round_p99_ms": round(float(np.median(p99s[1:])), 3) if len(p99s) > 1 else 0.0,
         "idle_max_stall_ms": ms(idle),
         "launches_per_s": round(per_s, 1),
         "gc_over_ms": STALL_GC_MS,
@@ -584,8 +589,17 @@ def _rounds_beside(s: dict[str, Any], base: dict[str, Any]) -> str:
     if "warm_median_round_max_ms" not in s or "warm_median_round_max_ms" not in base:
         return ""
     mine, theirs = s["warm_median_round_max_ms"], base["warm_median_round_max_ms"]
+    p99 = ""
+    if "warm_median_round_p99_ms" in s and "warm_median_round_p99_ms" in base:
+        a, b = s["warm_median_round_p99_ms"], base["warm_median_round_p99_ms"]
+        own, theirs_own = s["round_p99_stall_ms"][1:] or [a], base["round_p99_stall_ms"][1:] or [b]
+        low, high, blow, bhigh = min(own), max(own), min(theirs_own), max(theirs_own)
+        p99 = (
+            f"; median round's p99 {a} / {b} ms ({_ratio(a, b)}; a round's own p99 {low}-{high} ms "
+            f"and {blow}-{bhigh} ms)"
+        )
     return (
-        f"; median round's max {mine} / {theirs} ms ({_ratio(mine, theirs)}), "
+        f"; median round's max {mine} / {theirs} ms ({_ratio(mine, theirs)}){p99}, "
         f"{s['warm_rounds']} and {base['warm_rounds']} later rounds alternated; garbage collections "
         f"of {s['gc_over_ms']:g} ms or more in them: launch {_gc_text(s['warm_gc'])}, "
         f"run_in_executor {_gc_text(base['warm_gc'])}"

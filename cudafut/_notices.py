@@ -65,6 +65,7 @@ def _load_host_close() -> Any:
                 close = ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value
                 calls = []
                 for name in (
+                    "cuInit",
                     "cuDeviceGet",
                     "cuDevicePrimaryCtxRetain",
                     "cuCtxPushCurrent_v2",
@@ -90,9 +91,12 @@ def _new_stream_handle(device: int) -> int:
     destroys these."""
     if _stream_calls is None and _load_host_close() is False:
         raise CudaUnavailableError("no libcuda.so.1 to make a notice stream with")
-    device_get, retain, push, pop, create = _stream_calls
+    init, device_get, retain, push, pop, create = _stream_calls
     dev, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
-    rc = device_get(ctypes.byref(dev), device)
+    # The driver refuses every call before cuInit (CUDA_ERROR_NOT_INITIALIZED),
+    # and nothing else need have called it yet: prepare_notices may run before
+    # the process's first CUDA call. It returns at once once done.
+    rc = init(0) or device_get(ctypes.byref(dev), device)
     if rc:
         raise _runtime.cuda_error(rc, device, driver=True)
     # One reference to the primary context per stream, never released:

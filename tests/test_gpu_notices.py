@@ -11,8 +11,9 @@ function CUDA runs is libc's ``close`` itself, so no Python runs on CUDA's
 threads. The bound when notices never come is proved on the CPU
 (tests/test_policy.py); ``notice_drop`` is the mutation that stops them.
 
-Notices are off by default: these tests turn them on (``NOTICES``), except
-the one that checks the default polls on timers.
+Notices are on by default (``WaitPolicy()``). Most tests use ``NOTICES``,
+whose polls are 20 ms apart, so that a notice, not a poll, ends the wait;
+two check that ``notify=False`` and ``"low_cpu"`` poll on timers instead.
 """
 
 from __future__ import annotations
@@ -161,6 +162,29 @@ def test_the_default_policy_asks_for_notices(seen: _Seen) -> None:
     cudafut.set_wait_policy("balanced")
     assert run_on("asyncio", _slow_value, 3.0) == 3.0
     assert seen.armed >= 1
+
+
+_PREPARE_FIRST = """
+import cudafut
+from cudafut import _notices
+# The process's first CUDA call: nothing has initialised the driver yet.
+print("prepared", _notices.prepare_notices(0, 60.0))
+print("pool", len(_notices._notice_pool.get(0, ())))
+"""
+
+
+def test_notice_streams_can_be_made_before_any_other_cuda_call() -> None:
+    # A process group or a launcher thread may prepare the notice streams
+    # before anything else in the process touched CUDA: the driver refuses
+    # every call before cuInit, so the streams' maker initialises it.
+    from tests.subproc import run_python
+
+    proc = run_python(_PREPARE_FIRST, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "prepared True" in proc.stdout.splitlines(), out
+    assert "pool 0" not in proc.stdout, out
+    assert "cudafut:" not in proc.stderr, out  # no warning logged (the last-resort handler)
 
 
 def test_the_host_function_is_libc_close_itself() -> None:

@@ -2,8 +2,8 @@
 with work of no learnt duration asks CUDA to close a pipe when the work ends
 (``_cuda.close_after``), one notice per stream, and sleeps until then; a
 failed event, whose notice never comes, is still seen by the fallback poll.
-Notices are off by default: these tests turn them on (``NOTICES``), except
-those that check the default. The bound itself is proved on a fake clock in
+Notices are on by default; ``NOTICES`` says so where a test relies on them,
+and some tests turn them off. The bound itself is proved on a fake clock in
 tests/test_policy.py."""
 
 from __future__ import annotations
@@ -540,6 +540,50 @@ def test_preparing_where_no_helper_thread_can_start_is_false_never_an_error(
 
 def test_preparing_without_a_time_limit_waits_for_the_streams(maker: _Maker) -> None:
     assert _backend.current.prepare_notices(0, math.inf) is True
+
+
+class _DriverCalls:
+    """Stands for the driver entry points ``_new_stream_handle`` calls, in
+    their order; ``failing`` names one that returns ``code``."""
+
+    NAMES = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent_v2",
+             "cuCtxPopCurrent_v2", "cuStreamCreateWithPriority")  # fmt: skip
+
+    def __init__(self, failing: str = "", code: int = 0) -> None:
+        self.called: list[str] = []
+        self.failing, self.code = failing, code
+
+    def entry(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            self.called.append(name)
+            return self.code if name == self.failing else 0
+
+        return call
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_notices, "_stream_calls", tuple(self.entry(n) for n in self.NAMES))
+        monkeypatch.setattr(_notices, "_notice_event_create", None)
+
+
+def test_a_notice_stream_is_made_with_the_driver_initialised_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # prepare_notices may be the process's first CUDA call, and the driver
+    # refuses every call before cuInit.
+    calls = _DriverCalls()
+    calls.install(monkeypatch)
+    _notices._new_stream_handle(0)
+    assert calls.called[0] == "cuInit"
+    assert calls.called[-2:] == ["cuStreamCreateWithPriority", "cuCtxPopCurrent_v2"]
+
+
+def test_a_driver_that_cannot_start_is_a_cuda_error_before_any_other_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _DriverCalls("cuInit", 100)  # CUDA_ERROR_NO_DEVICE
+    calls.install(monkeypatch)
+    with pytest.raises(cudafut.CudaError) as info:
+        _notices._new_stream_handle(0)
+    assert info.value.code == 100
+    assert calls.called == ["cuInit"]
 
 
 def test_a_new_process_group_prepares_its_devices_notice_streams() -> None:
