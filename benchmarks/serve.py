@@ -45,13 +45,15 @@ Two parts:
 ``CUDAFUT_BENCH_SERVE_MODELS`` and ``CUDAFUT_BENCH_SERVE_MODES``
 (space-separated) restrict the models and handlers, to split the section
 over runs (one JSON each); ``launch()``'s own figures and the thread counts
-run only in a run of every handler with ResNet-50. About 4 minutes per
-model.
+run only in a run of every handler with ResNet-50, and
+``CUDAFUT_BENCH_SERVE_MODES=launch`` runs ``launch()``'s figures alone
+(under a minute). About 4 minutes per model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import os
 import sys
@@ -226,6 +228,11 @@ def _caller_costs(quick: bool) -> dict[str, Any]:
 STALL_WARM_ROUNDS = {"trivial": 10, "resnet50": 8}
 #: Garbage collections at least this long are recorded in each stall round (ms).
 STALL_GC_MS = 1.0
+#: Whether the later stall rounds run with what the first (cold) round left
+#: frozen (``gc.freeze()``, as the serving recipe does before serving):
+#: unfrozen, a full collection of about 150 ms over PyTorch's objects landed
+#: in one way's rounds or the other's, and set that way's max.
+STALL_FREEZE = True
 
 
 def _warm_rounds(quick: bool) -> dict[str, int]:
@@ -292,6 +299,11 @@ async def _stall(
             first["prepare_s"] = round(time.perf_counter() - t0, 3)
             first["prepare_max_stall_ms"] = round(max(late, default=0.0) * 1e3, 3)
         for r in range(1 + warm_rounds):
+            if r == 1 and STALL_FREEZE:
+                # The serving recipe (docs/serving.md): what start-up and the
+                # cold rounds left is frozen, so a full collection does not
+                # walk PyTorch's objects in whichever way's round it lands.
+                _service("pauses").freeze_warm_objects()
             for name in _round_order(names, r):
                 late.clear()
                 recorder.pauses.clear()
@@ -304,6 +316,8 @@ async def _stall(
                     for p in recorder.pauses
                 ]
     await ticker.stop()
+    if STALL_FREEZE:
+        gc.unfreeze()  # the next part starts as this one did
     return {
         name: {
             **_stall_figures(by_round[name], gcs[name], idle, launches / walls[name] * (1 + warm_rounds)),
@@ -400,6 +414,7 @@ def _stall_settings(quick: bool) -> dict[str, Any]:
         "warm_rounds": _warm_rounds(quick),
         "alternated": True,
         "gc_over_ms": STALL_GC_MS,
+        "gc_frozen_after_first_round": STALL_FREEZE,
     }
 
 
@@ -438,6 +453,9 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if _devices():  # this part alone: the others are a run of their own
         out["processes"] = _processes_part(quick, progress)
+        return out
+    if _modes() == ("launch",):  # launch()'s own figures alone
+        out["launch"] = _launch_part(quick, progress)
         return out
     if _whole():
         out["launch"] = _launch_part(quick, progress)
