@@ -715,8 +715,13 @@ def _stall_settings_text(settings: dict[str, Any] | None) -> str:
     rounds = ", ".join(f"{kind} {n}" for kind, n in settings["warm_rounds"].items())
     return (
         f"; later rounds of each way: {rounds}, `launch` and `run_in_executor` alternated round by round; "
-        f"garbage collections of {settings['gc_over_ms']:g} ms or more recorded in each round; "
-        f"{settings['launcher_threads']} launcher threads, switch interval "
+        f"garbage collections of {settings['gc_over_ms']:g} ms or more recorded in each round"
+        + (
+            " (the later rounds with what the first left frozen, `gc.freeze()`, as the serving recipe does)"
+            if settings.get("gc_frozen_after_first_round")
+            else ""
+        )
+        + f"; {settings['launcher_threads']} launcher threads, switch interval "
         f"{settings['switch_interval_s'] * 1e3:g} ms (`sys.getswitchinterval()`)"
     )
 

@@ -125,12 +125,35 @@ def test_the_stall_ways_alternate_round_by_round() -> None:
     ]
 
 
-def test_the_stall_rounds_record_their_collections(fake_cuda: testing.FakeCuda) -> None:
+def test_the_later_stall_rounds_run_with_the_cold_rounds_objects_frozen(fake_cuda: testing.FakeCuda) -> None:
+    # The serving recipe's gc.freeze(): a full collection in a warm round
+    # does not walk what start-up left; the freeze ends with the rounds.
+    fake_cuda.auto_complete = True
+    frozen: list[tuple[int, int]] = []
+
+    def call(r: int, i: int) -> int:
+        if i == 0:
+            frozen.append((r, gc.get_freeze_count()))
+        return i
+
+    assert serve.STALL_FREEZE
+    ways: dict[str, ThreadPoolExecutor | None] = {"launch": None}
+    asyncio.run(serve._stall(4, 2, lambda r, i: (call, r, i), ways))
+    assert [r for r, _ in frozen] == [0, 1, 2]
+    assert all(count > frozen[0][1] for _, count in frozen[1:]), frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_stall_rounds_record_their_collections(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """_stall on the fake GPU, launch() and run_in_executor alternated: one
     cold round and the warm ones of each way, and a full collection that each
     way's calls run in their first warm round, recorded with its round; the
     report then judges max and p99 over the warm rounds, with the median
-    round's max and the collections beside them."""
+    round's max and the collections beside them. Nothing frozen here: a
+    frozen heap makes the full collection too short to record."""
+    monkeypatch.setattr(serve, "STALL_FREEZE", False)
     fake_cuda.auto_complete = True
     held = [[i] for i in range(300_000)]  # a full collection walks them: well over 1 ms
     gc.collect()  # in the oldest generation now: no full collection of the collector's own is due
