@@ -304,6 +304,10 @@ async def _stall(
                 # cold rounds left is frozen, so a full collection does not
                 # walk PyTorch's objects in whichever way's round it lands.
                 _service("pauses").freeze_warm_objects()
+                # The freeze held the loop (a full collection, then a walk of
+                # the frozen objects): the ticker's late tick lands here, not
+                # in the next round, which clears what came before it.
+                await asyncio.sleep(0.01)
             for name in _round_order(names, r):
                 late.clear()
                 recorder.pauses.clear()
