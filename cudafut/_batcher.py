@@ -610,7 +610,15 @@ class Batcher(Generic[In, Out]):
                     for task in rt.tasks:
                         task.cancel()
                 while rt.tasks:
-                    for outcome in await asyncio.gather(*rt.tasks, return_exceptions=True):
+                    # Each round waits for the tasks it saw, then drops them
+                    # itself: a task leaves rt.tasks only when its done
+                    # callback runs on the loop, and since Python 3.12
+                    # gather() of tasks all done returns without yielding
+                    # to the loop, so waiting for the callback spun for ever.
+                    tasks = list(rt.tasks)
+                    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                    rt.tasks.difference_update(tasks)
+                    for outcome in outcomes:
                         if isinstance(outcome, BaseException) and not _loops.is_cancellation(outcome):
                             logger.error("cudafut: a Batcher task failed", exc_info=outcome)
                 return None
