@@ -75,6 +75,7 @@ def test_the_comparison_table_has_a_row_per_handler() -> None:
 def test_compare_records_the_command_that_measures_again() -> None:
     # Committed results name their command in their caption: without the
     # output path (``--json``) or an empty option.
+    pytest.importorskip("aiohttp")  # compare.py needs it to load
     compare = load_example(SERVICE / "compare.py")
     argv = ["--models", "resnet50", "--server-args=", "--json", "/tmp/x.json", "--seconds", "5"]
     assert compare._producer(argv) == "python examples/service/compare.py --models resnet50 --seconds 5"
