@@ -58,6 +58,7 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,29 @@ def _warm_rounds(quick: bool) -> dict[str, int]:
     return {kind: 2 if quick else n for kind, n in STALL_WARM_ROUNDS.items()}
 
 
+class AndWait:
+    """A way of :func:`_stall`: ``run_in_executor`` on ``pool``, then an
+    ``await`` of the GPU work the call enqueued (an event recorded on the
+    legacy default stream, the stream of the executor's threads): the
+    completion that the loop also learns for ``launch()``, which
+    ``run_in_executor`` alone does not wait for."""
+
+    def __init__(self, pool: ThreadPoolExecutor, stream: Any = None) -> None:
+        self.pool = pool
+        self.stream = stream  # None: CuPy's legacy default stream, found at first use
+
+    def gpu_stream(self) -> Any:
+        if self.stream is None:
+            from cudafut import _backend
+
+            self.stream = _backend.current.cupy().cuda.Stream.null
+        return self.stream
+
+
+#: The name of the :class:`AndWait` way in the results.
+THEN_AWAIT = "run_in_executor_then_await"
+
+
 def _round_order(names: list[str], r: int) -> list[str]:
     """The ways' order in round ``r``: as given in even rounds, reversed in
     odd ones (launch, executor, executor, launch, ...): neither way always
@@ -250,14 +274,15 @@ async def _stall(
     launches: int,
     warm_rounds: int,
     make: Any,
-    ways: dict[str, ThreadPoolExecutor | None],
+    ways: Mapping[str, ThreadPoolExecutor | AndWait | None],
     prepare: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """A 1 ms ticker's lateness while ``launches`` tasks each launch and
     await one call (``make(round, i)`` gives ``launch()``'s arguments), for
     each way of ``ways``: ``None`` awaits ``cudafut.launch``, an executor
     awaits ``loop.run_in_executor(executor, ...)`` of the same call (the
-    host part only: no wait for the GPU). One cold round of each way, then
+    host part only: no wait for the GPU), an :class:`AndWait` that and then
+    the call's GPU work. One cold round of each way, then
     ``warm_rounds`` warm ones, the ways alternating round by round on one
     loop (:func:`_round_order`). The first round is reported apart
     (``cold_*``: the first model call on a thread or stream costs PyTorch
@@ -276,11 +301,14 @@ async def _stall(
     ticker = Ticker()
     late = ticker.late
 
-    async def one(pool: ThreadPoolExecutor | None, r: int, i: int) -> None:
-        if pool is None:
+    async def one(way: ThreadPoolExecutor | AndWait | None, r: int, i: int) -> None:
+        if way is None:
             await cudafut.launch(*make(r, i))
+        elif isinstance(way, AndWait):
+            await loop.run_in_executor(way.pool, *make(r, i))
+            await cudafut.record(None, stream=way.gpu_stream())
         else:
-            await loop.run_in_executor(pool, *make(r, i))
+            await loop.run_in_executor(way, *make(r, i))
 
     names = list(ways)
     by_round: dict[str, list[list[float]]] = {n: [] for n in names}
@@ -387,7 +415,11 @@ def _stalls(quick: bool, make_trivial: Any, make_model: Any, warm_model: Any) ->
 
     warm = _warm_rounds(quick)
     pool = ThreadPoolExecutor(_launch.launcher_threads())
-    ways: dict[str, ThreadPoolExecutor | None] = {"launch": None, "run_in_executor": pool}
+    ways: dict[str, ThreadPoolExecutor | AndWait | None] = {
+        "launch": None,
+        "run_in_executor": pool,
+        THEN_AWAIT: AndWait(pool),
+    }
     try:
         trivial = asyncio.run(_stall(1000, warm["trivial"], make_trivial, ways))
         model = asyncio.run(_stall(200, warm["resnet50"], make_model, ways))
@@ -588,6 +620,17 @@ def _targets(result: dict[str, Any]) -> list[str]:
                 )
                 + _rounds_beside(s, base)
             )
+            waited = stalls.get(THEN_AWAIT, {}).get(kind)
+            if waited is not None:  # runs from before this way have none
+                lines.append(
+                    f"- loop stall, {kind} launches in flight, later rounds against run_in_executor followed "
+                    f"by an await of the call's GPU work (what the loop also learns for launch()): max "
+                    f"{s['warm_max_stall_ms']} / {waited['warm_max_stall_ms']} ms "
+                    f"({_ratio(s['warm_max_stall_ms'], waited['warm_max_stall_ms'])}), p99 "
+                    f"{s['warm_p99_stall_ms']} / {waited['warm_p99_stall_ms']} ms "
+                    f"({_ratio(s['warm_p99_stall_ms'], waited['warm_p99_stall_ms'])}); median round's p99 "
+                    f"{s['warm_median_round_p99_ms']} / {waited['warm_median_round_p99_ms']} ms"
+                )
         for kind, s in stalls.get("launch_warmed", {}).items():
             worst = max(s["cold_max_stall_ms"], s["warm_max_stall_ms"])
             median = (
@@ -718,7 +761,7 @@ def _stall_settings_text(settings: dict[str, Any] | None) -> str:
         return ""
     rounds = ", ".join(f"{kind} {n}" for kind, n in settings["warm_rounds"].items())
     return (
-        f"; later rounds of each way: {rounds}, `launch` and `run_in_executor` alternated round by round; "
+        f"; later rounds of each way: {rounds}, the ways alternated round by round; "
         f"garbage collections of {settings['gc_over_ms']:g} ms or more recorded in each round"
         + (
             " (the later rounds with what the first left frozen, `gc.freeze()`, as the serving recipe does)"

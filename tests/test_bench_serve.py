@@ -158,6 +158,28 @@ def test_the_later_stall_rounds_run_with_the_cold_rounds_objects_frozen(
     assert max(out["launch"]["round_max_stall_ms"]) < 250, out["launch"]["round_max_stall_ms"]
 
 
+def test_a_stall_way_can_await_the_executors_gpu_work_too(fake_cuda: testing.FakeCuda) -> None:
+    # run_in_executor returns when the call's host part does; the AndWait
+    # way then awaits its GPU work, as launch() does: one more way, in turn.
+    fake_cuda.auto_complete = True
+    seen: list[tuple[str, int]] = []
+
+    def call(r: int, i: int) -> int:
+        if i == 0:
+            seen.append((threading.current_thread().name.split("_")[0], r))
+        return i
+
+    with ThreadPoolExecutor(2, thread_name_prefix="pool") as pool:
+        ways: dict[str, ThreadPoolExecutor | serve.AndWait | None] = {
+            "run_in_executor": pool,
+            serve.THEN_AWAIT: serve.AndWait(pool, fake_cuda.stream()),
+        }
+        out = asyncio.run(serve._stall(4, 1, lambda r, i: (call, r, i), ways))
+    assert sorted(out) == ["run_in_executor", serve.THEN_AWAIT]
+    assert [r for _, r in seen] == [0, 0, 1, 1], seen
+    assert all(out[w]["warm_rounds"] == 1 for w in out)
+
+
 def test_the_stall_rounds_record_their_collections(
     fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
