@@ -36,8 +36,9 @@ RATIO_FLOOR = "cudafut / the hand-written waiter (host CPU per future)"
 #: (each round runs the kinds back to back): how far one run's figure moves.
 RATIO_RANGE = "cudafut / plain asyncio with the same event record, lowest and highest round"
 RATIO_GC_OFF = "cudafut / plain asyncio with the same event record, gc off"
-#: The median of the rounds' own ratios (each round runs the two back to
-#: back, so drift between rounds cancels), with the collector on and off.
+#: The median of the rounds' own ratios (each round runs every kind once,
+#: in the same order, so drift from round to round cancels; drift within a
+#: round does not), with the collector on and off.
 RATIO_PAIRED = "cudafut / plain asyncio with the same event record, median of the rounds' own ratios"
 RATIO_PAIRED_GC_OFF = (
     "cudafut / plain asyncio with the same event record, gc off, median of the rounds' own ratios"

@@ -46,13 +46,14 @@ Two parts:
 (space-separated) restrict the models and handlers, to split the section
 over runs (one JSON each); ``launch()``'s own figures and the thread counts
 run only in a run of every handler with ResNet-50, and
-``CUDAFUT_BENCH_SERVE_MODES=launch`` runs ``launch()``'s figures alone
-(under a minute). About 4 minutes per model.
+``CUDAFUT_BENCH_SERVE_PARTS=launch`` runs ``launch()``'s figures alone
+(about a minute). About 4 minutes per model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib
 import os
@@ -105,6 +106,12 @@ def _rates() -> tuple[float, ...]:
     if any(r <= 0 for r in rates):
         raise ValueError(f"CUDAFUT_BENCH_SERVE_RATES must be request rates such as '4000', not {text!r}")
     return rates
+
+
+def _launch_only() -> bool:
+    """Whether this run measures ``launch()``'s own figures alone
+    (``CUDAFUT_BENCH_SERVE_PARTS=launch``)."""
+    return os.environ.get("CUDAFUT_BENCH_SERVE_PARTS", "").split() == ["launch"]
 
 
 def _whole() -> bool:
@@ -169,12 +176,14 @@ def _compare_module() -> Any:
 
 
 def steps(quick: bool) -> int:
+    if _launch_only():
+        return 5
     n_models = len(_models())
     # closed rows + open rows + fixed-rate rows + capacity rows
     per_model = 10 + 7 + 2 * len(_rates()) + 3 * len(MORE_CLIENTS)
     if _modes() is not None:
         per_model = len(_modes() or ()) + 4 + 2 * len(_rates()) + 3 * len(MORE_CLIENTS)
-    return n_models * per_model + (5 + 2 * len(THREADS) if _whole() else 0)
+    return n_models * per_model + (6 + 2 * len(THREADS) if _whole() else 0)
 
 
 def _q(samples: list[float]) -> dict[str, float]:
@@ -320,7 +329,11 @@ async def _stall(
     idle = list(late)
     late.clear()
     first: dict[str, float] = {}
-    with recorder:
+    with contextlib.ExitStack() as unfreeze, recorder:
+        if STALL_FREEZE:
+            # Everything, whenever the rounds end (a benchmark process freezes
+            # nothing else): the next part starts unfrozen, as this one did.
+            unfreeze.callback(gc.unfreeze)
         if prepare is not None:
             t0 = time.perf_counter()
             await prepare()
@@ -348,8 +361,6 @@ async def _stall(
                     for p in recorder.pauses
                 ]
     await ticker.stop()
-    if STALL_FREEZE:
-        gc.unfreeze()  # the next part starts as this one did
     return {
         name: {
             **_stall_figures(by_round[name], gcs[name], idle, launches / walls[name] * (1 + warm_rounds)),
@@ -382,6 +393,9 @@ def _stall_figures(
         "p99_stall_ms": ms(every, 99),
         "cold_max_stall_ms": ms(by_round[0]),
         "cold_p99_stall_ms": ms(by_round[0], 99),
+        # The first round runs unfrozen: a full collection over PyTorch's
+        # objects may land in it and set its max (said beside it).
+        "cold_gc_longest_ms": max((g["ms"] for g in gcs if g["round"] == 0), default=None),
         "warm_max_stall_ms": ms(warm),
         "warm_p99_stall_ms": ms(warm, 99),
         "warm_rounds": len(by_round) - 1,
@@ -490,7 +504,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
     if _devices():  # this part alone: the others are a run of their own
         out["processes"] = _processes_part(quick, progress)
         return out
-    if _modes() == ("launch",):  # launch()'s own figures alone
+    if _launch_only():  # launch()'s own figures alone
         out["launch"] = _launch_part(quick, progress)
         return out
     if _whole():
@@ -601,10 +615,11 @@ def _targets(result: dict[str, Any]) -> list[str]:
                 )
                 continue
             lines.append(
-                f"- loop stall, {kind} launches in flight: first round max {s['cold_max_stall_ms']} ms, "
+                f"- loop stall, {kind} launches in flight: first round max {s['cold_max_stall_ms']} ms"
+                f"{_cold_gc_text(s)}, "
                 f"later rounds max {s['warm_max_stall_ms']} ms "
                 f"({_goal(s['warm_max_stall_ms'], 2, at_least=False, unit=' ms')}; run_in_executor "
-                f"{base['cold_max_stall_ms']} and {base['warm_max_stall_ms']} ms)"
+                f"{base['cold_max_stall_ms']}{_cold_gc_text(base)} and {base['warm_max_stall_ms']} ms)"
             )
             lines.append(
                 f"- loop stall, {kind} launches in flight, later rounds against run_in_executor: max "
@@ -669,6 +684,12 @@ def _rounds_beside(s: dict[str, Any], base: dict[str, Any]) -> str:
         f"of {s['gc_over_ms']:g} ms or more in them: launch {_gc_text(s['warm_gc'])}, "
         f"run_in_executor {_gc_text(base['warm_gc'])}"
     )
+
+
+def _cold_gc_text(s: dict[str, Any]) -> str:
+    """The longest collection in a way's first (unfrozen) round, if any."""
+    longest = s.get("cold_gc_longest_ms")
+    return "" if longest is None else f" (a {longest} ms garbage collection in it)"
 
 
 def _gc_text(g: dict[str, Any]) -> str:
@@ -818,8 +839,11 @@ def markdown(result: dict[str, Any]) -> list[str]:
                 g = s.get("warm_gc")
                 gcs = "-" if g is None else f"{g['count']}, {g['longest_ms'] or '-'}"
                 median = f"| {s.get('warm_median_round_max_ms', '-')} | {gcs} " if rounds else ""
+                cold = s.get("cold_max_stall_ms", "-")
+                if s.get("cold_gc_longest_ms") is not None:
+                    cold = f"{cold} (GC {s['cold_gc_longest_ms']})"
                 lines.append(
-                    f"| {way} | {n} | {s.get('cold_max_stall_ms', '-')} | {s.get('warm_max_stall_ms', '-')} "
+                    f"| {way} | {n} | {cold} | {s.get('warm_max_stall_ms', '-')} "
                     f"| {s.get('warm_p99_stall_ms', '-')} {median}"
                     f"| {s['max_stall_ms']} | {s['p99_stall_ms']} "
                     f"| {s['idle_max_stall_ms']} | {s['launches_per_s']:,.0f} |"

@@ -95,7 +95,7 @@ def _new_stream_handle(device: int) -> int:
     dev, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
     # The driver refuses every call before cuInit (CUDA_ERROR_NOT_INITIALIZED),
     # and nothing else need have called it yet: prepare_notices may run before
-    # the process's first CUDA call. It returns at once once done.
+    # the process's first CUDA call. Once it has run, it returns at once.
     rc = init(0) or device_get(ctypes.byref(dev), device)
     if rc:
         raise _runtime.cuda_error(rc, device, driver=True)
