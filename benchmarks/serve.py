@@ -686,9 +686,16 @@ def _rounds_beside(s: dict[str, Any], base: dict[str, Any]) -> str:
     )
 
 
+def _cold_gc(s: dict[str, Any]) -> float | None:
+    """The longest collection in a way's first (unfrozen) round, if any
+    (from its recorded collections in results written before the key)."""
+    if "cold_gc_longest_ms" in s:
+        return s["cold_gc_longest_ms"]  # type: ignore[no-any-return]
+    return max((g["ms"] for g in s.get("gc", ()) if g["round"] == 0), default=None)
+
+
 def _cold_gc_text(s: dict[str, Any]) -> str:
-    """The longest collection in a way's first (unfrozen) round, if any."""
-    longest = s.get("cold_gc_longest_ms")
+    longest = _cold_gc(s)
     return "" if longest is None else f" (a {longest} ms garbage collection in it)"
 
 
@@ -840,8 +847,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
                 gcs = "-" if g is None else f"{g['count']}, {g['longest_ms'] or '-'}"
                 median = f"| {s.get('warm_median_round_max_ms', '-')} | {gcs} " if rounds else ""
                 cold = s.get("cold_max_stall_ms", "-")
-                if s.get("cold_gc_longest_ms") is not None:
-                    cold = f"{cold} (GC {s['cold_gc_longest_ms']})"
+                if _cold_gc(s) is not None:
+                    cold = f"{cold} (GC {_cold_gc(s)})"
                 lines.append(
                     f"| {way} | {n} | {cold} | {s.get('warm_max_stall_ms', '-')} "
                     f"| {s.get('warm_p99_stall_ms', '-')} {median}"
