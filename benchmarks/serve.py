@@ -290,8 +290,8 @@ async def _stall(
     await one call (``make(round, i)`` gives ``launch()``'s arguments), for
     each way of ``ways``: ``None`` awaits ``cudafut.launch``, an executor
     awaits ``loop.run_in_executor(executor, ...)`` of the same call (the
-    host part only: no wait for the GPU), an :class:`AndWait` that and then
-    the call's GPU work. One cold round of each way, then
+    host part only: no wait for the GPU), an :class:`AndWait` the same and
+    then the call's GPU work. One cold round of each way, then
     ``warm_rounds`` warm ones, the ways alternating round by round on one
     loop (:func:`_round_order`). The first round is reported apart
     (``cold_*``: the first model call on a thread or stream costs PyTorch
