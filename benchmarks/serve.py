@@ -393,9 +393,6 @@ def _stall_figures(
         "p99_stall_ms": ms(every, 99),
         "cold_max_stall_ms": ms(by_round[0]),
         "cold_p99_stall_ms": ms(by_round[0], 99),
-        # The first round runs unfrozen: a full collection over PyTorch's
-        # objects may land in it and set its max (said beside it).
-        "cold_gc_longest_ms": max((g["ms"] for g in gcs if g["round"] == 0), default=None),
         "warm_max_stall_ms": ms(warm),
         "warm_p99_stall_ms": ms(warm, 99),
         "warm_rounds": len(by_round) - 1,
@@ -687,10 +684,9 @@ def _rounds_beside(s: dict[str, Any], base: dict[str, Any]) -> str:
 
 
 def _cold_gc(s: dict[str, Any]) -> float | None:
-    """The longest collection in a way's first (unfrozen) round, if any
-    (from its recorded collections in results written before the key)."""
-    if "cold_gc_longest_ms" in s:
-        return s["cold_gc_longest_ms"]  # type: ignore[no-any-return]
+    """The longest collection recorded in a way's first round, if any: that
+    round runs unfrozen, and a full collection over PyTorch's objects may
+    set its max (said beside it)."""
     return max((g["ms"] for g in s.get("gc", ()) if g["round"] == 0), default=None)
 
 
@@ -847,8 +843,9 @@ def markdown(result: dict[str, Any]) -> list[str]:
                 gcs = "-" if g is None else f"{g['count']}, {g['longest_ms'] or '-'}"
                 median = f"| {s.get('warm_median_round_max_ms', '-')} | {gcs} " if rounds else ""
                 cold = s.get("cold_max_stall_ms", "-")
-                if _cold_gc(s) is not None:
-                    cold = f"{cold} (GC {_cold_gc(s)})"
+                longest = _cold_gc(s)
+                if longest is not None:
+                    cold = f"{cold} (GC {longest})"
                 lines.append(
                     f"| {way} | {n} | {cold} | {s.get('warm_max_stall_ms', '-')} "
                     f"| {s.get('warm_p99_stall_ms', '-')} {median}"
