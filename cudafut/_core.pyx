@@ -1074,6 +1074,14 @@ cdef object _SET = None
 cdef object _FAILED = None
 cdef object _CANCELLED = None
 cdef object _hooks = None  # _trace.hooks: tracing on while .active is not None
+# hooks.active is not None, kept by hooks.set_active (_set_tracing): the hot
+# paths test a C flag instead of looking up a module attribute.
+cdef bint _tracing = False
+
+
+def _set_tracing(bint on):
+    global _tracing
+    _tracing = on
 cdef object _await_py = None  # CudaFuture._await (the general await)
 cdef object _result_py = None  # the Python twin's CudaFuture.result
 cdef object _finalize_py = None  # the Python twin's CudaFuture.__del__
@@ -1123,6 +1131,7 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
     _Future = future
     _PENDING, _SET, _FAILED, _CANCELLED = states
     _hooks = hooks
+    hooks.on_change(_set_tracing)
     _await_py = await_py
     _result_py = result_py
     _finalize_py = finalize_py
@@ -1191,7 +1200,7 @@ def new_pending():
     cdef FutureCore fut = FutureCore.__new__(_Future)
     fut._state = _PENDING
     fut._records = ()
-    if _hooks.active is not None:  # a trace began meanwhile: as __init__, it sees the future
+    if _tracing:  # a trace began meanwhile: as __init__, it sees the future
         _hooks.created(fut)
     return fut
 
@@ -1272,7 +1281,7 @@ cdef object _record_value(object value, object stream, object keep):
     cdef long long device
     cdef long long page
     cdef _Consumer consumer
-    if _forked or _hooks.active is not None:
+    if _forked or _tracing:
         return None
     _ensure_types()
     if stream is None:
@@ -1381,7 +1390,7 @@ def set_future(value, tuple records, keep=None, maker=None):
     lock allocated, no other call). The twin makes it where a trace is on
     or a maker is named (the tracer sees it made)."""
     cdef FutureCore fut
-    if maker is not None or _hooks is None or _hooks.active is not None:
+    if maker is not None or _hooks is None or _tracing:
         return _set_future_py(value, records, keep, maker)
     fut = FutureCore.__new__(_Future)
     fut._value = value
@@ -1405,7 +1414,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     cdef long long prev
     cdef FutureCore fut = self
     cdef FutureCore child
-    if (fut._state is not _SET or _forked or _hooks.active is not None
+    if (fut._state is not _SET or _forked or _tracing
             or type(priority) is not str or not _plain_function(fn) or "torch" in _modules):
         return _then_py(fut, fn, priority=priority)
     cdef tuple records = fut._records
@@ -1979,7 +1988,7 @@ cdef object _future_await(FutureCore fut):
     cdef EventRecord rec
     cdef _Done done
     cdef tuple records
-    if fut._state is _SET and not _forked and _hooks.active is None:
+    if fut._state is _SET and not _forked and not _tracing:
         records = fut._records
         if len(records) == 1:
             r = records[0]
@@ -2007,7 +2016,7 @@ def future_result(FutureCore self not None, timeout=None):
     blocks."""
     cdef EventRecord rec
     cdef FutureCore fut = self
-    if timeout is None and fut._state is _SET and not _forked and _hooks.active is None:
+    if timeout is None and fut._state is _SET and not _forked and not _tracing:
         for r in fut._records:
             if type(r) is not EventRecord:
                 return _result_py(fut, timeout)

@@ -169,7 +169,7 @@ def _no_trace_left() -> Iterator[None]:
     _policy.predictor.clear()
     leaked = hooks.active
     if leaked is not None:
-        hooks.active = None
+        hooks.set_active(None)
         pytest.fail("a test left a trace recording")
 
 

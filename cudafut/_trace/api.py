@@ -104,7 +104,7 @@ class Trace:
                 )
             self._used = True
             self._tracer = Tracer(self._gpu_timing, nv)
-            hooks.active = self._tracer
+            hooks.set_active(self._tracer)
         return self
 
     def _stop(self) -> Tracer:
@@ -113,7 +113,7 @@ class Trace:
             raise RuntimeError("this cudafut.Trace is not recording")
         with _start_lock:
             if hooks.active is tracer:
-                hooks.active = None
+                hooks.set_active(None)
         tracer.stop()
         return tracer
 

@@ -30,8 +30,29 @@ if TYPE_CHECKING:
     from .recorder import Completing, Tracer, Track
 
 
-#: The trace that records now, or None. The one flag every hook tests.
+#: The trace that records now, or None. The one flag every hook tests; set
+#: it through :func:`set_active`, which tells the native core too.
 active: Tracer | None = None
+
+# Called with whether a trace records, at each set_active(): the native
+# core keeps it as a C flag, so its hot paths look up no module attribute.
+_watchers: list[Callable[[bool], object]] = []
+
+
+def set_active(tracer: Tracer | None) -> None:
+    """Make ``tracer`` the trace that records (None: none does), and tell
+    the watchers (:func:`on_change`). Costs a call per watcher."""
+    global active
+    active = tracer
+    for watcher in _watchers:
+        watcher(tracer is not None)
+
+
+def on_change(watcher: Callable[[bool], object]) -> None:
+    """Call ``watcher(whether a trace records)`` now and at each
+    :func:`set_active`."""
+    _watchers.append(watcher)
+    watcher(active is not None)
 
 
 def _fault(tr: Tracer, exc: Exception) -> None:
