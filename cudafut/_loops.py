@@ -144,6 +144,11 @@ class LoopDriver(Driver):
         One loop iteration per poll, as a ``sleep(0)`` loop; it saves the
         hop through the driver (a loop iteration and a future) that a
         wake-up otherwise costs, for the common case of one await at a time.
+        When the plan's spin runs out (a plan lasts ``max_sleep_s`` at most)
+        with the work pending, it plans again, as the driver's poll would,
+        and goes on spinning here while the plan says spin: a spin of the
+        whole wait (``low_latency``) stays in the task: after a long spin
+        the hop's code runs cold, and costs more than the poll it saves.
         """
         if self.watchlist.pending or self._alone:
             return False
@@ -157,7 +162,7 @@ class LoopDriver(Driver):
         if _trace.active is not None:
             _trace.planned(self, 0.0, "spin (lone await)")
         try:
-            while now < ends:
+            while True:
                 await self._checkpoint()
                 if self.watchlist.pending:
                     break  # others wait too: one poller for all is cheaper
@@ -168,6 +173,10 @@ class LoopDriver(Driver):
                         _trace.seen_alone(self, record, now)
                     return True
                 now = record.seen = time.perf_counter()
+                if now >= ends:
+                    if pacer.next_poll((record,), now) > now:
+                        break  # the plan says sleep: the driver sleeps
+                    ends = pacer.spin_ends
         finally:
             self._alone = False
             if _trace.active is not None:
