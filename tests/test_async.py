@@ -870,7 +870,7 @@ async def test_a_lone_low_latency_await_spins_in_its_task_for_the_whole_wait() -
     # its task, rather than hand its wait to the driver (a watch in its
     # list), whose wake-up hop, after a long spin, runs cold (about 25 us
     # later at 20 ms on an H200).
-    cudafut.set_wait_policy("low_latency")
+    old = cudafut.set_wait_policy("low_latency")
     rec = FakeRecord()
     driver = _loops.require_driver()
     watched: list[int] = []
@@ -880,7 +880,10 @@ async def test_a_lone_low_latency_await_spins_in_its_task_for_the_whole_wait() -
         watched.append(driver.watchlist.pending)
         rec.complete()
 
-    task = asyncio.create_task(complete_after_a_few_plans())
-    assert await set_future("v", [rec]) == "v"
-    await task
+    try:
+        task = asyncio.create_task(complete_after_a_few_plans())
+        assert await set_future("v", [rec]) == "v"
+        await task
+    finally:
+        cudafut.set_wait_policy(old)
     assert watched == [0]
