@@ -942,7 +942,7 @@ cdef class EventPool:
             self._free[device][self._nfree[device]] = handle
             self._nfree[device] += 1
             return 0
-        if not sys.is_finalizing():
+        if not _finalizing():
             # From C as _acquire creates (no context needed; never in a
             # forked child, where _driver is -1). A failure goes to the
             # backend, whose call raises CudaError with the runtime's name.
@@ -1528,7 +1528,10 @@ cdef int _future_del(FutureCore fut) except -1:
     cdef EventRecord rec
     cdef _Stream st
     cdef tuple records
-    if sys.is_finalizing():  # as the twin: no CUDA call while the interpreter ends
+    # As the twin, no CUDA call while the interpreter ends; asked of C, not
+    # of the sys module, which the interpreter's last collection may find
+    # cleared (the finalizer then raised, printed as "Error in sys.excepthook").
+    if _finalizing():
         return 0
     state = fut._state
     if state is None:  # __init__ never ran: CudaFuture(...) refused its arguments
