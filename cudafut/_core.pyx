@@ -942,7 +942,7 @@ cdef class EventPool:
             self._free[device][self._nfree[device]] = handle
             self._nfree[device] += 1
             return 0
-        if not _finalizing():
+        if not _ending():
             # From C as _acquire creates (no context needed; never in a
             # forked child, where _driver is -1). A failure goes to the
             # backend, whose call raises CudaError with the runtime's name.
@@ -1150,6 +1150,16 @@ def bind_future(future, states, hooks, await_py, result_py, finalize_py, consume
 # sys.modules, read on every record() and then() (whether CuPy and PyTorch
 # are imported) without looking up the attribute.
 cdef dict _modules = sys.modules
+# The sys module itself, held from C: the interpreter's last collection may
+# find this module's globals cleared, and a finalizer that looked ``sys`` up
+# there raised (printed at exit as "Error in sys.excepthook").
+cdef object _sys = sys
+
+
+cdef inline bint _ending() except -1:
+    """Whether the interpreter ends: CPython's own flag, then
+    ``sys.is_finalizing()`` (which tests replace to pretend it)."""
+    return _finalizing() or _sys.is_finalizing()
 
 
 cdef bint _find_types() except -1:
@@ -1528,10 +1538,7 @@ cdef int _future_del(FutureCore fut) except -1:
     cdef EventRecord rec
     cdef _Stream st
     cdef tuple records
-    # As the twin, no CUDA call while the interpreter ends; asked of C, not
-    # of the sys module, which the interpreter's last collection may find
-    # cleared (the finalizer then raised, printed as "Error in sys.excepthook").
-    if _finalizing():
+    if _ending():  # as the twin: no CUDA call while the interpreter ends
         return 0
     state = fut._state
     if state is None:  # __init__ never ran: CudaFuture(...) refused its arguments
