@@ -14,7 +14,6 @@ import asyncio
 import ctypes
 import gc
 import importlib.util
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -28,7 +27,7 @@ import cudafut
 from cudafut import CudaFuture, _backend, _compiled, _events, _lifetimes, _loops, _pools, testing
 from cudafut._interface import records_of
 from tests.children import until
-from tests.subproc import ROOT, python_env, run_python
+from tests.subproc import run_python
 
 NATIVE = _compiled.native()
 native_only = pytest.mark.skipif(
@@ -863,15 +862,8 @@ def test_a_future_finalized_by_the_interpreters_last_collection_raises_nothing()
     # which a finalizer that asked the sys module whether the interpreter
     # ends raised on Python 3.12 (printed at exit as "Error in sys.excepthook").
     test = "tests/test_native.py::test_native_then_fails_the_child_with_what_fn_raised"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=python_env(),
-        timeout=120,
-        check=False,
-    )
+    args = ["-q", "-p", "no:cacheprovider", test]
+    done = run_python(f"import sys, pytest; sys.exit(pytest.main({args!r}))")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
     assert "Error in sys.excepthook" not in done.stderr + done.stdout
