@@ -2311,16 +2311,6 @@ def timer_drain(int fd):
 
 # -- the waiter's watch list ---------------------------------------------------------
 
-cdef object _waiter = None  # cudafut._waiter: its predictor, read when a poll learns
-
-
-def bind_waiter(waiter):
-    """Give the watch list the waiter module (called once, by ``_waiter``
-    at import)."""
-    global _waiter
-    _waiter = waiter
-
-
 # The asyncio driver's mode while a poll is queued (_loops._SPIN: read by
 # AsyncioEntry._watch; a test holds them equal).
 cdef enum:
@@ -2416,11 +2406,13 @@ cdef class Watchlist:
     cdef dict _queues
     cdef public Py_ssize_t pending
     cdef bint _learn
+    cdef public list learnt
 
     def __init__(self, learn=True):
         self._queues = {}
         self.pending = 0
         self._learn = bool(learn)
+        self.learnt = []
 
     @property
     def streams(self):
@@ -2512,7 +2504,7 @@ cdef class Watchlist:
                         break
                     if first:
                         if self._learn:  # later ones completed unseen: they teach nothing
-                            _waiter.predictor.observe(record, now)
+                            self.learnt.append((record, now))
                         first = False
                         if record.ordered and n - i > 2:
                             # Ask the newest: if it is complete, the stream's

@@ -33,10 +33,9 @@ from typing import Any, Final
 from . import _backend, _compiled, _lifetimes
 from ._events import EventRecord
 from ._log import logger
-from ._policy import predictor
 from ._timer import make_timer
 from ._trace import hooks as _trace
-from ._waiter import Driver, Watch
+from ._waiter import Driver, Watch, learn
 
 Register = Callable[[Callable[[], None]], Callable[[], None]]
 #: ``finish(future, cancelled_error)``: an await's value, once its record completed or failed.
@@ -168,7 +167,7 @@ class LoopDriver(Driver):
                     break  # others wait too: one poller for all is cheaper
                 if record.query() is not None:
                     now = time.perf_counter()
-                    predictor.observe(record, now)
+                    self.learn_later([(record, now)])  # after the task's step
                     if _trace.active is not None:
                         _trace.seen_alone(self, record, now)
                     return True
@@ -224,6 +223,19 @@ class AsyncioDriver(LoopDriver):
 
     async def _checkpoint(self) -> None:
         await asyncio.sleep(0)
+
+    def learn_later(self, learnt: list[tuple[EventRecord, float]]) -> None:
+        """Teach the predictor in a loop callback of its own, queued behind
+        the wake-ups just scheduled (or the step of the task that saw its
+        lone await complete): the awaiting code resumes first. A new wait
+        that task makes meanwhile is planned without these observations,
+        with the modes already found; its work cannot have started before
+        they completed, so its start is its own record's."""
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            learn(learnt)
+            return
+        loop.call_soon(learn, learnt)
 
     def _cancel_sleep(self) -> None:
         if self._later is not None:

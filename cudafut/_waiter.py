@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import bisect
 import functools
-import sys
 import threading
 import time
 from collections import deque
@@ -123,6 +122,11 @@ class Watchlist:
         # Whether completions teach the duration predictor: not from the
         # watcher thread, whose polls are coarse and about keep-alives.
         self._learn = learn
+        #: What the polls saw complete first on each stream, ``(record,
+        #: now)``, for the duration predictor: the driver that polls takes
+        #: them (``Driver.poll``), and may teach them after the wake-ups
+        #: they caused, off the path from completion to the awaiting code.
+        self.learnt: list[tuple[EventRecord, float]] = []
 
     @property
     def streams(self) -> int:
@@ -169,8 +173,9 @@ class Watchlist:
         """Query the oldest live record of each stream; return what fired,
         at most ``limit`` callbacks (the rest fire at the next poll).
 
-        ``now`` is the ``perf_counter()`` time of the poll: completions teach
-        the duration predictor, pending records remember when they were seen.
+        ``now`` is the ``perf_counter()`` time of the poll: the first
+        completion seen on each stream goes on :attr:`learnt` (for the
+        duration predictor), pending records remember when they were seen.
         The caller runs the returned callbacks (they may add or remove
         watches, which must not happen while the queues are walked).
         """
@@ -195,7 +200,7 @@ class Watchlist:
                         break
                     if first:
                         if self._learn:  # later ones completed unseen: they teach nothing
-                            predictor.observe(record, now)
+                            self.learnt.append((record, now))
                         first = False
                         if record.ordered and n - i > 2:
                             # Ask the newest: if it is complete, the native
@@ -233,7 +238,6 @@ class Watchlist:
 # stay the reference (CUDAFUT_PURE=1).
 _native = _compiled.native()
 if _native is not None:
-    _native.bind_waiter(sys.modules[__name__])
     globals().update(Watch=_native.Watch, Watchlist=_native.Watchlist)
 
 
@@ -326,18 +330,34 @@ class Driver(abc.ABC):
             self.pacer.woke(now)
         else:
             self.pacer.interrupted()
-        fired = self.watchlist.poll(now, FIRE_PER_POLL)
+        watchlist = self.watchlist
+        fired = watchlist.poll(now, FIRE_PER_POLL)
         if fired:
             _run_fired(self, fired)
+        learnt = watchlist.learnt
+        if learnt:
+            watchlist.learnt = []
+            if watchlist.pending:
+                learn(learnt)  # the plan below reads what they teach
+            else:
+                self.learn_later(learnt)
         if _trace.active is not None:
             _trace.polled(self, now, timer_fired, fired)
-        if not self.watchlist.pending:
+        if not watchlist.pending:
             return None
         if len(fired) == FIRE_PER_POLL:
             return now  # more may have completed: fire them at the next loop iteration
         if not fired and now < self.pacer.spin_ends:
             return now  # the plan still says spin: keep the spinning poll lean
         return self.pacer.next_poll(self.watchlist.oldest(), time.perf_counter(), self.arm)
+
+    def learn_later(self, learnt: list[tuple[EventRecord, float]]) -> None:
+        """Teach the duration predictor what a poll saw complete (``(record,
+        when)`` pairs) once the wake-ups that poll scheduled have run, when
+        nothing else waits: ``Predictor.observe`` is Python that runs cold
+        after a long wait, and no plan needs it before the next wait. Here,
+        at once; an event loop's driver defers it."""
+        learn(learnt)
 
     def run_fired(self, fired: Iterable[tuple[RecordCallback, EventRecord]]) -> None:
         for callback, record in fired:
@@ -380,6 +400,13 @@ class Driver(abc.ABC):
                 exc,
                 future,
             )
+
+
+def learn(learnt: list[tuple[EventRecord, float]]) -> None:
+    """Teach the duration predictor ``(record, when)`` pairs: each record
+    was seen complete at ``when`` (and pending at its ``seen``)."""
+    for record, when in learnt:
+        predictor.observe(record, when)
 
 
 #: What ``Driver.poll`` runs what fired with: ``Driver.run_fired``, or the

@@ -887,3 +887,38 @@ async def test_a_lone_low_latency_await_spins_in_its_task_for_the_whole_wait() -
     finally:
         cudafut.set_wait_policy(old)
     assert watched == [0]
+
+
+@pytest.mark.parametrize("path", ["lone await", "driver"])
+async def test_the_predictor_learns_a_completion_after_the_awaiting_task_resumed(
+    anyio_backend: tuple[str, dict[str, object]], path: str
+) -> None:
+    # Predictor.observe is Python that runs cold after a long wait: on an
+    # event loop it runs in a callback queued behind the wake-up, so the
+    # awaiting code resumes first. On trio the driver
+    # teaches it at once.
+    from cudafut import _policy
+
+    sleeps = cudafut.WaitPolicy(
+        spin_s=1e-6, first_sleep_s=1e-3, max_sleep_s=1e-3, predict=False, notify=False
+    )
+    old = cudafut.set_wait_policy("low_latency" if path == "lone await" else sleeps)
+    rec = FakeRecord()
+
+    async def complete_soon() -> None:
+        await anyio.sleep(0.005)
+        rec.complete()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(complete_soon)
+            assert await set_future("v", [rec]) == "v"
+            at_resume = rec.stream_key in _policy.predictor.histories
+            await anyio.sleep(0)
+            after_a_step = rec.stream_key in _policy.predictor.histories
+    finally:
+        cudafut.set_wait_policy(old)
+    if anyio_backend[0] == "trio":
+        assert at_resume
+    else:
+        assert (at_resume, after_a_step) == (False, True)

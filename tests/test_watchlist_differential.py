@@ -7,12 +7,11 @@ A program adds watches (numbers on a stream in order, out of order and
 equal; duck-typed records and the native ``EventRecord``, which the native
 list queries through C; through ``add`` and ``add_watch``), completes or
 fails records, makes a record's next query raise, removes watches, polls
-with and without a limit (the duration predictor's ``observe`` raising at
-some), and asks ``oldest`` and ``clear``. Compared after each step: what the
+with and without a limit, and asks ``oldest`` and ``clear``. Compared after each step: what the
 step returned, as ``(callback, record)`` pairs in order, or the exception's
 type and message; ``pending`` and ``streams``; which watches are still live;
-each record's ``seen`` time and number of queries; what the predictor was
-told, in order. At the end both drain: every record completes, and polls
+each record's ``seen`` time and number of queries; what the polls put on
+``learnt`` for the predictor, in order. At the end both drain: every record completes, and polls
 fire the rest.
 
 The native list is held identical to its reference, as
@@ -21,7 +20,7 @@ whole cores through the public API and leaves out, as timing-dependent, the
 event queries and the order across futures of one settle window's
 callbacks: the list's own work. Here they are compared exactly, on states
 the public API reaches rarely (hundreds of watches on one stream, queues
-compacted, a query or the predictor raising in the middle of a poll). ``_Queue`` alone
+compacted, a query raising in the middle of a poll). ``_Queue`` alone
 is compared too: its ``advance`` refuses a bound outside ``head <= to <=
 len(watches)`` with the same IndexError on both.
 
@@ -30,8 +29,7 @@ core runs, ``cudafut._waiter`` rebinds ``Watch`` and ``Watchlist`` to the
 native ones at import, so the module no longer holds the pure ones. Their
 definitions (``Watch``, ``_seq``, ``_gone``, ``_GONE``, ``_Queue``,
 ``Watchlist``) are taken from the file's AST and run in a namespace of
-their own whose ``predictor`` is a stub; the native list reads
-``cudafut._waiter.predictor``, set to a second stub while a program runs.
+their own.
 
 Checked to fail on a broken reference, at the default counts (scratch copies
 of this file that changed the rebuilt classes only): ``poll`` returning
@@ -59,8 +57,6 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -89,21 +85,6 @@ def _native() -> Any:
 # -- the reference, from _waiter.py's source ---------------------------------------------
 
 
-class Observer:
-    """Stands for the duration predictor: logs what it is told; its next
-    ``observe`` may raise."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[int, float]] = []
-        self.raise_next = False
-
-    def observe(self, record: Any, now: float) -> None:
-        self.log.append((_token(record), now))
-        if self.raise_next:
-            self.raise_next = False
-            raise RuntimeError("observe failed")
-
-
 REFERENCE_NAMES = frozenset({"Watch", "_seq", "_gone", "_GONE", "_Queue", "Watchlist"})
 
 
@@ -121,14 +102,14 @@ def _reference_namespace() -> dict[str, Any]:
             name = node.targets[0].id
         # The module's imports (``from __future__ import annotations`` first:
         # annotations stay unevaluated, as in the module), but not the
-        # package's own, which would bring the real predictor.
+        # package's own.
         if (
             name in REFERENCE_NAMES
             or isinstance(node, ast.Import)
             or (isinstance(node, ast.ImportFrom) and node.level == 0)
         ):
             body.append(node)
-    namespace: dict[str, Any] = {"__name__": "reference_waiter", "predictor": Observer()}
+    namespace: dict[str, Any] = {"__name__": "reference_waiter"}
     exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec", dont_inherit=True), namespace)
     assert namespace.keys() >= REFERENCE_NAMES, "_waiter.py no longer defines them all at top level"
     return namespace
@@ -207,12 +188,11 @@ def _token(record: Any) -> int:
 
 
 class Side:
-    """One twin with records, watches and a predictor stub of its own."""
+    """One twin with records and watches of its own."""
 
-    def __init__(self, watch: Any, watchlist: Any, observer: Observer) -> None:
+    def __init__(self, watch: Any, watchlist: Any) -> None:
         self.watch = watch
         self.wl = watchlist()
-        self.observer = observer
         self.truth = Truth()
         self.calls = Calls(self.truth)
         self.records: list[Any] = []
@@ -230,7 +210,7 @@ class Side:
             "live": [None if w.callback is None else w.callback.token for w in self.watches],
             "seen": [r.seen for r in self.records],
             "queries": [self.queries(r) for r in self.records],
-            "observed": list(self.observer.log),
+            "learnt": [(_token(record), now) for record, now in self.wl.learnt],
         }
 
 
@@ -282,13 +262,9 @@ def apply(side: Side, op: Op, step: int) -> Any:
                 wl.remove(side.watches[i])
             return None
         if kind == "poll":
-            _, limit, observe_raises = op
-            # At a third of the polls that draw it only: each raise cuts a
-            # poll short, and most polls should run through.
-            side.observer.raise_next = observe_raises and step % 3 == 0
+            _, limit = op
             now = step + 0.5
             fired = wl.poll(now) if limit is None else wl.poll(now, limit)
-            side.observer.raise_next = False
             return ("fired", [(callback.token, _token(record)) for callback, record in fired])
         if kind == "oldest":
             return ("oldest", [_token(r) for r in wl.oldest()])
@@ -296,48 +272,35 @@ def apply(side: Side, op: Op, step: int) -> Any:
             wl.clear()
             return None
     except Exception as exc:
-        side.observer.raise_next = False  # an exception before observe ran leaves it armed
         return ("raised", type(exc).__name__, str(exc))
     raise AssertionError(f"no such op: {op}")
 
 
-@contextmanager
-def _predictors() -> Iterator[tuple[Observer, Observer]]:
-    """A fresh predictor stub for each twin: the reference's in its
-    namespace, the native list's in ``cudafut._waiter`` (where it looks)."""
-    reference, native = Observer(), Observer()
-    REFERENCE["predictor"] = reference
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_waiter, "predictor", native)
-        yield reference, native
-
-
 def run_both(program: list[Op]) -> None:
-    with _predictors() as (reference_observer, native_observer):
-        reference = Side(REFERENCE["Watch"], REFERENCE["Watchlist"], reference_observer)
-        native = Side(_native().Watch, _native().Watchlist, native_observer)
-        trace: list[tuple[Op, Any]] = []
+    reference = Side(REFERENCE["Watch"], REFERENCE["Watchlist"])
+    native = Side(_native().Watch, _native().Watchlist)
+    trace: list[tuple[Op, Any]] = []
 
-        def step(op: Op, number: int) -> None:
-            a, b = apply(reference, op, number), apply(native, op, number)
-            trace.append((op, a))
-            where = f"step {number} {op}"
-            assert a == b, f"{where}: reference {a!r} != native {b!r}\n  program so far: {trace}"
-            sa, sb = reference.state(), native.state()
-            assert sa == sb, f"{where}: reference {sa!r} != native {sb!r}\n  program so far: {trace}"
+    def step(op: Op, number: int) -> None:
+        a, b = apply(reference, op, number), apply(native, op, number)
+        trace.append((op, a))
+        where = f"step {number} {op}"
+        assert a == b, f"{where}: reference {a!r} != native {b!r}\n  program so far: {trace}"
+        sa, sb = reference.state(), native.state()
+        assert sa == sb, f"{where}: reference {sa!r} != native {sb!r}\n  program so far: {trace}"
 
-        for number, op in enumerate(program):
-            step(op, number)
-        # Then everything completes: the polls must fire the same rest, in
-        # the same order, and leave both lists empty.
-        end = len(program)
-        step(("oldest",), end)
-        for side in (reference, native):
-            side.truth.raising.clear()
-        step(("complete_all",), end + 1)
-        for number in range(end + 2, end + 7):
-            step(("poll", None, False), number)
-        assert reference.wl.pending == native.wl.pending == 0
+    for number, op in enumerate(program):
+        step(op, number)
+    # Then everything completes: the polls must fire the same rest, in
+    # the same order, and leave both lists empty.
+    end = len(program)
+    step(("oldest",), end)
+    for side in (reference, native):
+        side.truth.raising.clear()
+    step(("complete_all",), end + 1)
+    for number in range(end + 2, end + 7):
+        step(("poll", None), number)
+    assert reference.wl.pending == native.wl.pending == 0
 
 
 # Short programs on three streams, numbers -2..6: out of order and equal
@@ -353,7 +316,7 @@ op_add = st.tuples(
 op_complete = st.tuples(st.just("complete"), st.integers(0, 40), st.sampled_from([0, 0, 0, 700]))
 op_raise = st.tuples(st.just("raise"), st.integers(0, 40))
 op_remove = st.tuples(st.just("remove"), st.integers(0, 40))
-op_poll = st.tuples(st.just("poll"), st.sampled_from([None, 0, 1, 2, 3, 5, 64, -1]), st.booleans())
+op_poll = st.tuples(st.just("poll"), st.sampled_from([None, 0, 1, 2, 3, 5, 64, -1]))
 op_oldest = st.tuples(st.just("oldest"))
 op_clear = st.tuples(st.just("clear"))
 op_complete_all = st.tuples(st.just("complete_all"))
@@ -467,7 +430,7 @@ def test_batched_programs_agree(program: list[Op]) -> None:
 
 def test_out_of_order_and_equal_numbers_fire_alike() -> None:
     program: list[Op] = [("add", 0, s, True, "duck", False) for s in (5, 3, 3, 9, 1, 5, 0, 7)]
-    program += [("complete", i, 0) for i in range(8)] + [("poll", 2, False)] * 5
+    program += [("complete", i, 0) for i in range(8)] + [("poll", 2)] * 5
     run_both(program)
 
 
@@ -477,14 +440,14 @@ def test_a_queue_compacts_alike() -> None:
     program: list[Op] = [("add", 0, s, False, "duck", False) for s in range(80)]
     program += [("complete", i, 0) for i in range(50)]
     program += [
-        ("poll", 64, False),
+        ("poll", 64),
         ("oldest",),
         ("add", 0, 3, False, "duck", False),
-        ("poll", None, False),
+        ("poll", None),
         ("oldest",),
         ("complete_all",),
-        ("poll", 64, False),
-        ("poll", 64, False),
+        ("poll", 64),
+        ("poll", 64),
     ]
     run_both(program)
 
