@@ -57,6 +57,10 @@ AWAIT_NOTICES_NO_PREDICTION = "cudafut await (notices, no prediction)"
 AWAIT_LOW_CPU = "cudafut await (low_cpu)"
 AWAIT_LOW_LATENCY = "cudafut await (low_latency)"
 PEER_SLEEP0 = "peer: asyncio sleep(0) polling"
+#: The floor of a waiter that sleeps: told the duration, it sleeps on the
+#: loop's timer until 1-2 ms before the end (asyncio's timers round up to a
+#: millisecond), then polls a CuPy event once per loop iteration.
+FLOOR_SLEEPER = "floor: sleep until 1-2 ms before the known end, then sleep(0) polling"
 PEER_EXECUTOR = "peer: run_in_executor(event.synchronize)"
 PEER_HOSTFUNC = "peer: host func close() + add_reader"
 PEER_NUMBA = "peer: numba-cuda async_done()"
@@ -143,6 +147,27 @@ def s_sleep0_poll() -> Once:
     return once
 
 
+def s_sleeper() -> Once:
+    import cupy as cp
+
+    from .support.gpu import stream, work
+
+    ev = cp.cuda.Event(block=False, disable_timing=True)
+
+    async def once(ns: int) -> float:
+        t = time.perf_counter()
+        work(ns)
+        ev.record(stream)
+        lead = ns / 1e9 - 2e-3
+        if lead > 0:
+            await asyncio.sleep(lead)
+        while not ev.done:
+            await asyncio.sleep(0)
+        return time.perf_counter() - t
+
+    return once
+
+
 _pool = concurrent.futures.ThreadPoolExecutor(2)
 
 
@@ -222,6 +247,7 @@ ASYNC_STRATEGIES: dict[str, tuple[Callable[[], Once], WaitPolicy | str]] = {
     AWAIT_LOW_CPU: (s_cudafut_await, "low_cpu"),
     AWAIT_LOW_LATENCY: (s_cudafut_await, "low_latency"),
     PEER_SLEEP0: (s_sleep0_poll, "balanced"),
+    FLOOR_SLEEPER: (s_sleeper, "balanced"),
     PEER_EXECUTOR: (s_executor_sync, "balanced"),
     PEER_HOSTFUNC: (s_hostfunc_close, "balanced"),
     PEER_NUMBA: (s_numba, "balanced"),

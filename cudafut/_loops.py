@@ -33,6 +33,7 @@ from typing import Any, Final
 from . import _backend, _compiled, _lifetimes
 from ._events import EventRecord
 from ._log import logger
+from ._policy import get_wait_policy, predictor
 from ._timer import make_timer
 from ._trace import hooks as _trace
 from ._waiter import Driver, Watch, learn
@@ -42,7 +43,9 @@ Register = Callable[[Callable[[], None]], Callable[[], None]]
 Finish = Callable[[Any, type[BaseException]], Any]
 
 
-_IDLE, _SPIN, _SLEEP = 0, 1, 2
+#: An asyncio driver's mode: nothing queued, a poll queued (spinning), its
+#: timer armed for its own poll, or for a lone await sleeping in its task.
+_IDLE, _SPIN, _SLEEP, _ALONE = 0, 1, 2, 3
 
 
 def _resolve(waiter: asyncio.Future[None], _done: object) -> None:
@@ -138,33 +141,50 @@ class LoopDriver(Driver):
 
     async def spin_alone(self, record: EventRecord) -> bool:
         """Poll ``record`` from the awaiting task itself while it is the
-        loop's only wait and the policy says spin; True if it completed.
+        loop's only wait; True if it completed, False to hand the wait to
+        the driver.
 
-        One loop iteration per poll, as a ``sleep(0)`` loop; it saves the
-        hop through the driver (a loop iteration and a future) that a
-        wake-up otherwise costs, for the common case of one await at a time.
-        When the plan's spin runs out (a plan lasts ``max_sleep_s`` at most)
-        with the work pending, it plans again, as the driver's poll would,
-        and goes on spinning here while the plan says spin: a spin of the
-        whole wait (``low_latency``) stays in the task: after a long spin
-        the hop's code runs cold, and costs more than the poll it saves.
+        One loop iteration per poll while the policy says spin, as a
+        ``sleep(0)`` loop; it saves the hop through the driver (a loop
+        iteration and a future) that a wake-up otherwise costs, for the
+        common case of one await at a time. When a plan's spin runs out (a
+        plan lasts ``max_sleep_s`` at most) with the work pending, it plans
+        again, as the driver's poll would: while the plan says spin, it
+        spins on here (``low_latency`` spins the whole wait); where it says
+        sleep, the task sleeps on the driver's timer (:meth:`_sleep_alone`)
+        and polls again, if the work's duration is learnt (or the policy
+        asks for no notices), so that the poll which sees the end is the
+        task's own: after a long sleep the hop's code runs cold and costs
+        tens of µs. Work of unknown duration goes to the driver, which asks
+        CUDA for a notice. Any other wait in the loop sends it to the
+        driver too.
         """
         if self.watchlist.pending or self._alone:
             return False
         pacer = self.pacer
         now = time.perf_counter()
         pacer.new_wait(now)
-        if pacer.next_poll((record,), now) > now:
-            return False
-        ends = pacer.spin_ends
+        when = pacer.next_poll((record,), now)
+        if when > now and not _sleeps_alone(record):
+            return False  # the plan says sleep, with a notice: the driver's
+        ends = pacer.spin_ends if when <= now else 0.0
         self._alone = True
-        if _trace.active is not None:
-            _trace.planned(self, 0.0, "spin (lone await)")
+        spinning = False  # what the tracer was told last
         try:
             while True:
-                await self._checkpoint()
+                if when > now:
+                    spinning = False
+                    if _trace.active is not None:
+                        _trace.planned(self, when - now, "sleep (lone await)")
+                    if not await self._sleep_alone(when):
+                        return False
+                else:
+                    if not spinning and _trace.active is not None:
+                        _trace.planned(self, 0.0, "spin (lone await)")
+                    spinning = True
+                    await self._checkpoint()
                 if self.watchlist.pending:
-                    break  # others wait too: one poller for all is cheaper
+                    return False  # others wait too: one poller for all is cheaper
                 if record.query() is not None:
                     now = time.perf_counter()
                     self.learn_later([(record, now)])  # after the task's step
@@ -172,15 +192,37 @@ class LoopDriver(Driver):
                         _trace.seen_alone(self, record, now)
                     return True
                 now = record.seen = time.perf_counter()
-                if now >= ends:
-                    if pacer.next_poll((record,), now) > now:
-                        break  # the plan says sleep: the driver sleeps
+                if now < ends:
+                    when = now  # the plan's spin goes on: poll at the next loop iteration
+                    continue
+                when = pacer.next_poll((record,), now)
+                if when <= now:
                     ends = pacer.spin_ends
+                elif not _sleeps_alone(record):
+                    return False  # the plan says sleep, with a notice: the driver's
         finally:
             self._alone = False
             if _trace.active is not None:
                 _trace.planned(self, None)
+
+    async def _sleep_alone(self, when: float) -> bool:
+        """Sleep the lone awaiting task until ``when`` (a ``perf_counter``
+        time) or until another wait arrives; False where this loop cannot
+        (then the driver takes the wait). Here: never."""
         return False
+
+
+def _sleeps_alone(record: EventRecord) -> bool:
+    """Whether a lone await of ``record`` may sleep in its task: its
+    stream's duration is learnt (no notice is asked for predicted work), or
+    the policy asks for no notices."""
+    policy = get_wait_policy()
+    if not policy.notify:
+        return True
+    if not policy.predict:
+        return False
+    modes, surprised = predictor.modes(record)
+    return bool(modes) and not surprised
 
 
 class AsyncioDriver(LoopDriver):
@@ -200,6 +242,8 @@ class AsyncioDriver(LoopDriver):
         self._later: asyncio.TimerHandle | None = None
         self._timer = make_timer()
         self._reading = False
+        # What a lone await sleeping in its task waits on (_ALONE mode).
+        self._alone_wake: asyncio.Future[bool] | None = None
         # Armed notices, per stream key. CUDA closes their write ends.
         self._notices: dict[tuple[int, ...], _Notice] = {}
         self.arm = self._arm
@@ -218,8 +262,51 @@ class AsyncioDriver(LoopDriver):
             return
         if self._mode == _SLEEP:
             self._cancel_sleep()
+        elif self._mode == _ALONE:
+            self._end_alone(False)  # the lone await wakes, and hands its wait over
         self._mode = _SPIN
         loop.call_soon(self._tick)
+
+    async def _sleep_alone(self, when: float) -> bool:
+        """The lone await's sleep, in its task, on this driver's timerfd
+        (microseconds; the loop's own timers round up to milliseconds):
+        until ``when``, or until a new wait calls :meth:`ensure_polling`.
+        False without a timerfd, or while the driver has something queued.
+        Costs a loop future and one timer system call; the wake-up is one
+        loop callback and the task's step."""
+        timer = self._timer
+        loop = self._loop()
+        if timer is None or loop is None or self._mode != _IDLE:
+            return False
+        wake: asyncio.Future[bool] = loop.create_future()
+        if not self._reading:
+            loop.add_reader(timer.fd, self._on_timer)
+            self._reading = True
+        self._alone_wake = wake
+        self._mode = _ALONE
+        pacer = self.pacer
+        pacer.sleeping_until(when)
+        timer.arm(when - time.perf_counter())
+        try:
+            timed_out = await wake
+        finally:
+            if self._alone_wake is wake:  # cancelled: stop the timer
+                self._end_alone(False)
+        if timed_out:
+            pacer.woke(time.perf_counter())
+        else:
+            pacer.interrupted()
+        return True
+
+    def _end_alone(self, timed_out: bool) -> None:
+        """End the lone await's sleep: by its timer, or early."""
+        wake = self._alone_wake
+        self._alone_wake = None
+        self._mode = _IDLE
+        if not timed_out and self._timer is not None:
+            self._timer.disarm()
+        if wake is not None and not wake.done():
+            wake.set_result(timed_out)
 
     async def _checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -252,6 +339,8 @@ class AsyncioDriver(LoopDriver):
             return
         if self._mode == _SLEEP:
             self._tick(True)
+        elif self._mode == _ALONE:
+            self._end_alone(True)
 
     def _tick(self, timer_fired: bool = False) -> None:
         self._mode = _IDLE

@@ -922,3 +922,105 @@ async def test_the_predictor_learns_a_completion_after_the_awaiting_task_resumed
         assert at_resume
     else:
         assert (at_resume, after_a_step) == (False, True)
+
+
+def _learnt(record: FakeRecord, duration: float) -> None:
+    """Give ``record``'s stream a learnt duration: a mode the waiter spins
+    for, around ``duration`` after the record was made."""
+    from cudafut import _policy
+
+    hist = _policy._History(record.t)
+    for _ in range(4):
+        hist.points.append((duration, True))
+    hist.modes = _policy._find_modes(hist.points)
+    hist.surprised = False
+    _policy.predictor.histories[record.stream_key] = hist
+
+
+@pytest.mark.parametrize("learnt", [True, False])
+async def test_a_lone_await_of_learnt_work_sleeps_in_its_task_and_polls_the_end_itself(
+    anyio_backend: tuple[str, dict[str, object]], learnt: bool
+) -> None:
+    # Work of a learnt duration: the lone await sleeps on the driver's timer
+    # in its own task until the spin before the predicted end, and the poll
+    # that sees the end is its own (after a long sleep the driver's wake-up
+    # hop runs cold). Unknown work goes to the driver, which asks CUDA for a
+    # notice; so does every wait on trio.
+    from cudafut import _policy
+
+    rec = FakeRecord()
+    if learnt:
+        _learnt(rec, 0.02)
+    driver = _loops.require_driver()
+    watched: list[int] = []
+    modes: list[int] = []
+
+    async def complete_near_the_end() -> None:
+        await anyio.sleep(0.01)
+        modes.append(getattr(driver, "_mode", -1))
+        await anyio.sleep(0.0095)
+        watched.append(driver.watchlist.pending)
+        rec.complete()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(complete_near_the_end)
+            assert await set_future("v", [rec]) == "v"
+    finally:
+        _policy.predictor.histories.pop(rec.stream_key, None)
+    in_task = learnt and anyio_backend[0] != "trio"
+    assert watched == [0 if in_task else 1]
+    if in_task:
+        assert modes == [_loops._ALONE]
+
+
+async def test_a_new_wait_wakes_a_lone_await_sleeping_in_its_task(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    # A second wait while the lone await sleeps: the driver takes both, and
+    # each completes.
+    from cudafut import _policy
+
+    first, second = FakeRecord(), FakeRecord()
+    _learnt(first, 0.05)
+    driver = _loops.require_driver()
+    modes: list[int] = []
+
+    async def second_wait() -> None:
+        await anyio.sleep(0.01)
+        modes.append(getattr(driver, "_mode", -1))
+        fut = set_future("b", [second])
+        second.complete()
+        assert await fut == "b"
+        first.complete()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second_wait)
+            assert await set_future("a", [first]) == "a"
+    finally:
+        _policy.predictor.histories.pop(first.stream_key, None)
+    assert driver.watchlist.pending == 0
+    if anyio_backend[0] != "trio":
+        assert modes == [_loops._ALONE]
+
+
+async def test_cancelling_a_lone_await_sleeping_in_its_task_stops_its_timer(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    from cudafut import _policy
+
+    rec, later = FakeRecord(), FakeRecord()
+    _learnt(rec, 0.05)
+    driver = _loops.require_driver()
+    try:
+        with anyio.move_on_after(0.01):
+            await set_future("v", [rec])
+    finally:
+        _policy.predictor.histories.pop(rec.stream_key, None)
+    if isinstance(driver, _loops.AsyncioDriver):
+        assert driver._mode == _loops._IDLE
+        assert driver._alone_wake is None
+    later.complete()
+    assert await set_future("w", [later]) == "w"
+    assert driver.watchlist.pending == 0
