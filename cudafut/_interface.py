@@ -119,8 +119,9 @@ def await_done(fut: CudaFuture[T], cancelled_error: type[BaseException]) -> tupl
     as used on the calling thread's current streams as an ``await`` records
     it; its exception raised where it failed (or an event failed), or
     ``cancelled_error`` where it was cancelled; ``(False, None)`` while it
-    is pending or an event is not known complete (no CUDA call: for a caller
-    told off the loop that the work ended, ``_completions.after_gpu``)."""
+    is pending or an event is not known complete. Never waits nor queries
+    an event (it reads the statuses known): for a caller told off the loop
+    that the work ended (``_completions.after_gpu``)."""
     state = fut._state
     if state is PENDING:
         return False, None
