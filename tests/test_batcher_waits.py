@@ -31,6 +31,16 @@ async def _until(condition: Callable[[], bool], what: str) -> None:
     pytest.fail(what)
 
 
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Callable[[Any], Any]:
+    """``asyncio.run``, on asyncio in debug mode (which refuses a loop call
+    from another thread) or on uvloop."""
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.run  # type: ignore[no-any-return]
+    return lambda coro: asyncio.run(coro, debug=True)
+
+
 def _completion_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("cudafut-completion-")]
 
@@ -65,7 +75,7 @@ class _Batches:
 
 
 def test_batches_are_answered_in_order_by_the_completion_thread(
-    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch, run: Callable[[Any], Any]
 ) -> None:
     monkeypatch.setenv("CUDAFUT_LAUNCH_THREADS", "1")  # one launcher: the futures are set in launch order
     run_batch = _Batches()
@@ -98,13 +108,15 @@ def test_batches_are_answered_in_order_by_the_completion_thread(
         assert batcher.statistics().in_flight == 0
         return results
 
-    assert asyncio.run(main()) == [i * 10 for i in range(40)]
+    assert run(main()) == [i * 10 for i in range(40)]
     assert answered == list(range(40))  # batch after batch, each in its order
     assert [t.name for t in _completion_threads()] == ["cudafut-completion-0"]
 
 
 @pytest.mark.parametrize("how", ["fault", "raise"])
-def test_a_failed_batch_fails_exactly_its_requests(fake_cuda: testing.FakeCuda, how: str) -> None:
+def test_a_failed_batch_fails_exactly_its_requests(
+    fake_cuda: testing.FakeCuda, how: str, run: Callable[[Any], Any]
+) -> None:
     run_batch = _Batches()
     if how == "raise":
         run_batch.raise_for = 9
@@ -123,7 +135,7 @@ def test_a_failed_batch_fails_exactly_its_requests(fake_cuda: testing.FakeCuda, 
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         return outcomes, batcher.statistics()
 
-    outcomes, stats = asyncio.run(main())
+    outcomes, stats = run(main())
     failed = [i for i, out in enumerate(outcomes) if isinstance(out, BaseException)]
     assert 9 in failed and failed in ([8, 9], [9])
     for i, out in enumerate(outcomes):
@@ -137,7 +149,9 @@ def test_a_failed_batch_fails_exactly_its_requests(fake_cuda: testing.FakeCuda, 
     assert (stats.failed_batches, stats.in_flight, stats.items) == (1, 0, 10)
 
 
-def test_leaving_the_block_waits_for_the_batches_in_flight(fake_cuda: testing.FakeCuda) -> None:
+def test_leaving_the_block_waits_for_the_batches_in_flight(
+    fake_cuda: testing.FakeCuda, run: Callable[[Any], Any]
+) -> None:
     run_batch = _Batches()
 
     async def main() -> list[Any]:
@@ -151,10 +165,12 @@ def test_leaving_the_block_waits_for_the_batches_in_flight(fake_cuda: testing.Fa
         assert batcher.statistics().in_flight == 0  # every batch answered before the close returned
         return [await task for task in tasks]
 
-    assert [int(x) for x in asyncio.run(main())] == [i * 10 for i in range(7)]
+    assert [int(x) for x in run(main())] == [i * 10 for i in range(7)]
 
 
-def test_aclose_waits_for_the_batches_in_flight(fake_cuda: testing.FakeCuda) -> None:
+def test_aclose_waits_for_the_batches_in_flight(
+    fake_cuda: testing.FakeCuda, run: Callable[[Any], Any]
+) -> None:
     run_batch = _Batches()
 
     async def main() -> list[Any]:
@@ -170,11 +186,11 @@ def test_aclose_waits_for_the_batches_in_flight(fake_cuda: testing.FakeCuda) -> 
         assert batcher.statistics().in_flight == 0  # every batch answered before the close returned
         return [await task for task in tasks]
 
-    assert [int(x) for x in asyncio.run(main())] == [i * 10 for i in range(5)]
+    assert [int(x) for x in run(main())] == [i * 10 for i in range(5)]
 
 
 def test_leaving_with_an_exception_answers_the_batches_in_flight_and_frees_the_thread(
-    fake_cuda: testing.FakeCuda,
+    fake_cuda: testing.FakeCuda, run: Callable[[Any], Any]
 ) -> None:
     run_batch = _Batches()
 
@@ -202,7 +218,7 @@ def test_leaving_with_an_exception_answers_the_batches_in_flight_and_frees_the_t
             assert int(await task) == 70
         return outcomes
 
-    outcomes = asyncio.run(main())
+    outcomes = run(main())
     assert all(isinstance(out, cudafut.InvalidStateError) for out in outcomes), outcomes
     assert len(_completion_threads()) == 1
 
