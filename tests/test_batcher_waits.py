@@ -31,14 +31,28 @@ async def _until(condition: Callable[[], bool], what: str) -> None:
     pytest.fail(what)
 
 
+#: A safety limit on each test's loop, so that a hang fails (pytest's
+#: timeout may not interrupt uvloop); never reached when all goes well.
+_HANG_S = 60.0
+
+
 @pytest.fixture(params=["asyncio", "uvloop"])
 def run(request: pytest.FixtureRequest) -> Callable[[Any], Any]:
     """``asyncio.run``, on asyncio in debug mode (which refuses a loop call
     from another thread) or on uvloop."""
     if request.param == "uvloop":
         uvloop = pytest.importorskip("uvloop")
-        return uvloop.run  # type: ignore[no-any-return]
-    return lambda coro: asyncio.run(coro, debug=True)
+        return lambda coro: uvloop.run(asyncio.wait_for(coro, _HANG_S))
+    return lambda coro: asyncio.run(asyncio.wait_for(coro, _HANG_S), debug=True)
+
+
+def _finish(fake: testing.FakeCuda) -> None:
+    """Complete the GPU work recorded so far, and from now on all of it as it
+    is recorded: a launch records its future's event after its function
+    returns, so a test that saw every batch's function run may still be
+    ahead of the last events."""
+    fake.auto_complete = True
+    fake.complete_all()
 
 
 def _completion_threads() -> list[threading.Thread]:
@@ -131,7 +145,7 @@ def test_a_failed_batch_fails_exactly_its_requests(
                 # (a fault fails the work after it there: CUDA's errors are sticky).
                 bad = run_batch.batch_of(9)
                 fake_cuda.fail(run_batch.futures[bad[0]])  # as a kernel that faulted
-                fake_cuda.complete_all()
+                _finish(fake_cuda)
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         return outcomes, batcher.statistics()
 
@@ -161,7 +175,7 @@ def test_leaving_the_block_waits_for_the_batches_in_flight(
             await _until(lambda: run_batch.launched() == 7, "the batches were never launched")
             assert batcher.statistics().in_flight == 4
             # The GPU finishes only once the close waits: from another thread.
-            loop.call_soon(threading.Thread(target=fake_cuda.complete_all).start)
+            loop.call_soon(threading.Thread(target=_finish, args=(fake_cuda,)).start)
         assert batcher.statistics().in_flight == 0  # every batch answered before the close returned
         return [await task for task in tasks]
 
@@ -181,7 +195,7 @@ def test_aclose_waits_for_the_batches_in_flight(
         for _ in range(5):
             await asyncio.sleep(0)
         assert not closing.done()  # the GPU work is still pending
-        fake_cuda.complete_all()
+        _finish(fake_cuda)
         await closing
         assert batcher.statistics().in_flight == 0  # every batch answered before the close returned
         return [await task for task in tasks]
@@ -210,11 +224,9 @@ def test_leaving_with_an_exception_answers_the_batches_in_flight_and_frees_the_t
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         # The GPU work ends later: the completion thread's wake-ups find the
         # batches answered, and it serves the next batcher.
-        fake_cuda.complete_all()
+        _finish(fake_cuda)
         async with cudafut.Batcher(run_batch, max_batch=2, max_delay_s=0) as again:
             task = asyncio.ensure_future(again.submit(7))
-            await _until(lambda: run_batch.launched() == 7, "the batch was never launched")
-            fake_cuda.complete_all()
             assert int(await task) == 70
         return outcomes
 
@@ -257,13 +269,11 @@ def test_a_loop_closed_with_a_batch_in_flight_leaves_the_completion_thread_servi
         return batcher  # the loop ends with the batch in flight
 
     asyncio.run(leave_running())
-    fake_cuda.complete_all()  # its wake-up finds the loop closed
+    _finish(fake_cuda)  # its wake-up finds the loop closed
 
     async def again() -> int:
         async with cudafut.Batcher(run_batch, max_batch=2, max_delay_s=0) as batcher:
             task = asyncio.ensure_future(batcher.submit(2))
-            await _until(lambda: run_batch.launched() == 2, "the batch was never launched")
-            fake_cuda.complete_all()
             return int(await task)
 
     assert asyncio.run(again()) == 20
