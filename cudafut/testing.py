@@ -458,10 +458,17 @@ class _Backend:
         # As cudaEventSynchronize: block the calling thread (the GIL
         # released) until the event is no longer pending, here until the
         # test completes or fails it (or the fake ends, completing all).
+        # Pending past hint_after_s, it logs the hint as a query does (a
+        # Batcher's completion thread waits here).
         with self._settled:
             ev = self._recorded.get(event)
+            since = time.monotonic()
             while ev is not None and ev.status is None:
-                self._settled.wait()
+                limit = self.hint_after_s
+                if self.hinted or limit == math.inf:
+                    self._settled.wait()
+                elif not self._settled.wait(max(since + limit - time.monotonic(), 0.0)):
+                    self.still_pending(since, time.monotonic())
 
     def stream_synchronize(self, stream: int) -> None:
         raise CudaUnavailableError(_NOT_MODELLED)
