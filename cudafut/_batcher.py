@@ -23,11 +23,19 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, overload
 
-from . import _backend, _checks, _cuda, _loops, _torch
+from . import _backend, _checks, _completions, _cuda, _loops, _torch
 from ._errors import InvalidStateError
 from ._events import EventRecord
 from ._future import CudaFuture
-from ._interface import complete_with, fail_future, new_future, set_future, share_state, until_set
+from ._interface import (
+    await_done,
+    complete_with,
+    fail_future,
+    new_future,
+    set_future,
+    share_state,
+    until_set,
+)
 from ._launch import enqueue_as_caller
 from ._log import logger
 from ._producers import record
@@ -103,6 +111,24 @@ def _check_count(name: str, value: object) -> int:
     return int(value)
 
 
+_Entry = tuple[Any, Any, float, tuple[EventRecord, ...]]
+
+
+class _Flight:
+    """A plain ``run_batch``'s batch on asyncio, launched by the batch former
+    itself (no task): its requests, their number before padding and after,
+    and its launch's future. It is in ``Batcher._flights`` until answered
+    (each batch is answered, and ends, once)."""
+
+    __slots__ = ("batch", "fut", "n", "size")
+
+    def __init__(self, batch: list[_Entry], n: int, size: int) -> None:
+        self.batch = batch
+        self.n = n
+        self.size = size
+        self.fut: CudaFuture[Any] | None = None
+
+
 class Batcher(Generic[In, Out]):
     """Gather concurrent requests into batches, one ``run_batch`` call each.
 
@@ -119,7 +145,11 @@ class Batcher(Generic[In, Out]):
     - a plain function: it runs through :func:`cudafut.launch`, on a
       launcher thread of ``device``, so its host work (stacking the inputs,
       PyTorch's dispatch of a whole model, a graph replay) never runs on the
-      loop; the batch is answered once its GPU work is done;
+      loop; the batch is answered once its GPU work is done (on asyncio and
+      uvloop, a completion thread of ``device``, which launches nothing,
+      blocks until then, GIL released, and wakes the loop once for the
+      whole batch; batches are answered in the order their launches
+      returned);
     - an async function (``async def``): awaited on the loop; if it returns
       a :class:`CudaFuture`, that is awaited too. Its host work runs on the
       loop, so keep it short (or call :func:`cudafut.launch` inside).
@@ -155,10 +185,13 @@ class Batcher(Generic[In, Out]):
     what entering and leaving the block do, from any tasks of the loop.
 
     Costs on the loop, per request: a future, a queue append and, when the
-    batch former waits for requests, its wake-up; per batch: one task and
-    the ``await`` of its future. Nothing blocks the loop (a plain
-    ``run_batch`` runs on a launcher thread; an async one runs its host
-    work on the loop).
+    batch former waits for requests, its wake-up; per batch: for a plain
+    ``run_batch`` on asyncio (no :meth:`submit_future` in the batch), the
+    launch's queue put and one callback, the completion thread's wake-up,
+    that answers the batch; otherwise one task and the ``await`` of its
+    future. Nothing blocks the loop (a plain ``run_batch`` runs on a
+    launcher thread, its GPU work waited for on a completion thread; an
+    async one runs its host work on the loop).
 
     Args:
         run_batch: the function that runs one batch (see above).
@@ -293,6 +326,10 @@ class Batcher(Generic[In, Out]):
         self.device = device
         self.run_batch = run_batch
         self._async = _checks.is_async_callable(run_batch)
+        # Plain run_batch's batches on asyncio launched by the former, not
+        # answered yet; the future set when the last is (a close waits for it).
+        self._flights: set[_Flight] = set()
+        self._drained: asyncio.Future[None] | None = None
         self._queue = collections.deque()
         self._rt = None
         self._nursery_cm = None
@@ -609,7 +646,12 @@ class Batcher(Generic[In, Out]):
                 if exc is not None:
                     for task in rt.tasks:
                         task.cancel()
-                while rt.tasks:
+                    self._fail_flights()
+                while rt.tasks or self._flights:
+                    if not rt.tasks:  # only launched batches run: wait for the last to be answered
+                        self._drained = rt.loop.create_future()
+                        await self._drained
+                        continue
                     # Each round waits for the tasks it saw, then drops them
                     # itself: a task leaves rt.tasks only when its done
                     # callback runs on the loop, and since Python 3.12
@@ -714,10 +756,152 @@ class Batcher(Generic[In, Out]):
                         batch.append(entry)
                 if batch:
                     self._in_flight += 1
+                    if (
+                        not self._async
+                        and type(rt) is _loops.AsyncioTasks
+                        and not any(isinstance(entry[1], CudaFuture) for entry in batch)
+                    ):
+                        self._launch(batch)  # no task: answered by the completion thread's wake-up
+                        continue
                     self._unstarted[id(batch)] = batch
                     rt.spawn(self._run, batch)
         finally:
             self._want = _IDLE
+
+    def _launch(self, batch: list[_Entry]) -> None:
+        """Launch a plain ``run_batch``'s batch from the former, on asyncio:
+        the completion thread of its device waits for its GPU work (off the
+        loop) and wakes the loop once, with :meth:`_landed`, which answers
+        its requests. On the loop: the launch's queue put and a listener."""
+        n = len(batch)
+        flight = _Flight(batch, n, self._size_for(n))
+        self._flights.add(flight)
+        try:
+            items = [entry[0] for entry in batch]
+            size = flight.size
+            if size > n:
+                items.extend([items[-1]] * (size - n))
+            self._batches += 1
+            self._items += n
+            self._padded += size - n
+            self._sizes[n] += 1
+            after = _newest_per_stream(entry[3] for entry in batch)
+            _cuda.check_usable()
+            dev = (
+                _backend.current.current_device() if self.device is None else _cuda.check_device(self.device)
+            )
+            flight.fut = fut = enqueue_as_caller(self.run_batch, (items,), {}, dev, after)
+        except BaseException as exc:  # each request of the batch gets it
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: answered, then raised
+                self._answer(flight, None, exc)
+                raise
+            self._failed += 1
+            self._answer(flight, None, exc)
+            return
+        wake = self._rt.loop.call_soon_threadsafe
+        landed = self._landed
+
+        def then() -> None:  # on the completion thread
+            # Not contextlib.suppress: this runs once per batch.
+            try:  # noqa: SIM105
+                wake(landed, flight)
+            except RuntimeError:  # the loop closed: nobody waits for the answers any more
+                pass
+
+        _completions.after_gpu(fut, dev, then)
+
+    def _landed(self, flight: _Flight) -> None:
+        """On the loop, once the completion thread saw the batch's GPU work
+        end (or its launch fail): answer its requests."""
+        if flight not in self._flights:  # answered already (the batcher closed with an exception)
+            return
+        fut = flight.fut
+        assert fut is not None
+        try:
+            done, out = await_done(fut, InvalidStateError)
+        except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
+            self._failed += 1
+            self._answer(flight, None, exc)
+            return
+        if not done:  # the completion thread could not wait: the loop's waiter does
+            self._rt.spawn(self._land_later, flight)
+            return
+        self._split_and_answer(flight, out)
+
+    async def _land_later(self, flight: _Flight) -> None:
+        fut = flight.fut
+        assert fut is not None
+        try:
+            out = await fut
+        except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
+            if flight in self._flights:
+                self._failed += 1
+                self._answer(flight, None, exc)
+            return
+        except BaseException:
+            # Cancelled (the batcher left with an exception: it answered the
+            # batch), or KeyboardInterrupt/SystemExit: nobody may wait for ever.
+            if flight in self._flights:
+                self._answer(
+                    flight, None, InvalidStateError("the Batcher closed while this item's batch ran")
+                )
+            raise
+        if flight in self._flights:
+            self._split_and_answer(flight, out)
+
+    def _split_and_answer(self, flight: _Flight, out: Any) -> None:
+        if inspect.isawaitable(out):
+            if inspect.iscoroutine(out):
+                out.close()
+            self._failed += 1
+            error = TypeError(
+                "run_batch returned an awaitable from a launcher thread: declare it "
+                "`async def` to run it on the loop"
+            )
+            self._answer(flight, None, error)
+            return
+        try:
+            results = _split(out, flight.n, flight.size)
+        except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
+            self._failed += 1
+            self._answer(flight, None, exc)
+            return
+        self._answer(flight, results, None)
+
+    def _answer(self, flight: _Flight, results: Sequence[Any] | None, error: BaseException | None) -> None:
+        """Answer a flight's requests, with ``results`` or ``error``, and end it."""
+        self._flights.discard(flight)
+        try:
+            if results is None:
+                assert error is not None
+                for entry in flight.batch:
+                    _fail_slot(entry[1], error)
+            else:
+                for entry, result in zip(flight.batch, results):  # noqa: B905 - results may hold padding
+                    slot = entry[1]
+                    if not slot.done():
+                        slot.set_result(result)
+        finally:
+            drained = self._drained
+            if drained is not None and not self._flights and not drained.done():
+                drained.set_result(None)
+            self._batch_ended()
+
+    def _fail_flights(self) -> None:
+        """The batcher leaves with an exception: cancel the flights' launches
+        (one not started never runs; one started has its result dropped) and
+        fail their requests now; their completion threads' wake-ups find
+        them answered."""
+        for flight in list(self._flights):
+            if flight.fut is not None:
+                flight.fut.cancel()
+            self._answer(flight, None, InvalidStateError("the Batcher closed while this item's batch ran"))
+
+    def _batch_ended(self) -> None:
+        self._in_flight -= 1
+        want = self._want
+        if want == _WANT_SLOT or (want == _WANT_FULL and self._in_flight < self.min_in_flight):
+            self._rt.wake()
 
     def _size_for(self, n: int) -> int:
         buckets = self.buckets
@@ -799,10 +983,7 @@ class Batcher(Generic[In, Out]):
                 _fail_slot(entry[1], error)
             raise
         finally:
-            self._in_flight -= 1
-            want = self._want
-            if want == _WANT_SLOT or (want == _WANT_FULL and self._in_flight < self.min_in_flight):
-                self._rt.wake()
+            self._batch_ended()
 
 
 def _only_cancellations(exc: BaseException) -> bool:

@@ -113,6 +113,25 @@ def set_value(fut: CudaFuture[T]) -> tuple[T, tuple[EventRecord, ...]] | None:
     return fut._value, fut._records
 
 
+def await_done(fut: CudaFuture[T], cancelled_error: type[BaseException]) -> tuple[bool, T | None]:
+    """What ``await fut`` would give, without waiting: ``(True, value)`` for
+    a future set whose events all completed, the value's GPU memory recorded
+    as used on the calling thread's current streams as an ``await`` records
+    it; its exception raised where it failed (or an event failed), or
+    ``cancelled_error`` where it was cancelled; ``(False, None)`` while it
+    is pending or an event is not known complete. Never waits nor queries
+    an event (it reads the statuses known): for a caller told off the loop
+    that the work ended (``_completions.after_gpu``)."""
+    state = fut._state
+    if state is PENDING:
+        return False, None
+    if state is SET:
+        records = fut._records
+        if first_error(records) is None and any(rec.status is None for rec in records):
+            return False, None
+    return True, fut._awaited(cancelled_error)
+
+
 def given_devices(fut: CudaFuture[Any]) -> tuple[int, ...] | None:
     """The devices given to ``CudaFuture()`` (None: none given)."""
     return fut._devices

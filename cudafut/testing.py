@@ -225,6 +225,8 @@ class _Backend:
         # a cudafut-allocated block's) record and release events on the fake,
         # possibly on a thread inside one of its methods.
         self._lock = threading.RLock()
+        # Notified whenever events settle: event_synchronize() waits on it.
+        self._settled = threading.Condition(self._lock)
         self._local = threading.local()
         self._numbers = itertools.count()
         self._handles = itertools.count(-1, -1)  # negative: never a real event's
@@ -453,7 +455,20 @@ class _Backend:
         raise CudaUnavailableError(_NOT_MODELLED)
 
     def event_synchronize(self, event: int) -> None:
-        raise CudaUnavailableError(_NOT_MODELLED)
+        # As cudaEventSynchronize: block the calling thread (the GIL
+        # released) until the event is no longer pending, here until the
+        # test completes or fails it (or the fake ends, completing all).
+        # Pending past hint_after_s, it logs the hint as a query does (a
+        # Batcher's completion thread waits here).
+        with self._settled:
+            ev = self._recorded.get(event)
+            since = time.monotonic()
+            while ev is not None and ev.status is None:
+                limit = self.hint_after_s
+                if self.hinted or limit == math.inf:
+                    self._settled.wait()
+                elif not self._settled.wait(max(since + limit - time.monotonic(), 0.0)):
+                    self.still_pending(since, time.monotonic())
 
     def stream_synchronize(self, stream: int) -> None:
         raise CudaUnavailableError(_NOT_MODELLED)
@@ -518,6 +533,7 @@ class _Backend:
                 ev.deps = ()
                 self._pending.pop(ev.number, None)
         self._fire_notices()
+        self._settled.notify_all()
 
     def complete(self, events: list[_Event]) -> None:
         with self._lock:

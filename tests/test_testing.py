@@ -9,6 +9,7 @@ import gc
 import logging
 import re
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 
 import cudafut
 from cudafut import _backend, _pools, testing
+from cudafut._interface import records_of
 from tests.subproc import ROOT, run_python
 
 pytestmark = pytest.mark.anyio
@@ -371,6 +373,33 @@ def test_a_wait_on_work_left_pending_hints_at_auto_complete(caplog: pytest.LogCa
         assert fake.hint_after_s == 5.0  # the fixture's too
     with pytest.raises(ValueError, match="hint_after_s"), testing.fake_cuda(hint_after_s=-1):
         pass
+
+
+def test_a_synchronize_on_work_left_pending_blocks_hints_and_returns_once_completed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fake's event_synchronize (a Batcher's completion thread's wait)
+    blocks until the test completes the event, and logs the hint meanwhile."""
+    with caplog.at_level(logging.WARNING, logger="cudafut"), testing.fake_cuda(hint_after_s=0) as fake:
+        fut = cudafut.record(np.ones(2))
+        (rec,) = records_of(fut)
+        returned = threading.Event()
+
+        def synchronize() -> None:
+            rec.calls.event_synchronize(rec.handle)
+            returned.set()
+
+        thread = threading.Thread(target=synchronize)
+        thread.start()
+        for _ in range(10_000):  # a log, never a failure: wait until it shows
+            if any("auto_complete = True" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.001)
+        assert not returned.is_set()
+        fake.complete(fut)
+        thread.join(30)
+        assert returned.is_set() and rec.query() == 0
+        assert any("auto_complete = True" in r.getMessage() for r in caplog.records)
 
 
 def test_a_future_of_an_ended_fake_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
