@@ -35,7 +35,9 @@ Run it (from the repository root, on a machine with a GPU and torchvision;
 ``--wait-policy`` picks how the loop's waiter polls (a preset of
 :func:`cudafut.set_wait_policy`, or ``polls`` for timed polls without CUDA
 notices), to see
-what the waiter's spins cost a loop that also serves HTTP.
+what the waiter's spins cost a loop that also serves HTTP (the modes that
+await a launch; a ``Batcher``'s batches are waited for by its completion
+thread, which the policy does not steer).
 ``--max-batch`` and ``--max-in-flight`` size the batch modes' pipeline
 (default: the ``Batcher``'s, the largest bucket and 4; docs/serving.md,
 ``Batcher``).
