@@ -129,7 +129,9 @@ def s_cudafut_await() -> Once:
     return once
 
 
-def s_sleep0_poll() -> Once:
+def s_sleep0_poll(early_s: float | None = None) -> Once:
+    """``sleep(0)`` polls of a CuPy event; with ``early_s``, after sleeping
+    on the loop's timer until ``early_s`` before the known end."""
     import cupy as cp
 
     from .support.gpu import stream, work
@@ -140,27 +142,8 @@ def s_sleep0_poll() -> Once:
         t = time.perf_counter()
         work(ns)
         ev.record(stream)
-        while not ev.done:
-            await asyncio.sleep(0)
-        return time.perf_counter() - t
-
-    return once
-
-
-def s_sleeper() -> Once:
-    import cupy as cp
-
-    from .support.gpu import stream, work
-
-    ev = cp.cuda.Event(block=False, disable_timing=True)
-
-    async def once(ns: int) -> float:
-        t = time.perf_counter()
-        work(ns)
-        ev.record(stream)
-        lead = ns / 1e9 - 2e-3
-        if lead > 0:
-            await asyncio.sleep(lead)
+        if early_s is not None and ns / 1e9 > early_s:
+            await asyncio.sleep(ns / 1e9 - early_s)
         while not ev.done:
             await asyncio.sleep(0)
         return time.perf_counter() - t
@@ -247,7 +230,7 @@ ASYNC_STRATEGIES: dict[str, tuple[Callable[[], Once], WaitPolicy | str]] = {
     AWAIT_LOW_CPU: (s_cudafut_await, "low_cpu"),
     AWAIT_LOW_LATENCY: (s_cudafut_await, "low_latency"),
     PEER_SLEEP0: (s_sleep0_poll, "balanced"),
-    FLOOR_SLEEPER: (s_sleeper, "balanced"),
+    FLOOR_SLEEPER: (functools.partial(s_sleep0_poll, 2e-3), "balanced"),
     PEER_EXECUTOR: (s_executor_sync, "balanced"),
     PEER_HOSTFUNC: (s_hostfunc_close, "balanced"),
     PEER_NUMBA: (s_numba, "balanced"),

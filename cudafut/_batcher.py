@@ -777,15 +777,7 @@ class Batcher(Generic[In, Out]):
         flight = _Flight(batch, n, self._size_for(n))
         self._flights.add(flight)
         try:
-            items = [entry[0] for entry in batch]
-            size = flight.size
-            if size > n:
-                items.extend([items[-1]] * (size - n))
-            self._batches += 1
-            self._items += n
-            self._padded += size - n
-            self._sizes[n] += 1
-            after = _newest_per_stream(entry[3] for entry in batch)
+            items, after = self._inputs(batch, flight.size)
             _cuda.check_usable()
             dev = (
                 _backend.current.current_device() if self.device is None else _cuda.check_device(self.device)
@@ -903,6 +895,20 @@ class Batcher(Generic[In, Out]):
         if want == _WANT_SLOT or (want == _WANT_FULL and self._in_flight < self.min_in_flight):
             self._rt.wake()
 
+    def _inputs(self, batch: list[_Entry], size: int) -> tuple[list[Any], tuple[EventRecord, ...]]:
+        """A batch's items, padded to ``size`` by repeating the last, and
+        the newest record of each stream its requests were submitted after;
+        counted in the statistics."""
+        n = len(batch)
+        items = [entry[0] for entry in batch]
+        if size > n:
+            items.extend([items[-1]] * (size - n))
+        self._batches += 1
+        self._items += n
+        self._padded += size - n
+        self._sizes[n] += 1
+        return items, _newest_per_stream(entry[3] for entry in batch)
+
     def _size_for(self, n: int) -> int:
         buckets = self.buckets
         if buckets is None:
@@ -916,15 +922,8 @@ class Batcher(Generic[In, Out]):
         del self._unstarted[id(batch)]
         n = len(batch)
         try:
-            items = [entry[0] for entry in batch]
             size = self._size_for(n)
-            if size > n:
-                items.extend([items[-1]] * (size - n))
-            self._batches += 1
-            self._items += n
-            self._padded += size - n
-            self._sizes[n] += 1
-            after = _newest_per_stream(entry[3] for entry in batch)
+            items, after = self._inputs(batch, size)
             try:
                 handing = any(isinstance(entry[1], CudaFuture) for entry in batch)
                 # The rows submit_future()'s futures got: the same the others get.
