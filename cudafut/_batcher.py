@@ -649,8 +649,10 @@ class Batcher(Generic[In, Out]):
                     self._fail_flights()
                 while rt.tasks or self._flights:
                     if not rt.tasks:  # only launched batches run: wait for the last to be answered
-                        self._drained = rt.loop.create_future()
-                        await self._drained
+                        drained = self._drained
+                        if drained is None or drained.done():  # a concurrent close waits on the same
+                            drained = self._drained = rt.loop.create_future()
+                        await asyncio.shield(drained)
                         continue
                     # Each round waits for the tasks it saw, then drops them
                     # itself: a task leaves rt.tasks only when its done
@@ -800,7 +802,11 @@ class Batcher(Generic[In, Out]):
             except RuntimeError:  # the loop closed: nobody waits for the answers any more
                 pass
 
-        _completions.after_gpu(fut, dev, then)
+        try:
+            _completions.after_gpu(fut, dev, then)
+        except Exception:  # noqa: BLE001 - no completion thread (none could start): the loop's waiter waits
+            logger.debug("cudafut: no completion thread; the loop waits for the batch", exc_info=True)
+            self._rt.spawn(self._land_later, flight)
 
     def _landed(self, flight: _Flight) -> None:
         """On the loop, once the completion thread saw the batch's GPU work
@@ -814,6 +820,19 @@ class Batcher(Generic[In, Out]):
         except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
             self._failed += 1
             self._answer(flight, None, exc)
+            return
+        except BaseException as exc:
+            # run_batch raised a cancellation, KeyboardInterrupt or
+            # SystemExit on its launcher thread: the batch's requests get it
+            # (a cancellation as InvalidStateError, as the task path does);
+            # an interrupt then goes on to the loop.
+            self._failed += 1
+            error: BaseException = exc
+            if _loops.is_cancellation(exc):
+                error = InvalidStateError(f"run_batch raised {type(exc).__name__}")
+            self._answer(flight, None, error)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             return
         if not done:  # the completion thread could not wait: the loop's waiter does
             self._rt.spawn(self._land_later, flight)

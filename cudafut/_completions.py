@@ -18,7 +18,10 @@ and then calls a function, which wakes the loop once
   batch's GPU work.
 - It takes the futures in the order they were set (a ``SimpleQueue``) and
   waits for one at a time: a future whose work ends before an older one's
-  is answered after it (on one stream, work ends in order anyway).
+  is answered after it. On one stream work ends in order anyway; across
+  the device's launcher streams, or several ``Batcher``s on one device, a
+  batch done early waits for the older ones (one thread per stream would
+  spin a core per stream).
 - ``cudaEventSynchronize`` returns once the event's work ends, or fails: no
   thread waits longer than the GPU work it waits for. On CUDA it spins or
   yields a CPU core meanwhile, as the device's scheduling flags say (the
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _lifetimes
+from ._events import EventRecord
 from ._future import CudaFuture
 from ._interface import set_value, when_set
 from ._log import logger
@@ -100,13 +104,18 @@ def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
 def _wait(fut: CudaFuture[Any]) -> None:
     """Block until the events of ``fut`` (set) are no longer pending, the
     first failed one ending the wait; nothing to wait for if it failed or
-    was cancelled."""
+    was cancelled. A pending record that the host may fail while its event
+    stays pending (a collective's, whose ``confirm`` is set; another
+    process's work, imported) is not waited for: the caller finds it
+    pending and waits on its loop, where such a failure is seen."""
     found = set_value(fut)
     if found is None:
         return
     for rec in found[1]:
         try:
             if rec.query() is None:
+                if type(rec) is not EventRecord or rec.confirm is not None:
+                    return
                 rec.calls.event_synchronize(rec.handle)
                 rec.query()  # its status, read by the caller without a CUDA call
         except Exception:  # noqa: BLE001 - the caller finds the record pending and waits itself

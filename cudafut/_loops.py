@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any, Final
 
 from . import _backend, _compiled, _lifetimes
-from ._events import EventRecord
+from ._events import EventRecord, is_newest
 from ._log import logger
 from ._policy import get_wait_policy, predictor
 from ._timer import make_timer
@@ -187,7 +187,10 @@ class LoopDriver(Driver):
                     return False  # others wait too: one poller for all is cheaper
                 if record.query() is not None:
                     now = time.perf_counter()
-                    self.learn_later([(record, now)])  # after the task's step
+                    if is_newest(record):
+                        self.learn_later([(record, now)])  # after the task's step
+                    else:  # work queued behind it started now: the next wait's plan needs it
+                        learn([(record, now)])
                     if _trace.active is not None:
                         _trace.seen_alone(self, record, now)
                     return True
@@ -306,7 +309,8 @@ class AsyncioDriver(LoopDriver):
         if not timed_out and self._timer is not None:
             self._timer.disarm()
         if wake is not None and not wake.done():
-            wake.set_result(timed_out)
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits on it
+                wake.set_result(timed_out)
 
     async def _checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -316,8 +320,9 @@ class AsyncioDriver(LoopDriver):
         the wake-ups just scheduled (or the step of the task that saw its
         lone await complete): the awaiting code resumes first. A new wait
         that task makes meanwhile is planned without these observations,
-        with the modes already found; its work cannot have started before
-        they completed, so its start is its own record's."""
+        with the modes already found; its work was recorded after they
+        completed (the driver teaches at once otherwise), so its start is
+        its own record's."""
         loop = self._loop()
         if loop is None or loop.is_closed():
             learn(learnt)

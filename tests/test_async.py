@@ -891,37 +891,70 @@ async def test_a_lone_low_latency_await_spins_in_its_task_for_the_whole_wait() -
 
 @pytest.mark.parametrize("path", ["lone await", "driver"])
 async def test_the_predictor_learns_a_completion_after_the_awaiting_task_resumed(
-    anyio_backend: tuple[str, dict[str, object]], path: str
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda, path: str
 ) -> None:
     # Predictor.observe is Python that runs cold after a long wait: on an
     # event loop it runs in a callback queued behind the wake-up, so the
-    # awaiting code resumes first. On trio the driver
-    # teaches it at once.
+    # awaiting code resumes first. On trio the driver teaches it at once.
     from cudafut import _policy
 
     sleeps = cudafut.WaitPolicy(
         spin_s=1e-6, first_sleep_s=1e-3, max_sleep_s=1e-3, predict=False, notify=False
     )
     old = cudafut.set_wait_policy("low_latency" if path == "lone await" else sleeps)
-    rec = FakeRecord()
+    fut = cudafut.record("v", stream=fake_cuda.stream())
+    (rec,) = records_of(fut)
+    _policy.predictor.histories.pop(rec.stream_key, None)  # a fake stream's key may have been used before
 
     async def complete_soon() -> None:
         await anyio.sleep(0.005)
-        rec.complete()
+        fake_cuda.complete_all()
 
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(complete_soon)
-            assert await set_future("v", [rec]) == "v"
+            assert await fut == "v"
             at_resume = rec.stream_key in _policy.predictor.histories
             await anyio.sleep(0)
             after_a_step = rec.stream_key in _policy.predictor.histories
     finally:
         cudafut.set_wait_policy(old)
+        _policy.predictor.histories.pop(rec.stream_key, None)
     if anyio_backend[0] == "trio":
         assert at_resume
     else:
         assert (at_resume, after_a_step) == (False, True)
+
+
+async def test_the_predictor_learns_at_once_when_work_is_queued_behind_the_completion(
+    anyio_backend: tuple[str, dict[str, object]], fake_cuda: testing.FakeCuda
+) -> None:
+    # Work recorded behind the completed one started when it completed: the
+    # next await's plan needs that start, so the predictor learns before the
+    # awaiting code resumes (a deferred lesson would leave the next wait a
+    # start too early, and it would spin from then).
+    from cudafut import _policy
+
+    stream = fake_cuda.stream()
+    first = cudafut.record("a", stream=stream)
+    second = cudafut.record("b", stream=stream)
+    (rec,) = records_of(first)
+    _policy.predictor.histories.pop(rec.stream_key, None)  # a fake stream's key may have been used before
+
+    async def complete_the_first() -> None:
+        await anyio.sleep(0.005)
+        fake_cuda.complete(first)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(complete_the_first)
+            assert await first == "a"
+            learnt = rec.stream_key in _policy.predictor.histories
+            fake_cuda.complete(second)
+            assert await second == "b"
+    finally:
+        _policy.predictor.histories.pop(rec.stream_key, None)
+    assert learnt
 
 
 def _learnt(record: FakeRecord, duration: float) -> None:

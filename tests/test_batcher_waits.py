@@ -305,3 +305,102 @@ def test_a_forked_child_starts_its_own_completion_thread(fake_cuda: testing.Fake
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, SystemExit])
+def test_a_base_exception_from_run_batch_answers_the_batch(
+    fake_cuda: testing.FakeCuda, run: Callable[[Any], Any], raised: type[BaseException]
+) -> None:
+    # Raised on the launcher thread, it fails the launch's future; the loop
+    # callback that answers the batch answers it too (a cancellation as
+    # InvalidStateError; an interrupt, then on to the loop), or the request
+    # and the close would wait for ever.
+    fake_cuda.auto_complete = True
+
+    def run_batch(items: list[int]) -> list[int]:
+        raise raised("from run_batch")
+
+    batcher = cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0)
+    requests: list[asyncio.Future[Any]] = []
+
+    async def main() -> None:
+        await batcher.start()
+        requests.append(asyncio.ensure_future(batcher.submit(1)))
+        with pytest.raises(cudafut.InvalidStateError):
+            await requests[0]
+        await batcher.aclose()
+
+    if raised is SystemExit:  # it leaves the loop once the batch is answered
+        with pytest.raises(SystemExit):
+            run(main())
+    else:
+        run(main())
+    assert batcher.statistics().in_flight == 0
+
+
+def test_two_concurrent_closes_both_return(fake_cuda: testing.FakeCuda, run: Callable[[Any], Any]) -> None:
+    batches = _Batches()
+
+    async def main() -> None:
+        batcher = cudafut.Batcher(batches, max_batch=4, max_delay_s=0)
+        await batcher.start()
+        request = asyncio.ensure_future(batcher.submit(1))
+        await _until(lambda: batches.launched() == 1, "the batch never launched")
+        first = asyncio.ensure_future(batcher.aclose())
+        await asyncio.sleep(0.005)
+        second = asyncio.ensure_future(batcher.aclose())
+        await asyncio.sleep(0.005)
+        _finish(fake_cuda)
+        await asyncio.gather(first, second)
+        assert await request == 10
+
+    run(main())
+
+
+def test_a_batch_whose_record_the_host_may_fail_is_waited_for_on_the_loop(
+    fake_cuda: testing.FakeCuda, run: Callable[[Any], Any]
+) -> None:
+    # A record with a confirm (a collective's) may be failed from the host
+    # while its event stays pending: the completion thread leaves it to the
+    # loop's waiter, which sees the failure, instead of blocking on the event.
+    private = fake_cuda.stream()
+    held: list[cudafut.CudaFuture[Any]] = []
+
+    def run_batch(items: list[int]) -> cudafut.CudaFuture[Any]:
+        with private:
+            fut = cudafut.record(np.asarray(items) * 10)
+        for rec in cudafut._interface.records_of(fut):
+            rec.confirm = lambda: None
+        held.append(fut)
+        return fut
+
+    async def main() -> None:
+        async with cudafut.Batcher(run_batch, max_batch=4, max_delay_s=0) as batcher:
+            request = asyncio.ensure_future(batcher.submit(1))
+            await _until(lambda: bool(held), "the batch never launched")
+            for rec in cudafut._interface.records_of(held[0]):
+                rec.fail_with(RuntimeError("collective timed out"))
+            with pytest.raises(RuntimeError, match="collective timed out"):
+                await request
+            _finish(fake_cuda)
+
+    run(main())
+
+
+def test_a_batch_is_answered_where_no_completion_thread_can_start(
+    fake_cuda: testing.FakeCuda, run: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudafut import _completions
+
+    def cannot(device: int) -> Any:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_completions, "_queues", {})
+    monkeypatch.setattr(_completions, "_start", cannot)
+    fake_cuda.auto_complete = True
+
+    async def main() -> None:
+        async with cudafut.Batcher(lambda items: [i * 10 for i in items], max_batch=4, max_delay_s=0) as b:
+            assert await b.submit(1) == 10
+
+    run(main())
