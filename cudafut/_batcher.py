@@ -789,8 +789,7 @@ class Batcher(Generic[In, Out]):
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: answered, then raised
                 self._answer(flight, None, exc)
                 raise
-            self._failed += 1
-            self._answer(flight, None, exc)
+            self._fail(flight, exc)
             return
         wake = self._rt.loop.call_soon_threadsafe
         landed = self._landed
@@ -818,19 +817,17 @@ class Batcher(Generic[In, Out]):
         try:
             done, out = await_done(fut, InvalidStateError)
         except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
-            self._failed += 1
-            self._answer(flight, None, exc)
+            self._fail(flight, exc)
             return
         except BaseException as exc:
             # run_batch raised a cancellation, KeyboardInterrupt or
             # SystemExit on its launcher thread: the batch's requests get it
             # (a cancellation as InvalidStateError, as the task path does);
             # an interrupt then goes on to the loop.
-            self._failed += 1
             error: BaseException = exc
             if _loops.is_cancellation(exc):
                 error = InvalidStateError(f"run_batch raised {type(exc).__name__}")
-            self._answer(flight, None, error)
+            self._fail(flight, error)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return
@@ -846,8 +843,7 @@ class Batcher(Generic[In, Out]):
             out = await fut
         except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
             if flight in self._flights:
-                self._failed += 1
-                self._answer(flight, None, exc)
+                self._fail(flight, exc)
             return
         except BaseException:
             # Cancelled (the batcher left with an exception: it answered the
@@ -864,20 +860,25 @@ class Batcher(Generic[In, Out]):
         if inspect.isawaitable(out):
             if inspect.iscoroutine(out):
                 out.close()
-            self._failed += 1
-            error = TypeError(
-                "run_batch returned an awaitable from a launcher thread: declare it "
-                "`async def` to run it on the loop"
+            self._fail(
+                flight,
+                TypeError(
+                    "run_batch returned an awaitable from a launcher thread: declare it "
+                    "`async def` to run it on the loop"
+                ),
             )
-            self._answer(flight, None, error)
             return
         try:
             results = _split(out, flight.n, flight.size)
         except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
-            self._failed += 1
-            self._answer(flight, None, exc)
+            self._fail(flight, exc)
             return
         self._answer(flight, results, None)
+
+    def _fail(self, flight: _Flight, error: BaseException) -> None:
+        """A failed batch: counted, and its requests answered with ``error``."""
+        self._failed += 1
+        self._answer(flight, None, error)
 
     def _answer(self, flight: _Flight, results: Sequence[Any] | None, error: BaseException | None) -> None:
         """Answer a flight's requests, with ``results`` or ``error``, and end it."""

@@ -187,10 +187,7 @@ class LoopDriver(Driver):
                     return False  # others wait too: one poller for all is cheaper
                 if record.query() is not None:
                     now = time.perf_counter()
-                    if is_newest(record):
-                        self.learn_later([(record, now)])  # after the task's step
-                    else:  # work queued behind it started now: the next wait's plan needs it
-                        learn([(record, now)])
+                    self.learn_later([(record, now)])
                     if _trace.active is not None:
                         _trace.seen_alone(self, record, now)
                     return True
@@ -320,11 +317,11 @@ class AsyncioDriver(LoopDriver):
         the wake-ups just scheduled (or the step of the task that saw its
         lone await complete): the awaiting code resumes first. A new wait
         that task makes meanwhile is planned without these observations,
-        with the modes already found; its work was recorded after they
-        completed (the driver teaches at once otherwise), so its start is
-        its own record's."""
+        with the modes already found, and its start is its own record's:
+        so at once where work was recorded behind one of them (it started
+        when they completed, and the next wait's plan needs that)."""
         loop = self._loop()
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or not all(is_newest(record) for record, _when in learnt):
             learn(learnt)
             return
         loop.call_soon(learn, learnt)

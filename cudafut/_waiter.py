@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
 from . import _compiled, _lifetimes
-from ._events import EventRecord, first_error, is_newest
+from ._events import EventRecord, first_error
 from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
 from ._trace import hooks as _trace
@@ -337,11 +337,8 @@ class Driver(abc.ABC):
         learnt = watchlist.learnt
         if learnt:
             watchlist.learnt = []
-            if watchlist.pending or not all(is_newest(record) for record, _when in learnt):
-                # The next plan reads what they teach: this poll's, or the
-                # next wait's, on a stream with work queued behind them
-                # (which started when they completed).
-                learn(learnt)
+            if watchlist.pending:
+                learn(learnt)  # the plan below reads what they teach
             else:
                 self.learn_later(learnt)
         if _trace.active is not None:
@@ -352,15 +349,14 @@ class Driver(abc.ABC):
             return now  # more may have completed: fire them at the next loop iteration
         if not fired and now < self.pacer.spin_ends:
             return now  # the plan still says spin: keep the spinning poll lean
-        return self.pacer.next_poll(self.watchlist.oldest(), time.perf_counter(), self.arm)
+        return self.pacer.next_poll(watchlist.oldest(), time.perf_counter(), self.arm)
 
     def learn_later(self, learnt: list[tuple[EventRecord, float]]) -> None:
         """Teach the duration predictor what a poll saw complete (``(record,
-        when)`` pairs) once the wake-ups that poll scheduled have run, when
-        nothing else waits and nothing was recorded after them on their
-        streams: ``Predictor.observe`` is Python that runs cold
-        after a long wait, and no plan needs it before the next wait. Here,
-        at once; an event loop's driver defers it."""
+        when)`` pairs), when nothing else waits: ``Predictor.observe`` is
+        Python that runs cold after a long wait. Here, at once; an event
+        loop's driver defers it past the wake-ups, where no plan needs it
+        first."""
         learn(learnt)
 
     def run_fired(self, fired: Iterable[tuple[RecordCallback, EventRecord]]) -> None:
