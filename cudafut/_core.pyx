@@ -1996,6 +1996,7 @@ _install_iternext(_Done, _done_next)
 cdef object _future_await(FutureCore fut):
     """CudaFuture.__await__ (FutureCore's slot)."""
     cdef EventRecord rec
+    cdef AsyncioEntry entry
     cdef _Done done
     cdef tuple records
     if fut._state is _SET and not _forked and not _tracing:
@@ -2004,16 +2005,22 @@ cdef object _future_await(FutureCore fut):
             r = records[0]
             if type(r) is EventRecord:
                 rec = <EventRecord>r
-                if not rec._known and rec._query() is None:
-                    wait = _entry_await(fut, rec)
-                    if wait is not None:
-                        return wait
-                    driver = _current_driver()
-                    if driver is not None:
-                        wait = driver.await_one(fut, rec, awaited)
-                        if wait is not None:
-                            return wait
-                    return _await_py(fut, True)
+                if not rec._known:
+                    entry = _entry_here()
+                    # Behind an older watched record of its stream, the
+                    # record cannot be seen complete before that one: it
+                    # joins the queue without a query (Watchlist._behind).
+                    if entry is not None and not rec._answered() and entry.watchlist._behind(rec):
+                        return _entry_await(entry, fut, rec)
+                    if rec._query() is None:
+                        if entry is not None:
+                            return _entry_await(entry, fut, rec)
+                        driver = _current_driver()
+                        if driver is not None:
+                            wait = driver.await_one(fut, rec, awaited)
+                            if wait is not None:
+                                return wait
+                        return _await_py(fut, True)
                 done = _Done.__new__(_Done)
                 done.fut = fut
                 return done
@@ -2460,6 +2467,34 @@ cdef class Watchlist:
             self.pending -= 1
             if self.pending == 0:
                 self._queues.clear()  # drop dead entries: an idle list holds nothing
+
+    cdef bint _behind(self, EventRecord rec) except -1:
+        """Whether the newest watch of ``rec``'s stream here is live and of
+        the same record or an older one of the same ordered stream. The
+        stream completes in order and a poll walks its queue oldest first,
+        so ``rec`` cannot be seen complete before that watch's record: an
+        await of it may join the queue without asking CUDA, and costs one
+        poll's delay at most where both completed since the last poll. A
+        record numbered out of order (two threads recording on one stream
+        at once, see ``_events``) waits as long as the work between the two,
+        as the queue already makes it. The pure core asks CUDA (no
+        watermark there): the same outcome, one query more."""
+        cdef _Queue queue
+        cdef Watch last
+        cdef _Stream state = rec.state
+        if state is None or not state.ordered:
+            return False
+        q = self._queues.get(rec.stream_key)
+        if q is None:
+            return False
+        queue = <_Queue>q
+        n = len(queue.watches)
+        if n <= queue.head:
+            return False
+        last = <Watch>queue.watches[n - 1]
+        if last.callback is None or last.seq > rec.seq or type(last.record) is not EventRecord:
+            return False
+        return (<EventRecord>last.record).state is state
 
     @cython.boundscheck(True)  # a reentered list may shrink under the walk: IndexError, not a crash
     def poll(self, double now, long long limit=1 << 62):
@@ -2998,13 +3033,12 @@ cdef class AsyncioEntry:
         return 0
 
 
-cdef object _entry_await(FutureCore fut, EventRecord rec):
-    """``await fut`` of a pending record, where the running loop is the
-    asyncio loop that awaited last and other waits are pending there: its
-    :class:`AsyncioAwait`, made from C. None otherwise (the caller then asks
-    the loop's driver)."""
+cdef AsyncioEntry _entry_here():
+    """The :class:`AsyncioEntry` of the running loop where it is the asyncio
+    loop that awaited last and other waits are pending there, else None (the
+    caller then asks the loop's driver: a lone wait is the driver's, which
+    may spin from the task)."""
     cdef AsyncioEntry entry
-    cdef AsyncioAwait wait
     if _last_entry is None:
         return None
     e = _weak_get(_last_entry)
@@ -3012,10 +3046,20 @@ cdef object _entry_await(FutureCore fut, EventRecord rec):
         return None
     entry = <AsyncioEntry>e
     if entry.watchlist.pending == 0:
-        return None  # a lone wait: the driver's (it may spin from the task)
+        return None
     loop = _weak_get(entry._loop)
     if loop is None or _get_running_loop() is not loop:
         return None
+    return entry
+
+
+cdef object _entry_await(AsyncioEntry entry, FutureCore fut, EventRecord rec):
+    """``await fut`` of a pending record in the loop of ``entry`` (from
+    :func:`_entry_here`): its :class:`AsyncioAwait`, made from C."""
+    cdef AsyncioAwait wait
+    loop = _weak_get(entry._loop)
+    if loop is None:  # (a finalizer the query ran may have ended it)
+        return _await_py(fut, True)
     wait = entry._make(loop, fut, rec, awaited)
     wait._checked_in = PyThread_get_thread_ident()  # its first next() needs no second look
     return wait

@@ -158,3 +158,53 @@ def test_events_made_and_destroyed_beyond_the_free_list_record_and_complete(
         assert calls == {"event_create": 0, "event_destroy": 0}
     else:
         assert calls == {"event_create": 32, "event_destroy": 28}
+
+
+def test_awaits_queued_behind_a_watched_record_of_their_stream_resume_once_it_is_done(cp: Any) -> None:
+    """200 awaits of records on one stream held by gated work: on the native
+    core, an await behind a watched record of its stream joins the queue
+    without asking CUDA (a few queries in all, the waiter's polls, where
+    one per await was made before); on both cores every await resumes
+    once the gate opened, its record's event complete as the runtime
+    reports it."""
+    import asyncio
+
+    import cudafut
+    from cudafut._interface import records_of
+
+    n = 200
+    stream = _pools.streams.get(0, 0)  # cudafut's own: ordered
+    x = cp.zeros(1024, dtype=cp.float32)
+    with stream:
+        spin_fill(x, 1, 0.01)  # the modules loaded before the gate closes
+    stream.synchronize()
+    opened = False
+    seen: list[tuple[bool, bool]] = []
+
+    async def wait(fut: Any) -> None:
+        await fut
+        seen.append((opened, _truly_done(records_of(fut)[0])))
+
+    async def main() -> int:
+        nonlocal opened
+        with Gate() as gate:
+            with stream:
+                gated_fill(x, 7, gate)
+            futs = [cudafut.record(i, stream=stream) for i in range(n)]
+            queried = NATIVE.counts()[0] if NATIVE is not None else 0
+            tasks = [asyncio.ensure_future(wait(f)) for f in futs]
+            for _ in range(3):
+                await asyncio.sleep(0)
+            asked = (NATIVE.counts()[0] - queried) if NATIVE is not None else 0
+            assert not seen
+            opened = True
+            gate.open()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert not gate.timed_out
+        return asked
+
+    asked = asyncio.run(main())
+    assert seen == [(True, True)] * n
+    assert float(x[0]) == 7.0
+    if NATIVE is not None:
+        assert asked < 20, asked  # 200 and more with a query per await

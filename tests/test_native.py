@@ -20,6 +20,7 @@ import threading
 import weakref
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -891,6 +892,7 @@ def test_native_then_follows_a_future_fn_returns(fake_cuda: testing.FakeCuda, tw
 #: arguments drawn from wrong and borderline values mixed with valid ones.
 FUZZ = """
 import random, sys
+import anyio
 import numpy as np
 import cudafut
 from cudafut import CudaFuture
@@ -1176,3 +1178,56 @@ def test_an_await_among_others_asks_for_a_poll_only_where_none_is_queued(
 def test_the_native_await_reads_the_asyncio_drivers_spinning_mode_by_its_value() -> None:
     # AsyncioEntry._watch compares the driver's _mode with a C constant.
     assert _loops._SPIN == 1
+
+
+@native_only
+def test_an_await_behind_an_older_watched_record_of_its_stream_asks_cuda_nothing(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    """A stream completes in order, and the loop's poll walks its queue
+    oldest first: an await of a record behind a live watch of the same
+    stream joins the queue without a query (10,000 concurrent awaits on a
+    few streams make one query per stream per poll, not one per await),
+    and still completes with its stream. An older record, a record of
+    another stream, or one behind a watch that was removed is queried."""
+    assert NATIVE is not None
+    s, t, u = fake_cuda.stream(), fake_cuda.stream(), fake_cuda.stream()
+
+    async def wait(fut: cudafut.CudaFuture[Any]) -> Any:
+        return await fut
+
+    def queries_to_start(fut: cudafut.CudaFuture[Any]) -> int:
+        queried = int(NATIVE.counts()[0])
+        it = fut.__await__()
+        asked = int(NATIVE.counts()[0]) - queried
+        it.close()
+        return asked
+
+    async def main() -> None:
+        older = cudafut.record(0, stream=s)
+        watched = cudafut.record(1, stream=s)
+        elsewhere = cudafut.record(2, stream=t)
+        newer = cudafut.record(3, stream=s)
+        waiting = [asyncio.ensure_future(wait(f)) for f in (watched, elsewhere)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        driver = _loops.current_driver()
+        assert driver is not None and driver.watchlist.pending == 2
+        assert queries_to_start(newer) == 0
+        assert queries_to_start(watched) == 0  # the watched record itself
+        assert queries_to_start(cudafut.record(4, stream=t)) == 0
+        assert queries_to_start(older) == 1
+        assert queries_to_start(cudafut.record(5, stream=u)) == 1
+        behind = asyncio.ensure_future(wait(newer))
+        await asyncio.sleep(0)
+        assert driver.watchlist.pending == 3
+        fake_cuda.complete(newer)
+        with anyio.fail_after(10):
+            assert await behind == 3
+            assert await waiting[0] == 1
+        waiting[1].cancel()  # the only watch of t goes
+        await asyncio.gather(waiting[1], return_exceptions=True)
+        assert queries_to_start(cudafut.record(6, stream=t)) == 1
+        fake_cuda.complete_all()
+
+    asyncio.run(main())
