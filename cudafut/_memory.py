@@ -164,7 +164,12 @@ def record_stream(array: Any, stream: Any) -> None:
 
     ``stream``: a CuPy or PyTorch stream, or any object with
     ``__cuda_stream__``; it is kept alive until the array's memory is freed
-    (a stream destroyed before could not be recorded on).
+    (a stream destroyed before could not be recorded on), except for a
+    PyTorch tensor: PyTorch's allocator records an event on ``stream`` when
+    the tensor's memory is freed and keeps nothing alive, so the stream must
+    outlive the tensor's memory. PyTorch's own streams and cudafut's do; a
+    CuPy ``Stream`` destroyed first leaves PyTorch recording on a destroyed
+    handle (PyTorch issue 66936): keep it alive until then.
 
     Raises:
         TypeError: ``array`` has no ``__cuda_array_interface__``, or

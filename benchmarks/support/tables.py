@@ -592,7 +592,8 @@ def _log_summary(run: Run) -> str:
         if line.startswith("#"):
             body = line.lstrip("# ")
             label = body.split(":")[0].split(",")[0].split(" (")[0]
-            found = re.search(r"\d+ (?:passed|failed).*", body.partition(":")[2])
+            # A count of tests, or a run that never got to one ("died of...").
+            found = re.search(r"(?:\w+ run )?(?:\d+ (?:passed|failed)|died of ).*", body.partition(":")[2])
             found_text = found.group(0) if found else None
         elif re.match(r"^\d+ (?:passed|failed)", line):
             found_text = line
