@@ -780,11 +780,8 @@ class Batcher(Generic[In, Out]):
         self._flights.add(flight)
         try:
             items, after = self._inputs(batch, flight.size)
-            _cuda.check_usable()
-            dev = (
-                _backend.current.current_device() if self.device is None else _cuda.check_device(self.device)
-            )
-            flight.fut = fut = enqueue_as_caller(self.run_batch, (items,), {}, dev, after)
+            dev, fut = self._enqueue(items, after)
+            flight.fut = fut
         except BaseException as exc:  # each request of the batch gets it
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: answered, then raised
                 self._answer(flight, None, exc)
@@ -857,18 +854,8 @@ class Batcher(Generic[In, Out]):
             self._split_and_answer(flight, out)
 
     def _split_and_answer(self, flight: _Flight, out: Any) -> None:
-        if inspect.isawaitable(out):
-            if inspect.iscoroutine(out):
-                out.close()
-            self._fail(
-                flight,
-                TypeError(
-                    "run_batch returned an awaitable from a launcher thread: declare it "
-                    "`async def` to run it on the loop"
-                ),
-            )
-            return
         try:
+            _refuse_awaitable(out)
             results = _split(out, flight.n, flight.size)
         except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
             self._fail(flight, exc)
@@ -915,6 +902,14 @@ class Batcher(Generic[In, Out]):
         if want == _WANT_SLOT or (want == _WANT_FULL and self._in_flight < self.min_in_flight):
             self._rt.wake()
 
+    def _enqueue(self, items: list[Any], after: tuple[EventRecord, ...]) -> tuple[int, CudaFuture[Any]]:
+        """A plain ``run_batch``'s launch of ``items`` on a launcher thread of
+        the batcher's device (the current one if none was given), after
+        ``after``: the device and the launch's future."""
+        _cuda.check_usable()
+        dev = _backend.current.current_device() if self.device is None else _cuda.check_device(self.device)
+        return dev, enqueue_as_caller(self.run_batch, (items,), {}, dev, after)
+
     def _inputs(self, batch: list[_Entry], size: int) -> tuple[list[Any], tuple[EventRecord, ...]]:
         """A batch's items, padded to ``size`` by repeating the last, and
         the newest record of each stream its requests were submitted after;
@@ -960,13 +955,7 @@ class Batcher(Generic[In, Out]):
                     elif handing:
                         handed = _hand_over(batch, _recorded(out), n, size)
                 else:
-                    _cuda.check_usable()
-                    dev = (
-                        _backend.current.current_device()
-                        if self.device is None
-                        else _cuda.check_device(self.device)
-                    )
-                    fut = enqueue_as_caller(self.run_batch, (items,), {}, dev, after)
+                    _dev, fut = self._enqueue(items, after)
                     try:
                         if handing:  # submit_future()'s futures: set once enqueued
                             await until_set(fut)
@@ -975,13 +964,7 @@ class Batcher(Generic[In, Out]):
                     except BaseException:
                         fut.cancel()  # not started: never runs; started: its result is dropped
                         raise
-                    if inspect.isawaitable(out):
-                        if inspect.iscoroutine(out):
-                            out.close()
-                        raise TypeError(
-                            "run_batch returned an awaitable from a launcher thread: declare it "
-                            "`async def` to run it on the loop"
-                        )
+                    _refuse_awaitable(out)
                 results = _split(out, n, size) if handed is None else handed
             except Exception as exc:  # noqa: BLE001 - each request of the batch gets it
                 self._failed += 1
@@ -1003,6 +986,18 @@ class Batcher(Generic[In, Out]):
             raise
         finally:
             self._batch_ended()
+
+
+def _refuse_awaitable(out: object) -> None:
+    """Raise TypeError where a plain ``run_batch`` returned an awaitable
+    (closing a coroutine, so that it does not warn it was never awaited)."""
+    if inspect.isawaitable(out):
+        if inspect.iscoroutine(out):
+            out.close()
+        raise TypeError(
+            "run_batch returned an awaitable from a launcher thread: declare it "
+            "`async def` to run it on the loop"
+        )
 
 
 def _only_cancellations(exc: BaseException) -> bool:
