@@ -989,8 +989,10 @@ class Batcher(Generic[In, Out]):
 
 
 def _refuse_awaitable(out: object) -> None:
-    """Raise TypeError where a plain ``run_batch`` returned an awaitable
-    (closing a coroutine, so that it does not warn it was never awaited)."""
+    """Raise TypeError where a plain ``run_batch``'s outcome is an awaitable
+    (closing a coroutine, so that it does not warn it was never awaited).
+    The launcher thread refuses an awaitable ``run_batch`` returns itself
+    (``_launch``); this sees the value of a :class:`CudaFuture` it returned."""
     if inspect.isawaitable(out):
         if inspect.iscoroutine(out):
             out.close()

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -1005,3 +1005,30 @@ def test_on_trio_aclose_from_another_run_is_refused() -> None:
         await batcher.aclose()
 
     trio.run(main)
+
+
+async def test_a_plain_run_batch_that_returns_a_coroutine_fails_its_requests(
+    fake_cuda: testing.FakeCuda,
+) -> None:
+    """A plain run_batch runs on a launcher thread, which cannot await what
+    it returns: its requests fail with TypeError naming the fix, and the
+    coroutine is closed (Python does not warn that it was never awaited);
+    on the batch former's launch (asyncio's plain submit) and on the task
+    path (trio, and submit_future everywhere)."""
+    fake_cuda.auto_complete = True
+    made: list[Coroutine[Any, Any, list[int]]] = []
+
+    async def rows(items: list[int]) -> list[int]:
+        return items
+
+    def run_batch(items: list[int]) -> Any:
+        coro = rows(items)
+        made.append(coro)
+        return coro
+
+    async with cudafut.Batcher(run_batch, max_batch=1, max_delay_s=0) as batcher:
+        with pytest.raises(TypeError, match="plain function"):
+            await batcher.submit(1)
+        with pytest.raises(TypeError, match="plain function"):
+            await batcher.submit_future(2)
+    assert len(made) == 2 and all(coro.cr_frame is None for coro in made)  # closed
