@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import random
 import threading
 from collections.abc import Callable, Coroutine
@@ -1031,4 +1032,4 @@ async def test_a_plain_run_batch_that_returns_a_coroutine_fails_its_requests(
             await batcher.submit(1)
         with pytest.raises(TypeError, match="plain function"):
             await batcher.submit_future(2)
-    assert len(made) == 2 and all(coro.cr_frame is None for coro in made)  # closed
+    assert len(made) == 2 and all(inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED for coro in made)
