@@ -1,6 +1,6 @@
 """Lifetimes: what cudafut keeps alive for the GPU, and what a fork resets.
 
-Three things live here, below the waiter and the memory modules, so that
+Four things live here, below the waiter and the memory modules, so that
 those need not import one another:
 
 - **Keep-alives.** :func:`hold` keeps an object alive until some event
@@ -10,6 +10,13 @@ those need not import one another:
   (``_waiter.ThreadWaiter``) does the watching: it registers itself here as
   the *keeper* when ``_waiter`` is imported. :func:`keep_until` is the
   deferred free the finalizers share: query, and hold only what is pending.
+- **Releases after the thread moves on.** :func:`retire` defers a release
+  until the thread that asked for it has left what it was doing then (a
+  weak-reference callback inside an object's deallocation, which goes on
+  freeing after the callback returns): that thread runs it at its next
+  :func:`release_retired` (``wait()``, ``record_stream()``, the watcher
+  thread's loop), and any thread does once it is
+  :data:`RETIRED_STALE_S` old. ``_torch`` keeps a tensor's streams so.
 - **Leaks on purpose.** :func:`keep_forever`: memory whose guard could not
   be checked (CUDA failed at that moment) is never reused.
 - **Fork handling.** One ``os.register_at_fork`` handler for the package:
@@ -24,8 +31,11 @@ with ``query()`` (``_events.EventRecord``).
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from ._log import logger
 
@@ -38,6 +48,8 @@ __all__ = [
     "holding",
     "keep_forever",
     "keep_until",
+    "release_retired",
+    "retire",
     "set_keeper",
 ]
 
@@ -111,6 +123,69 @@ def keep_until(records: Sequence[Record], obj: object) -> bool:
     return False
 
 
+#: Seconds after which any thread runs a release another thread retired
+#: (:func:`retire`): that thread never called :func:`release_retired` since,
+#: or ended. Far beyond the microseconds between a weak-reference callback
+#: and the end of the deallocation that ran it, and beyond most waits for a
+#: lock inside it (PyTorch's allocator frees behind its mutex).
+RETIRED_STALE_S: Final = 10.0
+
+#: Releases :func:`retire` deferred: ``(thread ident, time.monotonic() then,
+#: release, argument)``. Appended from any thread (an append is atomic);
+#: read through this module's attribute (tests swap it).
+retired: deque[tuple[int, float, Callable[[Any], object], Any]] = deque()
+
+
+def retire(release: Callable[[Any], object], arg: object) -> None:
+    """Call ``release(arg)`` once the calling thread has moved on.
+
+    For a weak-reference callback (or a finalizer) whose object's
+    deallocation goes on after it returns: ``release`` must come after the
+    rest of that deallocation, which may release the GIL (PyTorch frees a
+    tensor's memory without it), so no other thread may run it meanwhile
+    and no event of the GPU can say when it ended. The calling thread runs
+    it at its next :func:`release_retired`, which it can only reach once
+    that deallocation returned; any thread does after
+    :data:`RETIRED_STALE_S`. Cheap (an append) and callable from any
+    thread, a finalizer included."""
+    retired.append((threading.get_ident(), time.monotonic(), release, arg))
+
+
+def release_retired() -> None:
+    """Run the releases this thread retired, and those any thread retired
+    more than :data:`RETIRED_STALE_S` ago. Call it only where the thread is
+    not inside a finalizer or a deallocation (a public call's entry, the
+    watcher thread's loop): one retired there may not be done yet. Costs a
+    test of an empty deque when there is nothing to release."""
+    items = retired
+    if not items:
+        return
+    me = threading.get_ident()
+    stale = time.monotonic() - RETIRED_STALE_S
+    due: list[tuple[int, float, Callable[[Any], object], Any]] = []
+    others: list[tuple[int, float, Callable[[Any], object], Any]] = []
+    while True:
+        try:
+            item = items.popleft()
+        except IndexError:
+            break
+        (due if item[0] == me or item[1] < stale else others).append(item)
+    if others:
+        items.extendleft(reversed(others))  # back in front, in their order
+    for _, _, release, arg in due:
+        try:
+            release(arg)
+        except Exception:  # noqa: BLE001 - one failed release must not skip the others
+            logger.exception("cudafut: a deferred release failed (%r)", release)
+
+
+def _forget_retired() -> None:
+    # A forked child: the parent's releases would call CUDA, which the
+    # child has not; what they hold is kept (never destroyed here).
+    _forever.extend(retired)
+    retired.clear()
+
+
 def holding() -> int:
     """Objects kept alive now for pending GPU work (queued or watched by the
     watcher thread, including its done callbacks, and those counted by
@@ -156,6 +231,7 @@ def _after_fork_in_child() -> None:
             reset()
         except Exception:  # noqa: BLE001 - one failed reset must not skip the others
             logger.exception("cudafut: a reset after fork failed (%r)", reset)
+    _forget_retired()  # this module's own, after the resets (the first refuses CUDA)
 
 
 if hasattr(os, "register_at_fork"):

@@ -164,12 +164,25 @@ def record_stream(array: Any, stream: Any) -> None:
 
     ``stream``: a CuPy or PyTorch stream, or any object with
     ``__cuda_stream__``; it is kept alive until the array's memory is freed
-    (a stream destroyed before could not be recorded on), except for a
-    PyTorch tensor: PyTorch's allocator records an event on ``stream`` when
-    the tensor's memory is freed and keeps nothing alive, so the stream must
-    outlive the tensor's memory. PyTorch's own streams and cudafut's do; a
-    CuPy ``Stream`` destroyed first leaves PyTorch recording on a destroyed
-    handle (PyTorch issue 66936): keep it alive until then.
+    (a stream destroyed before could not be recorded on). For a PyTorch
+    tensor, PyTorch's allocator records an event on ``stream`` when the
+    tensor's memory is freed and keeps nothing alive (PyTorch issue 66936):
+    cudafut keeps the stream object alive while the tensor lives, then until
+    the thread that freed it has moved on (its next ``wait()`` or
+    ``record_stream()``, the watcher thread's next round, or 10 s later from
+    any thread: PyTorch frees the memory after the tensor's weak-reference
+    callbacks, with the GIL released) and the GPU is past an event recorded
+    then. PyTorch's own streams, cudafut's and the special handles (0, 1,
+    2) are never destroyed and take none of this; for the others it costs
+    about 1 µs of host time the first time a tensor meets the stream
+    (about half that after), and at the release an event record and a
+    query; a long-lived tensor recorded on many short-lived streams keeps
+    them all until it dies (PyTorch records on each at the free). Not
+    covered: a tensor that takes no weak reference (recorded as before); a
+    view, or any tensor sharing the memory, that outlives the tensor (the
+    memory is freed later, when the stream may be gone: keep the stream
+    alive, or record the view too); a ``torch.cuda.ExternalStream``, which
+    does not own its stream (keep the stream it wraps alive).
 
     Raises:
         TypeError: ``array`` has no ``__cuda_array_interface__``, or
@@ -181,6 +194,8 @@ def record_stream(array: Any, stream: Any) -> None:
             f"__cuda_array_interface__ object), not {type(array).__name__}"
             + (_cuda.NOT_FAKED.format(call="record_stream()") if _cuda.faked() else "")
         )
+    if _lifetimes.retired:  # what this thread retired: its deallocations are done
+        _lifetimes.release_retired()
     ptr, device = _cuda.stream_handle(stream)
     _record(array, ptr, device, stream)
 
@@ -190,7 +205,7 @@ def _record(array: Any, stream: int, device: int, owner: object) -> None:
     if block is not None:
         block.add_reader(stream, device, owner)
         return
-    if _torch.record_external(array, stream, device):
+    if _torch.record_external(array, stream, device, owner):
         return
     # Untracked memory: keep the array until what is queued on stream now is done.
     if _lifetimes.keep_until([_events.record(stream, device)], array):

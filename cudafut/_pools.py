@@ -260,17 +260,36 @@ class TaskStreamPool:
             }
 
 
+# The streams keep_stream was told of, by handle: cudafut's streams of the
+# process's life (a fake backend's get a dict of their own: _swap_pools).
+_kept: dict[int, Any] = {}
+
+
 def keep_stream(stream: Any, device: int) -> None:
     """Say that ``stream``, made by cudafut and kept for the process's life,
     never gives its handle to another stream (the native core may then
-    answer for its older records from its newest one known complete)."""
+    answer for its older records from its newest one known complete), and
+    keep it (:func:`kept` tells it apart)."""
+    _mark_stream(stream, device)
+    _kept[int(stream.ptr)] = stream
+
+
+def kept(handle: int, stream: object) -> bool:
+    """Whether ``stream`` (whose handle is ``handle``) is one of cudafut's
+    streams of the process's life (its pools', its launchers'), which no one
+    destroys; a dictionary lookup."""
+    return _kept.get(handle) is stream
+
+
+def _mark_stream(stream: Any, device: int) -> None:
+    """The core's side of :func:`keep_stream`: nothing in the pure core."""
 
 
 # The native twins (cudafut/_core.pyx) where they were built: the event pool
 # in C arrays, and the streams' state that keep_stream marks.
 _native = _compiled.native()
 if _native is not None:
-    globals().update(EventPool=_native.EventPool, keep_stream=_native.keep_stream)
+    globals().update(EventPool=_native.EventPool, _mark_stream=_native.keep_stream)
 
 # Not Final: cudafut.testing's fake CUDA gets pools of its own (_swap_pools).
 events = EventPool()
@@ -287,14 +306,15 @@ def _swap_pools(backend: object) -> Callable[[], None]:
     """Fresh pools while another backend (cudafut.testing's fake) is
     installed: a stream or event of one backend is meaningless to the
     other. The previous pools come back with the previous backend."""
-    global events, streams, copy_streams, task_streams
-    saved = (events, streams, copy_streams, task_streams)
+    global events, streams, copy_streams, task_streams, _kept
+    saved = (events, streams, copy_streams, task_streams, _kept)
     events, streams = EventPool(), StreamPool()
     copy_streams, task_streams = StreamPool(COPY_STREAMS_PER_POOL), TaskStreamPool()
+    _kept = {}
 
     def restore() -> None:
-        global events, streams, copy_streams, task_streams
-        events, streams, copy_streams, task_streams = saved
+        global events, streams, copy_streams, task_streams, _kept
+        events, streams, copy_streams, task_streams, _kept = saved
 
     return restore
 

@@ -11,6 +11,7 @@ tests/test_gpu_interop.py proves the same on a GPU with the real libraries.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import enum
@@ -19,6 +20,7 @@ import itertools
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -26,7 +28,20 @@ import anyio
 import pytest
 
 import cudafut
-from cudafut import _backend, _cuda, _events, _interface, _pools, _runtime, _streams, _torch, _values
+from cudafut import (
+    _backend,
+    _cuda,
+    _events,
+    _interface,
+    _lifetimes,
+    _memory,
+    _pools,
+    _runtime,
+    _streams,
+    _torch,
+    _values,
+)
+from tests.children import until
 from tests.fakes import FakeRecord, set_future
 
 _made: list[FakeRecord] = []
@@ -440,6 +455,8 @@ def default_torch_stream(device: int) -> FakeTorchStream:
 
 
 class FakeTorchCuda:
+    Stream = FakeTorchStream  # torch.cuda.Stream: ExternalStream is a subclass
+
     def __init__(self, env: FakeCuda) -> None:
         self.env = env
         self.current: dict[int, FakeTorchStream] = {}
@@ -536,6 +553,10 @@ def torch(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> types.ModuleT
     module = make_torch(fake_cuda)
     monkeypatch.setitem(sys.modules, "torch", module)
     monkeypatch.setattr(_torch, "_pool_streams", {})
+    # The streams kept for this test's tensors go with it (a weak reference
+    # dropped calls nothing back), and nothing it retired reaches another.
+    monkeypatch.setattr(_torch, "_owners", {})
+    monkeypatch.setattr(_lifetimes, "retired", collections.deque())
     return module
 
 
@@ -609,6 +630,117 @@ def test_wait_waits_once_when_both_libraries_share_the_stream(fake_cuda: FakeCud
     torch.cuda.current[0] = FakeTorchStream(0x100, 0)
     set_future(FakeTensor(0), [Rec(device=0)]).wait()
     assert fake_cuda.waits() == [(0x100, 0)]
+
+
+def done_rec() -> Rec:
+    """A record that is complete once asked."""
+    rec = Rec(device=0)
+    rec.complete()
+    return rec
+
+
+def complete_on(env: FakeCuda, handle: int) -> None:
+    for rec in env.records:
+        if rec.stream == handle:
+            rec.complete()
+
+
+def test_wait_keeps_a_users_stream_until_torch_recorded_on_it_at_the_free(
+    fake_cuda: FakeCuda, torch: Any
+) -> None:
+    tensor = FakeTensor(0)
+    fut = set_future(tensor, [done_rec()])
+    stream = FakeCupyStream(fake_cuda, 0x555, 0)  # a user's stream, that may be destroyed
+    with stream:
+        assert fut.wait() is tensor
+    assert FakeTorchStream(0x555, 0) in tensor.recorded  # torch records an event on it at the free
+    kept = weakref.ref(stream)
+    del stream, fut
+    gc.collect()
+    assert kept() is not None  # while the tensor lives
+    del tensor
+    gc.collect()
+    # Its deallocation may go on after the callback (torch frees without the
+    # GIL): the stream stays until this thread has moved on.
+    assert kept() is not None and (0x555, 0) not in fake_cuda.recorded()
+    set_future(FakeTensor(0), [done_rec()]).wait()  # this thread moved on
+    assert (0x555, 0) in fake_cuda.recorded()  # an event after torch's
+    gc.collect()
+    assert kept() is not None  # until the GPU is past it
+    complete_on(fake_cuda, 0x555)
+    until(lambda: gc.collect() >= 0 and kept() is None, "the stream released")
+
+
+def test_a_tensor_the_watcher_thread_lets_go_releases_its_stream_in_that_threads_next_round(
+    fake_cuda: FakeCuda, torch: Any
+) -> None:
+    tensor = FakeTensor(0)
+    producer = Rec(device=0)
+    fut = set_future(tensor, [producer])
+    stream = FakeCupyStream(fake_cuda, 0x556, 0)
+    with stream:
+        fut.wait()
+    kept, alive = weakref.ref(stream), weakref.ref(tensor)
+    del stream, fut, tensor  # a dropped future: cudafut keeps its value until its work is done
+    gc.collect()
+    assert alive() is not None and kept() is not None
+    producer.complete()  # the watcher thread lets the value go, then releases the stream
+    until(lambda: (0x556, 0) in fake_cuda.recorded(), "the watcher thread's release")
+    assert alive() is None and kept() is not None
+    complete_on(fake_cuda, 0x556)
+    until(lambda: gc.collect() >= 0 and kept() is None, "the stream released")
+
+
+def test_special_pool_and_torch_streams_are_not_kept_a_users_stream_is(
+    fake_cuda: FakeCuda, torch: Any
+) -> None:
+    tensor = FakeTensor(0)
+    fut = set_future(tensor, [done_rec()])
+    pool = _pools.streams.get(0, 0)  # cudafut's, for the process's life
+    for stream in (pool, FakeCupyStream(fake_cuda, 0, 0), FakeCupyStream(fake_cuda, 2, 0)):
+        with stream:
+            fut.wait()
+    _memory._record(tensor, 0x600, 0, FakeTorchStream(0x600, 0))  # PyTorch's own
+    assert [s.cuda_stream for s in tensor.recorded if s.cuda_stream != 0x70] == [int(pool.ptr), 0, 2, 0x600]
+    assert _torch._owners == {}
+    user = FakeCupyStream(fake_cuda, 0x557, 0)
+    with user:
+        fut.wait()
+    (kept,) = _torch._owners.values()
+    owners = kept.owners
+    assert [owner for owner, _, _ in owners.values()] == [user]
+    with user:
+        fut.wait()  # once per tensor and stream
+    assert len(owners) == 1
+
+
+class SlottedTensor:
+    """A torch tensor that takes no weak reference."""
+
+    __slots__ = ("recorded",)
+    is_cuda = True
+
+    def __init__(self) -> None:
+        self.recorded: list[Any] = []
+
+    def record_stream(self, stream: Any) -> None:
+        self.recorded.append(stream)
+
+
+def test_a_tensor_without_weak_references_is_recorded_without_keeping_the_stream(
+    fake_cuda: FakeCuda, torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "Tensor", (FakeTensor, SlottedTensor))
+    solid, tensor = SlottedTensor(), FakeTensor(0)
+    first, second = FakeCupyStream(fake_cuda, 0x558, 0), FakeCupyStream(fake_cuda, 0x559, 0)
+    _memory._record(solid, 0x558, 0, first)
+    _memory._record(tensor, 0x559, 0, second)
+    assert solid.recorded == [FakeTorchStream(0x558, 0)] and tensor.recorded == [FakeTorchStream(0x559, 0)]
+    dropped, kept = weakref.ref(first), weakref.ref(second)
+    del first, second
+    gc.collect()
+    assert dropped() is None  # as before: torch is told, the stream is not kept
+    assert kept() is not None
 
 
 def test_then_makes_the_pool_stream_torchs_current_stream_while_fn_runs(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import collections
 import gc
 import os
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -100,6 +102,37 @@ def test_keep_until_holds_nothing_when_the_records_are_done() -> None:
     holding = _lifetimes.holding()
     assert not _lifetimes.keep_until([rec], _Value())
     assert _lifetimes.holding() == holding
+
+
+def test_a_retired_release_waits_for_its_thread_or_for_staleness(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_lifetimes, "retired", collections.deque())
+    released: list[str] = []
+    other = threading.Thread(target=_lifetimes.retire, args=(released.append, "theirs"))
+    other.start()
+    other.join()
+    _lifetimes.retire(released.append, "mine")
+    _lifetimes.release_retired()
+    assert released == ["mine"]  # another thread's may still be inside the deallocation that retired it
+    monkeypatch.setattr(_lifetimes, "RETIRED_STALE_S", 0.0)
+    _lifetimes.release_retired()
+    assert released == ["mine", "theirs"]  # stale: any thread releases it
+    assert not _lifetimes.retired
+
+
+def test_a_failed_release_is_logged_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_lifetimes, "retired", collections.deque())
+    ran: list[object] = []
+
+    def broken(arg: object) -> None:
+        raise RuntimeError("an injected bug")
+
+    _lifetimes.retire(broken, 1)
+    _lifetimes.retire(ran.append, 2)
+    _lifetimes.release_retired()
+    assert ran == [2]
+    assert any("deferred release failed" in r.getMessage() for r in caplog.records)
 
 
 def test_a_failed_reset_is_logged_and_the_others_still_run(
