@@ -28,6 +28,17 @@ def _gpu_missing() -> str | None:
 
 GPU_MISSING = _gpu_missing()
 
+# The tests not marked ``gpu`` fake CUDA piecemeal (a patched backend call,
+# records and streams with made-up handles); where a real driver is loaded,
+# a path they do not patch hands those handles to it, and the process dies
+# instead of failing. They run where no GPU is usable, as CI runs them;
+# those marked ``anywhere`` (cudafut.testing's fake, one backend object that
+# the native core calls through) run everywhere.
+WITH_A_GPU = (
+    "a test that fakes CUDA: with a GPU its made-up handles could reach the driver; "
+    "it runs on a machine without one (as CI does)"
+)
+
 
 def _check_one_async_runner(items: list[pytest.Item]) -> None:
     """An item marked both ``anyio`` and ``asyncio`` runs on pytest-asyncio's
@@ -57,14 +68,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """Without a usable GPU, every test marked ``gpu`` skips, before its
     fixtures, from this one line: ``pytest -ra`` then reports them all in
     one line with the reason (a skip marker would report each test's own
-    location, one line per test)."""
+    location, one line per test). With one, the tests that fake CUDA
+    piecemeal skip so (``WITH_A_GPU``)."""
     if GPU_MISSING is not None and "gpu" in item.keywords:
         pytest.skip(GPU_MISSING)
+    if GPU_MISSING is None and "gpu" not in item.keywords and "anywhere" not in item.keywords:
+        pytest.skip(WITH_A_GPU)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     if GPU_MISSING is not None:
         return f"cudafut: GPU tests skip ({GPU_MISSING})"
+    if not os.environ.get("CUDAFUT_REQUIRE_GPU"):
+        return "cudafut: a GPU is usable: the GPU tests run, the tests that fake CUDA skip (CI runs them)"
     cp = _backend.current.cupy()
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"cudafut: {_backend.current.device_count()} GPU(s), device 0 {name}, CuPy {cp.__version__}"

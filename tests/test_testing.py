@@ -22,7 +22,7 @@ from cudafut import _backend, _pools, testing
 from cudafut._interface import records_of
 from tests.subproc import ROOT, run_python
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anywhere]
 
 
 # -- plain calls ---------------------------------------------------------------------
