@@ -2170,9 +2170,10 @@ cdef class Pacer:
         return self._margin(duration, <double>policy.cpu_budget)
 
     cdef inline double _margin(self, double duration, double cpu_budget):
-        cdef double a = self._late_q + _WARM_S
-        cdef double b = self._late_median + cpu_budget * duration
-        return b if b < a else a  # min(a, b), as Python's: the first of equals
+        cdef double warm = cpu_budget * duration
+        if _WARM_S < warm:  # min(warm, _WARM_S), as Python's: the first of equals
+            warm = _WARM_S
+        return self._late_median + warm
 
     def next_poll(self, records, double now, arm=None):
         """When to poll next for ``records`` (the twin's, to the bit)."""

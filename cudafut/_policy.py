@@ -79,10 +79,15 @@ _EXACT_S: Final = 50e-6
 _EXACT_REL: Final = 0.05
 #: Lateness assumed before a sleeper has measured its own.
 _DEFAULT_LATENESS_S: Final = 300e-6
-#: Extra spin before a predicted end: a thread that just woke from a long
-#: sleep runs slowly for tens of µs (cold caches, a waking vCPU); the spin
-#: should be warm when the work completes.
-_WARM_S: Final = 200e-6
+#: The longest spin before a predicted end, beyond the sleeper's median
+#: lateness (``cpu_budget`` of the duration below it): a thread that slept
+#: for most of a long wait runs slowly for a while after it wakes (cold
+#: caches, a waking vCPU), and the spin should be warm when the work
+#: completes. After 20 ms of work on an H200 host, the spin of the former
+#: margin (the 80th percentile lateness plus 200 µs: 0.1-0.3 ms) saw the end
+#: +80-95 µs after a spinning thread, the floor that sleeps and then spins
+#: for about 1 ms +29-45 µs (bench wake, two runs).
+_WARM_S: Final = 2e-3
 #: Streams whose histories are kept; beyond this the table starts afresh.
 _MAX_STREAMS: Final = 4096
 
@@ -520,10 +525,11 @@ class Pacer:
         self._late_q = late[(len(late) * 4) // 5]  # the 80th percentile
 
     def margin(self, duration: float, policy: WaitPolicy) -> float:
-        """How long before a predicted end to ask to be woken: long enough
-        for most wake-ups to land before it, unless that would spin for more
-        than ``cpu_budget`` of the wait on average."""
-        return min(self._late_q + _WARM_S, self._late_median + policy.cpu_budget * duration)
+        """How long before a predicted end to ask to be woken: the median
+        lateness, plus a warm-up spin of ``cpu_budget`` of the duration (at
+        most ``_WARM_S``): long work spends its budget warming up, short
+        work spins no longer than it did."""
+        return self._late_median + min(policy.cpu_budget * duration, _WARM_S)
 
     def next_poll(
         self, records: Sequence[EventRecord], now: float, arm: Callable[[EventRecord], bool] | None = None

@@ -229,7 +229,8 @@ def test_predicted_work_polls_within_the_bound_then_spins_before_its_end() -> No
     _learn(rec, 20e-3)
     pacer = _slow_waker(100e-6)
     pacer.new_wait(rec.t)
-    opens = rec.t + 20e-3 - 100e-6 - _policy._WARM_S  # the lateness plus a warm-up before the end
+    # the lateness plus a warm-up before the end: for 20 ms work, its cpu_budget
+    opens = rec.t + 20e-3 - 100e-6 - WaitPolicy().cpu_budget * 20e-3
     now = rec.t
     polls = []
     while True:
@@ -262,6 +263,27 @@ def test_the_cpu_budget_caps_the_spin_before_a_short_predicted_end() -> None:
     pacer = _slow_waker(400e-6)
     margin = pacer.margin(2e-3, WaitPolicy(cpu_budget=0.05))
     assert margin == pytest.approx(400e-6 + 0.05 * 2e-3)  # not 400 µs + warm-up
+
+
+def test_long_predicted_work_spends_its_cpu_budget_warming_up_before_the_end() -> None:
+    # After 20 ms mostly asleep a spin begun 0.1-0.3 ms before the end saw it
+    # +80-95 µs after a spinning thread (bench wake, H200), the floor that
+    # spins for 1 ms first +29-45 µs: long work spins cpu_budget of its
+    # duration first, up to _WARM_S.
+    pacer = _slow_waker(100e-6)
+    for _ in range(5):  # a slower 80th percentile: it no longer caps the spin
+        pacer.sleeping_until(1.0)
+        pacer.woke(1.0 + 400e-6)
+    assert pacer._late_q == pytest.approx(400e-6) and pacer._late_median == pytest.approx(100e-6)
+    balanced = WaitPolicy()
+    assert pacer.margin(20e-3, balanced) == pytest.approx(100e-6 + 0.05 * 20e-3)  # was 600 µs
+    assert pacer.margin(10e-3, balanced) == pytest.approx(100e-6 + 0.05 * 10e-3)
+    assert pacer.margin(100e-3, balanced) == pytest.approx(100e-6 + _policy._WARM_S)  # the cap
+    # short work spins as long as it did: its budget
+    assert pacer.margin(2e-3, balanced) == pytest.approx(100e-6 + 0.05 * 2e-3)
+    assert pacer.margin(0.5e-3, balanced) == pytest.approx(100e-6 + 0.05 * 0.5e-3)
+    # a smaller budget, a shorter spin (low_cpu: 1 %, 200 µs at 20 ms)
+    assert pacer.margin(20e-3, _policy.PRESETS["low_cpu"]) == pytest.approx(100e-6 + 200e-6)
 
 
 def test_without_prediction_the_policy_ignores_history() -> None:
@@ -631,3 +653,63 @@ def test_the_step_that_broke_the_old_predictor(clock: _Clock) -> None:
     assert max(lates) <= WaitPolicy().max_sleep_s + 20 * _TICK_S
     # ... and once learnt, the 2 ms work is noticed while spinning.
     assert max(lates[-30:]) <= 20 * _TICK_S
+
+
+class _LoneSimDriver(_SimDriver):
+    """A lone await's own sleeps and spins (``spin_alone``) on the fake
+    clock: each sleep ends ``clock.lateness`` late, each spin poll costs
+    ``_TICK_S``; ``woke`` is when the last sleep ended, ``spun`` the time
+    spent spinning."""
+
+    def __init__(self, clock: _Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.woke = 0.0
+        self.spun = 0.0
+
+    async def _checkpoint(self) -> None:
+        self.clock.now += _TICK_S
+        self.spun += _TICK_S
+
+    async def _sleep_alone(self, when: float) -> bool:
+        self.pacer.sleeping_until(when)
+        self.clock.sleep(when - self.clock.now)
+        self.woke = self.clock.now
+        self.pacer.woke(self.clock.now)
+        return True
+
+
+def _lone_awaits(clock: _Clock, duration: float, n: int = 12) -> list[tuple[float, float, float]]:
+    """``n`` lone awaits of work of ``duration``, one after another: for each,
+    how long before its end the last sleep ended, how late the end was seen,
+    and the share of the wait spent spinning."""
+    driver = _LoneSimDriver(clock)
+    out = []
+    for seq in range(1, n + 1):
+        rec = _job(clock, 0x7000, seq, duration)
+        driver.woke, driver.spun = rec.t, 0.0
+        coro = driver.spin_alone(rec)
+        with pytest.raises(StopIteration) as stop:
+            coro.send(None)
+        if not stop.value.value:  # unknown work: the driver's notice ends it, just after
+            rec.seen = clock.now = max(clock.now, rec.end)
+            assert rec.query() == 0
+            driver.learn_later([(rec, clock.now)])
+        out.append((rec.end - driver.woke, clock.now - rec.end, driver.spun / duration))
+    return out
+
+
+def test_a_lone_await_of_long_learnt_work_spins_its_budget_before_the_end(clock: _Clock) -> None:
+    # Stable 20 ms work (bench wake's longest row): the last sleep ends about
+    # cpu_budget of the duration (1 ms) before the end, not 0.2 ms; the end is
+    # seen while spinning, at a spin of about that share of the wait.
+    clock.lateness = 50e-6
+    budget = WaitPolicy().cpu_budget
+    for lead, late, spun in _lone_awaits(clock, 20e-3)[6:]:
+        assert budget * 20e-3 - 20e-6 <= lead <= budget * 20e-3 + 60e-6
+        assert late <= 20 * _TICK_S
+        assert spun <= budget + 0.005
+    # 2 ms work keeps the lead it had: its budget (0.1 ms) is under the warm-up
+    for lead, late, _spun in _lone_awaits(clock, 2e-3)[6:]:
+        assert lead <= budget * 2e-3 + 60e-6
+        assert late <= 20 * _TICK_S
