@@ -2114,7 +2114,6 @@ cdef class Pacer:
     cdef readonly double _asked
     cdef readonly object _lateness
     cdef readonly double _late_median
-    cdef readonly double _late_q
 
     def __init__(self, lateness=None, name="waiter"):
         _current_policy()
@@ -2124,7 +2123,7 @@ cdef class Pacer:
         self._backoff = _first_sleep_s
         self._asked = 0.0
         self._lateness = _deque(maxlen=32) if lateness is None else lateness
-        self._late_median = self._late_q = _DEFAULT_LATENESS_S
+        self._late_median = _DEFAULT_LATENESS_S
         if self._lateness:
             self._summarise()
 
@@ -2163,7 +2162,6 @@ cdef class Pacer:
         cdef list late = sorted(self._lateness)
         cdef Py_ssize_t n = len(late)
         self._late_median = late[n // 2]  # robust to a rare long stall
-        self._late_q = late[(n * 4) // 5]  # the 80th percentile
 
     def margin(self, double duration, policy):
         """How long before a predicted end to ask to be woken (the twin's)."""

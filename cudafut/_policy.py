@@ -83,10 +83,9 @@ _DEFAULT_LATENESS_S: Final = 300e-6
 #: lateness (``cpu_budget`` of the duration below it): a thread that slept
 #: for most of a long wait runs slowly for a while after it wakes (cold
 #: caches, a waking vCPU), and the spin should be warm when the work
-#: completes. After 20 ms of work on an H200 host, the spin of the former
-#: margin (the 80th percentile lateness plus 200 µs: 0.1-0.3 ms) saw the end
-#: +80-95 µs after a spinning thread, the floor that sleeps and then spins
-#: for about 1 ms +29-45 µs (bench wake, two runs).
+#: completes. After 20 ms of work on an H200 host, a spin of 0.1-0.3 ms saw
+#: the end +60-95 µs after a spinning thread (four runs), one of 1 ms +38 µs
+#: (two runs; bench wake).
 _WARM_S: Final = 2e-3
 #: Streams whose histories are kept; beyond this the table starts afresh.
 _MAX_STREAMS: Final = 4096
@@ -472,7 +471,6 @@ class Pacer:
         "_asked",
         "_backoff",
         "_late_median",
-        "_late_q",
         "_lateness",
         "name",
         "spin_ends",
@@ -491,7 +489,7 @@ class Pacer:
         self._asked = 0.0
         # Blocking waits share one history: each call is too short to learn.
         self._lateness = deque(maxlen=32) if lateness is None else lateness
-        self._late_median = self._late_q = _DEFAULT_LATENESS_S
+        self._late_median = _DEFAULT_LATENESS_S
         if self._lateness:
             self._summarise()
 
@@ -522,7 +520,6 @@ class Pacer:
     def _summarise(self) -> None:
         late = sorted(self._lateness)
         self._late_median = late[len(late) // 2]  # robust to a rare long stall
-        self._late_q = late[(len(late) * 4) // 5]  # the 80th percentile
 
     def margin(self, duration: float, policy: WaitPolicy) -> float:
         """How long before a predicted end to ask to be woken: the median

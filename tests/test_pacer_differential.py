@@ -173,7 +173,6 @@ def _observe(pacer: Any) -> tuple[Any, ...]:
         pacer._asked,
         list(pacer._lateness),
         pacer._late_median,
-        pacer._late_q,
     )
 
 
