@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ import pytest
 import cudafut
 from cudafut import _backend, _cuda
 from cudafut._values import find_devices
+from tests.children import until
 from tests.kernels import spin_fill
 from tests.runners import BACKENDS, run_on
 
@@ -179,6 +182,67 @@ def test_wait_makes_torchs_current_stream_wait(cp: Any, torch: Any) -> None:
         y = fut.wait() + 1  # a torch op on torch's current stream
     mine.synchronize()
     assert (y.cpu() == 8).all()
+
+
+def test_a_cupy_stream_dropped_after_wait_of_a_torch_tensor_lives_until_torch_recorded_on_it(
+    cp: Any, torch: Any
+) -> None:
+    """PyTorch records an event on the consumer stream when the tensor's
+    memory is freed, and keeps no stream alive (PyTorch issue 66936): the
+    CuPy stream wait() recorded the tensor on must outlive that record.
+    Fails without keep_owner (the stream goes with its last reference, and
+    compute-sanitizer reports PyTorch's cudaEventRecord on a destroyed
+    handle); then it goes once the thread moved on and the GPU passed it."""
+    t, view = torch_zeros(torch, cp)
+    producer = cp.cuda.Stream(non_blocking=True)
+    with producer:
+        spin_fill(view, 7, SLOW_MS)
+    fut = cudafut.record(t, stream=producer)
+    consumer = cp.cuda.Stream(non_blocking=True)
+    with consumer:
+        fut.wait()
+        y = view + 1
+    assert (host(y, consumer) == 8).all()
+    gone = weakref.ref(consumer)
+    del consumer, y
+    gc.collect()
+    assert gone() is not None  # the tensor lives: PyTorch will record on it
+    del t, view, fut
+    gc.collect()
+    other = cp.cuda.Stream(non_blocking=True)
+    with other:
+        cudafut.record(torch.zeros(4, device="cuda")).wait()  # moving on releases it
+    until(lambda: gone() is None, "the stream released once the GPU passed its event")
+    torch.cuda.synchronize()
+
+
+def test_dropped_pending_futures_of_torch_tensors_freed_by_the_watcher_leave_no_stale_stream(
+    cp: Any, torch: Any
+) -> None:
+    """The crash this guards: a pending future's tensor, waited on under a
+    short-lived CuPy stream, is freed by the watcher thread (the producer
+    stream's drop list) while the main thread makes and destroys streams, so
+    PyTorch's free-time record would name a destroyed (or reused) handle.
+    Under compute-sanitizer that is an API error; without it, at worst, a
+    crash. Every stream goes once its tensor has."""
+    refs = []
+    for _ in range(200):
+        t = torch.zeros(1 << 16, device="cuda")
+        view = cp.asarray(t)
+        producer = cp.cuda.Stream(non_blocking=True)
+        with producer:
+            spin_fill(view, 7, 0.2)
+        fut = cudafut.record(t, stream=producer)
+        consumer = cp.cuda.Stream(non_blocking=True)
+        with consumer:
+            fut.wait()
+        refs.append(weakref.ref(consumer))
+        del view, t, consumer, fut, producer
+        cp.cuda.Stream(non_blocking=True)  # churn: a destroyed handle's number may come back
+    torch.cuda.synchronize()
+    cudafut.record(torch.zeros(4, device="cuda")).wait()  # this thread moves on
+    until(lambda: all(r() is None for r in refs), "every consumer stream released")
+    torch.cuda.synchronize()
 
 
 # -- torch.futures: to_torch and from_torch ---------------------------------------------------------
