@@ -450,7 +450,11 @@ class CudaFuture(_Base, Generic[T]):
         back to CuPy's pool only after the work you enqueued on your streams
         by then is done, so no ``keep=`` is needed. A value that is not a
         CuPy array (memory cudafut's allocator wrapper did not make) is kept
-        alive until the work queued on your streams at this call is done.
+        alive until the work queued on your streams at this call is done. A
+        PyTorch tensor is recorded on them with ``Tensor.record_stream``, and
+        a stream of yours that may be destroyed (a CuPy ``Stream``) is kept
+        alive until PyTorch has recorded on it at the tensor's free (about
+        1 µs the first time; :func:`cudafut.record_stream` says when it goes).
 
         Args:
             timeout: seconds to wait at most for the future to be set;

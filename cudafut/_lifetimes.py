@@ -130,10 +130,13 @@ def keep_until(records: Sequence[Record], obj: object) -> bool:
 #: lock inside it (PyTorch's allocator frees behind its mutex).
 RETIRED_STALE_S: Final = 10.0
 
-#: Releases :func:`retire` deferred: ``(thread ident, time.monotonic() then,
-#: release, argument)``. Appended from any thread (an append is atomic);
-#: read through this module's attribute (tests swap it).
-retired: deque[tuple[int, float, Callable[[Any], object], Any]] = deque()
+#: Releases :func:`retire` deferred, by the thread that retired them:
+#: ``{thread ident: deque of (time.monotonic() then, release, argument)}``,
+#: oldest first. Only a thread appends to its own queue (an append is
+#: atomic), and only it removes that queue from the map, once empty; any
+#: thread pops the stale heads of the others'. Read through this module's
+#: attribute (tests swap it).
+retired: dict[int, deque[tuple[float, Callable[[Any], object], Any]]] = {}
 
 
 def retire(release: Callable[[Any], object], arg: object) -> None:
@@ -146,9 +149,13 @@ def retire(release: Callable[[Any], object], arg: object) -> None:
     and no event of the GPU can say when it ended. The calling thread runs
     it at its next :func:`release_retired`, which it can only reach once
     that deallocation returned; any thread does after
-    :data:`RETIRED_STALE_S`. Cheap (an append) and callable from any
-    thread, a finalizer included."""
-    retired.append((threading.get_ident(), time.monotonic(), release, arg))
+    :data:`RETIRED_STALE_S`. Cheap (an append, a dictionary lookup) and
+    callable from any thread, a finalizer included."""
+    me = threading.get_ident()
+    queue = retired.get(me)
+    if queue is None:
+        queue = retired.setdefault(me, deque())
+    queue.append((time.monotonic(), release, arg))
 
 
 def release_retired() -> None:
@@ -156,33 +163,44 @@ def release_retired() -> None:
     more than :data:`RETIRED_STALE_S` ago. Call it only where the thread is
     not inside a finalizer or a deallocation (a public call's entry, the
     watcher thread's loop): one retired there may not be done yet. Costs a
-    test of an empty deque when there is nothing to release."""
-    items = retired
-    if not items:
+    test of an empty dictionary when no thread retired anything, else a
+    look at the oldest entry of each thread's queue, plus the releases."""
+    if not retired:
         return
     me = threading.get_ident()
+    # Taken out first: what a finalizer run by a release retires goes to a
+    # new queue, for this thread's next call.
+    mine = retired.pop(me, None)
+    if mine is not None:
+        _drain(mine, float("inf"))
     stale = time.monotonic() - RETIRED_STALE_S
-    due: list[tuple[int, float, Callable[[Any], object], Any]] = []
-    others: list[tuple[int, float, Callable[[Any], object], Any]] = []
-    while True:
+    for queue in list(retired.values()):
+        _drain(queue, stale)
+
+
+def _drain(queue: deque[tuple[float, Callable[[Any], object], Any]], before: float) -> None:
+    """Run the releases at the head of ``queue`` retired before ``before``
+    (another thread may be taking them too: each goes to one)."""
+    while queue and queue[0][0] < before:
         try:
-            item = items.popleft()
+            item = queue.popleft()
         except IndexError:
-            break
-        (due if item[0] == me or item[1] < stale else others).append(item)
-    if others:
-        items.extendleft(reversed(others))  # back in front, in their order
-    for _, _, release, arg in due:
-        try:
-            release(arg)
-        except Exception:  # noqa: BLE001 - one failed release must not skip the others
-            logger.exception("cudafut: a deferred release failed (%r)", release)
+            return
+        _run_release(item)
+
+
+def _run_release(item: tuple[float, Callable[[Any], object], Any]) -> None:
+    try:
+        item[1](item[2])
+    except Exception:  # noqa: BLE001 - one failed release must not skip the others
+        logger.exception("cudafut: a deferred release failed (%r)", item[1])
 
 
 def _forget_retired() -> None:
     # A forked child: the parent's releases would call CUDA, which the
     # child has not; what they hold is kept (never destroyed here).
-    _forever.extend(retired)
+    for queue in retired.values():
+        _forever.extend(queue)
     retired.clear()
 
 

@@ -169,8 +169,8 @@ def record_stream(array: Any, stream: Any) -> None:
     tensor's memory is freed and keeps nothing alive (PyTorch issue 66936):
     cudafut keeps the stream object alive while the tensor lives, then until
     the thread that freed it has moved on (its next ``wait()`` or
-    ``record_stream()``, the watcher thread's next round, or 10 s later from
-    any thread: PyTorch frees the memory after the tensor's weak-reference
+    ``record_stream()``, the watcher thread's next round, or 10-20 s later
+    from any thread: PyTorch frees the memory after the tensor's weak-reference
     callbacks, with the GIL released) and the GPU is past an event recorded
     then. PyTorch's own streams, cudafut's and the special handles (0, 1,
     2) are never destroyed and take none of this; for the others it costs
@@ -182,7 +182,9 @@ def record_stream(array: Any, stream: Any) -> None:
     view, or any tensor sharing the memory, that outlives the tensor (the
     memory is freed later, when the stream may be gone: keep the stream
     alive, or record the view too); a ``torch.cuda.ExternalStream``, which
-    does not own its stream (keep the stream it wraps alive).
+    does not own its stream (keep the stream it wraps alive); a tensor freed
+    while a CUDA graph is captured (PyTorch records later, at a later
+    allocation or free: keep the stream alive past the capture).
 
     Raises:
         TypeError: ``array`` has no ``__cuda_array_interface__``, or

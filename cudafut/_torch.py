@@ -254,7 +254,9 @@ class _Kept(weakref.ref[Any]):
 
 # The live tensors recorded on streams that may be destroyed, by id. Swapped by tests.
 _owners: dict[int, _Kept] = {}
-_owners_lock: Final = threading.Lock()
+# Re-entrant: a collection may run a finalizer that records a tensor (a
+# Tracked value's) at any call inside the locked block, in this thread.
+_owners_lock: Final = threading.RLock()
 
 
 def keep_owner(tensor: Any, stream: int, device: int, owner: object) -> bool:
@@ -274,9 +276,11 @@ def keep_owner(tensor: Any, stream: int, device: int, owner: object) -> bool:
     callback only retires the streams (:func:`cudafut._lifetimes.retire`):
     the thread that dropped the tensor releases them at its next
     ``wait()`` or ``record_stream()`` (the watcher thread at its next
-    round), when its free is done, and any thread does 10 s later
-    (:data:`~cudafut._lifetimes.RETIRED_STALE_S`). The release records an
-    event on each stream and keeps its object until the event completes.
+    round), when its free is done; once 10 s old
+    (:data:`~cudafut._lifetimes.RETIRED_STALE_S`), any thread's next call
+    does, and the watcher thread within 10 s more, idle or not. The release
+    records an event on each stream and keeps its object until the event
+    completes.
 
     A long-lived tensor recorded on many short-lived streams keeps every
     one of them until it dies: PyTorch records on each at the free (it
@@ -288,7 +292,10 @@ def keep_owner(tensor: Any, stream: int, device: int, owner: object) -> bool:
     ``record_stream()`` called from a finalizer that runs inside the
     deallocation (or the collection) of such a tensor may release its
     streams early; a thread held up for 10 s between the callback and the
-    free (waiting for PyTorch's allocator lock) may see them released.
+    free (waiting for PyTorch's allocator lock) may see them released; and
+    a free while a CUDA graph is being captured anywhere in the process
+    (cudafut's ``graphed()`` included), which PyTorch records on later, at
+    a later allocation or free, so the streams may be gone by then.
 
     Cost, host only (measured on a CPU with a fake torch): about 1 µs more
     per :func:`record_external` the first time a tensor meets such a
@@ -306,7 +313,7 @@ def keep_owner(tensor: Any, stream: int, device: int, owner: object) -> bool:
             return False  # a tensor without weak references: as before this existed
         fresh.key = key
         fresh.owners = {}
-        with _owners_lock:  # no allocation inside, so no collection and no finalizer
+        with _owners_lock:
             kept = _owners.get(key)
             if kept is None or kept() is not tensor:
                 stale, kept = kept, fresh

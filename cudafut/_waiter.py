@@ -521,7 +521,9 @@ class ThreadWaiter(Driver):
                         if _trace.active is not None:
                             _trace.planned(self, None)
                         if not self._holds:
-                            self._cond.wait()
+                            # Bounded: releases retired by threads that may
+                            # never come back go once stale (_lifetimes.retire).
+                            self._cond.wait(_lifetimes.RETIRED_STALE_S)
                         self._idle = False
                     elif not self._holds:
                         delay = max(next_poll - time.perf_counter(), THREAD_MIN_SLEEP_S)

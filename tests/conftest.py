@@ -79,11 +79,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     if GPU_MISSING is not None:
         return f"cudafut: GPU tests skip ({GPU_MISSING})"
-    if not os.environ.get("CUDAFUT_REQUIRE_GPU"):
-        return "cudafut: a GPU is usable: the GPU tests run, the tests that fake CUDA skip (CI runs them)"
     cp = _backend.current.cupy()
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    return f"cudafut: {_backend.current.device_count()} GPU(s), device 0 {name}, CuPy {cp.__version__}"
+    return (
+        f"cudafut: {_backend.current.device_count()} GPU(s), device 0 {name}, CuPy {cp.__version__}; "
+        "the tests that fake CUDA skip here (CI runs them)"
+    )
 
 
 if os.environ.get("CUDAFUT_MUTATE"):

@@ -11,7 +11,6 @@ tests/test_gpu_interop.py proves the same on a GPU with the real libraries.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import enum
@@ -556,7 +555,7 @@ def torch(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> types.ModuleT
     # The streams kept for this test's tensors go with it (a weak reference
     # dropped calls nothing back), and nothing it retired reaches another.
     monkeypatch.setattr(_torch, "_owners", {})
-    monkeypatch.setattr(_lifetimes, "retired", collections.deque())
+    monkeypatch.setattr(_lifetimes, "retired", {})
     return module
 
 
@@ -689,6 +688,37 @@ def test_a_tensor_the_watcher_thread_lets_go_releases_its_stream_in_that_threads
     assert alive() is None and kept() is not None
     complete_on(fake_cuda, 0x556)
     until(lambda: gc.collect() >= 0 and kept() is None, "the stream released")
+
+
+def test_a_collection_inside_keep_owners_lock_may_record_another_tensor(
+    fake_cuda: FakeCuda, torch: Any
+) -> None:
+    """A finalizer run by a collection at any call inside the locked block
+    (a Tracked value's, recording its tensor) takes the lock again in the
+    same thread: a plain lock would hang here for good."""
+    first, second = FakeTensor(0), FakeTensor(0)
+    stream = FakeCupyStream(fake_cuda, 0x557, 0)
+    with _torch._owners_lock:  # as if a finalizer ran while keep_owner held it
+        assert _torch.keep_owner(first, 0x557, 0, stream)
+        assert _torch.keep_owner(second, 0x557, 0, stream)
+    assert len(_torch._owners) == 2
+
+
+def test_the_idle_watcher_thread_releases_what_a_thread_that_never_came_back_retired(
+    fake_cuda: FakeCuda, torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_lifetimes, "RETIRED_STALE_S", 0.05)
+    rec, held = Rec(device=0), FakeTensor(0)
+    assert _lifetimes.keep_until([rec], held)  # the watcher thread runs...
+    gone = weakref.ref(held)
+    del held
+    rec.complete()
+    until(lambda: gone() is None, "the watcher thread let it go")  # ...and, alone, goes idle
+    released: list[str] = []
+    other = threading.Thread(target=_lifetimes.retire, args=(released.append, "theirs"))
+    other.start()
+    other.join()  # it will never call wait() again
+    until(lambda: released == ["theirs"], "the stale release, by the idle watcher thread")
 
 
 def test_special_pool_and_torch_streams_are_not_kept_a_users_stream_is(

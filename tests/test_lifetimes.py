@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import collections
 import gc
 import os
 import sys
@@ -105,7 +104,7 @@ def test_keep_until_holds_nothing_when_the_records_are_done() -> None:
 
 
 def test_a_retired_release_waits_for_its_thread_or_for_staleness(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_lifetimes, "retired", collections.deque())
+    monkeypatch.setattr(_lifetimes, "retired", {})
     released: list[str] = []
     other = threading.Thread(target=_lifetimes.retire, args=(released.append, "theirs"))
     other.start()
@@ -116,13 +115,36 @@ def test_a_retired_release_waits_for_its_thread_or_for_staleness(monkeypatch: py
     monkeypatch.setattr(_lifetimes, "RETIRED_STALE_S", 0.0)
     _lifetimes.release_retired()
     assert released == ["mine", "theirs"]  # stale: any thread releases it
-    assert not _lifetimes.retired
+    assert not any(_lifetimes.retired.values())
+
+
+def test_a_thread_releases_its_own_without_taking_the_fresh_ones_of_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_lifetimes, "retired", {})
+    released: list[object] = []
+
+    def retire_many() -> None:
+        for n in range(1000):
+            _lifetimes.retire(released.append, n)
+
+    other = threading.Thread(target=retire_many)
+    other.start()
+    other.join()
+    _lifetimes.retire(released.append, "mine")
+    _lifetimes.retire(released.append, "mine too")
+    _lifetimes.release_retired()
+    assert released == ["mine", "mine too"]
+    assert sum(len(queue) for queue in _lifetimes.retired.values()) == 1000  # untouched, in order
+    monkeypatch.setattr(_lifetimes, "RETIRED_STALE_S", 0.0)
+    _lifetimes.release_retired()
+    assert released[2:] == list(range(1000))
 
 
 def test_a_failed_release_is_logged_and_the_others_still_run(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_lifetimes, "retired", collections.deque())
+    monkeypatch.setattr(_lifetimes, "retired", {})
     ran: list[object] = []
 
     def broken(arg: object) -> None:
