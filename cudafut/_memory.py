@@ -196,8 +196,7 @@ def record_stream(array: Any, stream: Any) -> None:
             f"__cuda_array_interface__ object), not {type(array).__name__}"
             + (_cuda.NOT_FAKED.format(call="record_stream()") if _cuda.faked() else "")
         )
-    if _lifetimes.retired:  # what this thread retired: its deallocations are done
-        _lifetimes.release_retired()
+    _lifetimes.release_retired()  # what this thread retired: its deallocations are done
     ptr, device = _cuda.stream_handle(stream)
     _record(array, ptr, device, stream)
 

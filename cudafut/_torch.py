@@ -467,8 +467,7 @@ def wait_current(torch: Any, records: Iterable[EventRecord], value: object) -> N
     waits on them too, where it is not CuPy's current stream (which waited
     already), and the torch CUDA tensors of ``value`` are recorded on it.
     First, the streams this thread retired (:func:`keep_owner`) go."""
-    if _lifetimes.retired:
-        _lifetimes.release_retired()
+    _lifetimes.release_retired()
     by_device: dict[int, list[EventRecord]] = {}
     for rec in records:
         by_device.setdefault(rec.device, []).append(rec)

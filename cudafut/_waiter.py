@@ -507,10 +507,9 @@ class ThreadWaiter(Driver):
     def _serve(self) -> None:
         next_poll: float | None = None
         while True:
-            if _lifetimes.retired:
-                # What this thread retired in its last round (a dropped
-                # future's tensor it let go): those deallocations are done.
-                _lifetimes.release_retired()
+            # What this thread retired in its last round (a dropped
+            # future's tensor it let go): those deallocations are done.
+            _lifetimes.release_retired()
             timer_fired = False
             with self._cond:
                 if not self._calls:
