@@ -26,7 +26,7 @@ a package it needs is not installed.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,6 +48,19 @@ _STD = (0.229, 0.224, 0.225)
 
 #: What a server answers (400) to a request that names no bank image.
 BAD_REQUEST = f'send {{"i": k}} with 0 <= k < {IMAGES}'
+
+#: The servers' ``--wait-policy`` choices: cudafut's presets, and ``polls``
+#: for timed polls without CUDA notices (to compare).
+WAIT_POLICIES = ("balanced", "low_latency", "low_cpu", "polls")
+
+
+def use_wait_policy(name: str) -> None:
+    """Set this process's wait policy by its ``--wait-policy`` name."""
+    import cudafut
+
+    if name not in WAIT_POLICIES:
+        raise ValueError(f"unknown wait policy {name!r}; use one of {WAIT_POLICIES}")
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=False) if name == "polls" else cast(Any, name))
 
 
 def image_index(body: object) -> int | None:

@@ -97,7 +97,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BAD_REQUEST, BUCKETS, MODELS, image_index, missing, top_of
+from models import BAD_REQUEST, BUCKETS, MODELS, WAIT_POLICIES, image_index, missing, top_of, use_wait_policy
 from pauses import freeze_warm_objects, frozen_count, record_from_env
 from stalltrace import start_from_env as trace_stalls_from_env
 
@@ -157,12 +157,14 @@ def gpu_main(
     *,
     per_request: bool = False,
     max_in_flight: int = 2,
+    wait_policy: str = "balanced",
 ) -> None:
     """A GPU process: front batches from each front's pipe, answers back
     down the same pipe (:class:`_GpuBatches`; with ``per_request``, the
     hand-off of :func:`_gpu_loop`). It ends once every front has gone. With
     ``freeze``, what warm-up left is frozen before ``ready`` is set."""
     record_from_env()
+    use_wait_policy(wait_policy)
     if model == TOY:  # no GPU: the fake GPU, whose futures cross once done
         from ray_serve import Toy
 
@@ -967,6 +969,7 @@ def front_main(
     per_request: bool = False,
     max_batch: int = 64,
     delay_s: float = 0.0,
+    wait_policy: str = "balanced",
 ) -> None:
     """A front process: HTTP on ``port`` (shared), requests to the GPU
     processes (:class:`_Link`, or :class:`_PerRequestLink` with
@@ -977,6 +980,7 @@ def front_main(
     left (PyTorch's, where it receives GPU futures) is frozen before
     ``ready``."""
     record_from_env()
+    use_wait_policy(wait_policy)
     try:
         from aiohttp import web
     except ImportError as exc:  # one line that says what to install, not a traceback
@@ -1092,6 +1096,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="a message per request, a Batcher in the GPU process (to compare with front batches)",
     )
+    parser.add_argument(
+        "--wait-policy",
+        choices=WAIT_POLICIES,
+        default="balanced",
+        help="how every process's waiter polls (cudafut.set_wait_policy; polls: WaitPolicy(notify=False))",
+    )
     parser.add_argument("--nogpu", metavar="REFERENCE", help="answer from this reference table, no GPU")
     parser.add_argument("--reference", help="ignored (compare.py passes it to every server)")
     parser.add_argument(
@@ -1127,6 +1137,7 @@ def main(argv: list[str] | None = None) -> None:
                     "freeze": not args.no_gc_freeze,
                     "per_request": args.per_request,
                     "max_in_flight": args.max_in_flight,
+                    "wait_policy": args.wait_policy,
                 },
                 name=f"gpu{g}-device{device}",
             )
@@ -1146,6 +1157,7 @@ def main(argv: list[str] | None = None) -> None:
                     "per_request": args.per_request,
                     "max_batch": args.max_batch,
                     "delay_s": args.front_delay_ms / 1e3,
+                    "wait_policy": args.wait_policy,
                 },
                 name=f"front-{f}",
             )

@@ -77,7 +77,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models: next to this file
 
-from models import BAD_REQUEST, BUCKETS, MODELS, Served, image_index, missing, require_model_packages, top_of
+from models import (
+    BAD_REQUEST,
+    BUCKETS,
+    MODELS,
+    WAIT_POLICIES,
+    Served,
+    image_index,
+    missing,
+    require_model_packages,
+    top_of,
+    use_wait_policy,
+)
 from pauses import freeze_warm_objects, frozen_count, record_from_env
 from stalltrace import start_from_env as trace_stalls_from_env
 
@@ -396,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: 5 ms)")
     parser.add_argument(
         "--wait-policy",
-        choices=("balanced", "low_latency", "low_cpu", "polls"),
+        choices=WAIT_POLICIES,
         default="balanced",
         help="how the loop's waiter polls (cudafut.set_wait_policy; polls: WaitPolicy(notify=False))",
     )
@@ -408,8 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    policy = cudafut.WaitPolicy(notify=False) if args.wait_policy == "polls" else args.wait_policy
-    cudafut.set_wait_policy(policy)
+    use_wait_policy(args.wait_policy)
     from cudafut._cli.selfcheck import require_gpu
 
     ref = np.load(args.reference) if args.reference else None
