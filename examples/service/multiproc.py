@@ -1099,8 +1099,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--wait-policy",
         choices=WAIT_POLICIES,
-        default="balanced",
-        help="how every process's waiter polls (cudafut.set_wait_policy; polls: WaitPolicy(notify=False))",
+        default="polls",
+        help="how every process's waiter polls (cudafut.set_wait_policy; polls, the default: "
+        "WaitPolicy(notify=False), which measured best here, docs/processes.md)",
     )
     parser.add_argument("--nogpu", metavar="REFERENCE", help="answer from this reference table, no GPU")
     parser.add_argument("--reference", help="ignored (compare.py passes it to every server)")
