@@ -50,6 +50,23 @@ def test_an_answer_is_checked_against_the_reference_logits() -> None:
     assert not models.check([*right[:-1], 0.5], ref[0], tol)  # not a class number
 
 
+def test_a_servers_wait_policy_name_sets_the_policy_and_polls_turns_notices_off() -> None:
+    import cudafut
+
+    models = load_example(SERVICE / "models.py")
+    before = cudafut.get_wait_policy()
+    try:
+        models.use_wait_policy("polls")
+        assert cudafut.get_wait_policy() == cudafut.WaitPolicy(notify=False)
+        models.use_wait_policy("balanced")
+        assert cudafut.get_wait_policy() == cudafut.WaitPolicy()
+        with pytest.raises(ValueError, match="unknown wait policy 'fast'"):
+            models.use_wait_policy("fast")
+        assert cudafut.get_wait_policy() == cudafut.WaitPolicy()
+    finally:
+        cudafut.set_wait_policy(before)
+
+
 def test_the_comparison_table_has_a_row_per_handler() -> None:
     pytest.importorskip("aiohttp")
     pytest.importorskip("psutil")  # Ray Serve brings aiohttp without psutil
