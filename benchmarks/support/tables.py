@@ -395,6 +395,61 @@ def _fronts_batched(all_runs: list[Run]) -> list[str]:
     return [caption, "", *_COMPARE_HEADER, *rows, "", note, *_unrecorded(run)]
 
 
+#: The wait-policy A/Bs: (their part, the label of each policy).
+_POLICY_PARTS = (
+    ("serve processes: notices or timed polls, A/B", "fronts"),
+    ("serve notices or timed polls, A/B", "batch_graph"),
+)
+_POLICY_NAMES = {"polls": "timed polls (`polls`)", "balanced": "notices (`balanced`, the default)"}
+
+
+def _wait_policies(all_runs: list[Run]) -> list[str]:
+    """The service's wait policy, timed polls against CUDA notices,
+    alternated in one call: several processes (fronts and a GPU process per
+    device), then one process."""
+    out: list[str] = []
+    for part, mode in _POLICY_PARTS:
+        run = newest(all_runs, part)
+        if run is None:
+            continue
+        ab = load(run.name)[part]
+        runs_ = ab["runs"]
+        entries = runs_.items() if isinstance(runs_, dict) else ((None, r) for r in runs_)
+        rows = []
+        for label, entry in entries:
+            if "result" in entry:  # one process: a compare.py result, keyed by model
+                model = entry["result"]["resnet50"]
+                found = [("closed", model["closed"][mode])]
+                found += [(f"open, {key}", group[mode]) for key, group in model.get("open", {}).items()]
+            else:
+                found = [
+                    (key.removeprefix(mode + " ").replace("open ", "open, "), value)
+                    for key, value in entry.items()
+                    if key.startswith(mode + " ")
+                ]
+            where = (label or "").split(",")[0] or "1 process"
+            for load_, r in found:
+                health = r.get("health") or {}
+                rows.append(
+                    f"| {where}, {load_} | {_POLICY_NAMES[entry['policy']]}, round {entry['round']} "
+                    f"| {r['rps']:,.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} "
+                    f"| {health.get('p99_ms') or 0:.2f} / {health.get('max_ms') or 0:.2f} "
+                    f"| {r['server_cpu'] * 100:.0f} % | {_busy(r)} | {r['wrong']} / {r['errors']} |"
+                )
+        out += [
+            *([""] if out else []),
+            _caption(run, run.producer, 2 if mode == "fronts" else 1),
+            "",
+            "| GPUs, load | policy | req/s | p50 / p99 ms | /health p99 / max ms | server CPU | GPU busy "
+            "| wrong / errors |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+        if ab.get("note"):
+            out += ["", ab["note"][0].upper() + ab["note"][1:] + "."]
+    return out or ["*No committed A/B of the wait policy yet.*"]
+
+
 def _gc_pauses(all_runs: list[Run]) -> list[str]:
     """The one-process server at a fixed open-loop rate, what warm-up left
     frozen or not (two calls of one session)."""
@@ -713,6 +768,7 @@ SNIPPETS: dict[str, Callable[[list[Run]], list[str]]] = {
     "serve-depth": _pipeline_depth,
     "serve-fronts-batched": _fronts_batched,
     "serve-gc": _gc_pauses,
+    "wait-policies": _wait_policies,
     "stalls": _stalls,
     "reliability": _reliability,
 }
