@@ -135,6 +135,10 @@ def _devices() -> tuple[int, ...]:
 #: Front processes and closed-loop clients per GPU in the ``processes`` part.
 FRONTS_PER_GPU = 8
 CLIENTS_PER_GPU = 256
+#: The ``processes`` part's wait policy in every process of the service
+#: (multiproc.py's ``--wait-policy``, its default): timed polls measured
+#: better than CUDA notices there (docs/processes.md), and a run records it.
+PROCESSES_WAIT_POLICY = "polls"
 
 
 def _processes_part(quick: bool, progress: Progress) -> dict[str, Any]:
@@ -160,7 +164,9 @@ def _processes_part(quick: bool, progress: Progress) -> dict[str, Any]:
             fronts=FRONTS_PER_GPU * n,
             devices=n,
             step=progress.step,
+            multiproc_args=("--wait-policy", PROCESSES_WAIT_POLICY),
         )
+        out[str(n)]["wait_policy"] = PROCESSES_WAIT_POLICY
     return out
 
 
@@ -857,7 +863,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
     if models:
         lines += _compare_module().table(models)
     for n, part in (result.get("processes") or {}).items():
-        lines += [f"Several processes, {n} GPU(s) (examples/service/multiproc.py):", ""]
+        policy = f", `--wait-policy {part['wait_policy']}`" if "wait_policy" in part else ""
+        lines += [f"Several processes, {n} GPU(s) (examples/service/multiproc.py{policy}):", ""]
         lines += _compare_module().table(part)
     if models or result.get("processes"):
         lines += [_COLUMNS, ""]

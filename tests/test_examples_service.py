@@ -478,6 +478,42 @@ def _outbox_pipe() -> Iterator[tuple[Any, Any, Any]]:
         theirs.close()
 
 
+@pytest.mark.parametrize(("argv", "policy"), [((), "polls"), (("--wait-policy", "low_cpu"), "low_cpu")])
+def test_every_process_of_the_multi_process_service_gets_its_wait_policy(
+    monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...], policy: str
+) -> None:
+    sys.path.insert(0, str(SERVICE))  # multiproc imports models from next to it
+    multiproc = load_example(SERVICE / "multiproc.py")
+    made: list[dict[str, Any]] = []
+
+    class Child:  # a process that ends before it is ready: main() stops there
+        exitcode = 1
+
+        def __init__(self, *, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> None:
+            made.append({"target": target.__name__, **kwargs})
+            self.name = name
+
+        def start(self) -> None: ...
+        def is_alive(self) -> bool:
+            return False
+
+        def terminate(self) -> None: ...
+
+    class End:
+        def close(self) -> None: ...
+
+    ctx = types.SimpleNamespace(
+        Event=lambda: types.SimpleNamespace(wait=lambda timeout: False, set=lambda: None),
+        Pipe=lambda: (End(), End()),
+        Process=Child,
+    )
+    monkeypatch.setattr(multiproc.mp, "get_context", lambda method: ctx)
+    with pytest.raises(SystemExit, match="exited with 1 before it was ready"):
+        multiproc.main(["--model", "toy", "--fronts", "2", "--devices", "0,1", *argv])
+    assert sorted(child["target"] for child in made) == ["front_main", "front_main", "gpu_main", "gpu_main"]
+    assert {child["wait_policy"] for child in made} == {policy}
+
+
 # -- multiproc.py's hand-off: front batches, GPU batches (on the fake GPU) ----------
 
 

@@ -414,8 +414,13 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
             continue
         ab = load(run.name)[part]
         runs_ = ab["runs"]
-        entries = runs_.items() if isinstance(runs_, dict) else ((None, r) for r in runs_)
+        entries = (
+            [(label, runs_[label]) for label in ab.get("order", runs_)]
+            if isinstance(runs_, dict)
+            else [(None, r) for r in runs_]
+        )
         rows = []
+        transcribed = False
         for label, entry in entries:
             if "result" in entry:  # one process: a compare.py result, keyed by model
                 model = entry["result"]["resnet50"]
@@ -428,12 +433,14 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
                     if key.startswith(mode + " ")
                 ]
             where = (label or "").split(",")[0] or "1 process"
+            mark = " (printed)" if "source" in entry else ""
+            transcribed = transcribed or bool(mark)
             for load_, r in found:
                 health = r.get("health") or {}
                 rows.append(
-                    f"| {where}, {load_} | {_POLICY_NAMES[entry['policy']]}, round {entry['round']} "
+                    f"| {where}, {load_} | {_POLICY_NAMES[entry['policy']]}, round {entry['round']}{mark} "
                     f"| {r['rps']:,.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} "
-                    f"| {health.get('p99_ms') or 0:.2f} / {health.get('max_ms') or 0:.2f} "
+                    f"| {_health(health.get('p99_ms'))} / {_health(health.get('max_ms'))} "
                     f"| {r['server_cpu'] * 100:.0f} % | {_busy(r)} | {r['wrong']} / {r['errors']} |"
                 )
         out += [
@@ -446,8 +453,14 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
             *rows,
         ]
         if ab.get("note"):
-            out += ["", ab["note"][0].upper() + ab["note"][1:] + "."]
+            out += ["", f"Policies: {ab['note']}."]
+        if transcribed:
+            out += ["", "Printed: from the table the run printed (its results file did not come back)."]
     return out or ["*No committed A/B of the wait policy yet.*"]
+
+
+def _health(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
 
 
 def _gc_pauses(all_runs: list[Run]) -> list[str]:

@@ -56,6 +56,12 @@ its requests, its front batches and their rows (``front_batches``,
 ``front_items``), and the GPU batches its rows were in and their rows
 (``gpu_batches``, ``gpu_items``).
 
+Every process waits with timed polls (``--wait-policy polls``, the
+default here: ``cudafut.WaitPolicy(notify=False)``), not the library's
+default, which arms a CUDA notice for each await of work it has not
+learnt: each front's await of a batch did, and cost the service CPU and
+GPU time (docs/processes.md, "Timed polls in every process").
+
 If a GPU process ends, each front at once answers that process's waiting
 requests with 502, and the service stops a second later, saying which
 process ended. A front that ends loses only its own requests: the GPU
@@ -157,7 +163,7 @@ def gpu_main(
     *,
     per_request: bool = False,
     max_in_flight: int = 2,
-    wait_policy: str = "balanced",
+    wait_policy: str = "polls",
 ) -> None:
     """A GPU process: front batches from each front's pipe, answers back
     down the same pipe (:class:`_GpuBatches`; with ``per_request``, the
@@ -969,7 +975,7 @@ def front_main(
     per_request: bool = False,
     max_batch: int = 64,
     delay_s: float = 0.0,
-    wait_policy: str = "balanced",
+    wait_policy: str = "polls",
 ) -> None:
     """A front process: HTTP on ``port`` (shared), requests to the GPU
     processes (:class:`_Link`, or :class:`_PerRequestLink` with
