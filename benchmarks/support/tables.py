@@ -413,26 +413,14 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
         if run is None:
             continue
         ab = load(run.name)[part]
-        runs_ = ab["runs"]
-        entries = (
-            [(label, runs_[label]) for label in ab.get("order", runs_)]
-            if isinstance(runs_, dict)
-            else [(None, r) for r in runs_]
-        )
         rows = []
         transcribed = False
-        for label, entry in entries:
-            if "result" in entry:  # one process: a compare.py result, keyed by model
-                model = entry["result"]["resnet50"]
-                found = [("closed", model["closed"][mode])]
-                found += [(f"open, {key}", group[mode]) for key, group in model.get("open", {}).items()]
-            else:
-                found = [
-                    (key.removeprefix(mode + " ").replace("open ", "open, "), value)
-                    for key, value in entry.items()
-                    if key.startswith(mode + " ")
-                ]
-            where = (label or "").split(",")[0] or "1 process"
+        for entry in ab["runs"]:  # each a compare.py result, in the order they ran
+            model = entry["result"]["resnet50"]
+            found = [("closed", model["closed"][mode])]
+            found += [(f"open, {key}", group[mode]) for key, group in model.get("open", {}).items()]
+            gpus = entry.get("gpus")
+            where = "1 process" if gpus is None else f"{gpus} GPU{'s' if gpus > 1 else ''}"
             mark = " (printed)" if "source" in entry else ""
             transcribed = transcribed or bool(mark)
             for load_, r in found:
@@ -440,7 +428,7 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
                 rows.append(
                     f"| {where}, {load_} | {_POLICY_NAMES[entry['policy']]}, round {entry['round']}{mark} "
                     f"| {r['rps']:,.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} "
-                    f"| {_health(health.get('p99_ms'))} / {_health(health.get('max_ms'))} "
+                    f"| {_ms(health.get('p99_ms'), 2)} / {_ms(health.get('max_ms'), 2)} "
                     f"| {r['server_cpu'] * 100:.0f} % | {_busy(r)} | {r['wrong']} / {r['errors']} |"
                 )
         out += [
@@ -457,10 +445,6 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
         if transcribed:
             out += ["", "Printed: from the table the run printed (its results file did not come back)."]
     return out or ["*No committed A/B of the wait policy yet.*"]
-
-
-def _health(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:.2f}"
 
 
 def _gc_pauses(all_runs: list[Run]) -> list[str]:
@@ -528,8 +512,8 @@ def _fixed_rates(model: dict[str, Any]) -> dict[int, dict[str, Any]]:
     }
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _ms(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _pipeline_depth(all_runs: list[Run]) -> list[str]:

@@ -55,9 +55,8 @@ WAIT_POLICIES = ("balanced", "low_latency", "low_cpu", "polls")
 
 
 def use_wait_policy(name: str) -> None:
-    """Set this process's wait policy by its ``--wait-policy`` name."""
-    if name not in WAIT_POLICIES:
-        raise ValueError(f"unknown wait policy {name!r}; use one of {WAIT_POLICIES}")
+    """Set this process's wait policy by its ``--wait-policy`` name (an
+    unknown name: :func:`cudafut.set_wait_policy`'s ValueError)."""
     cudafut.set_wait_policy(cudafut.WaitPolicy(notify=False) if name == "polls" else cast(Any, name))
 
 
