@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import math
 import queue
 import random
@@ -78,6 +79,18 @@ FLOOR = (
     "floor: a thread per stream blocked on a blocking-sync event, "
     "waking the awaiting task (call_soon_threadsafe)"
 )
+#: Waiters told each job's duration, so no prediction can beat them: the
+#: task sleeps on a timerfd (microsecond timers; asyncio's round up to a
+#: millisecond) until its margin before the job's end, then polls the event
+#: once per loop iteration. The margins sweep the trade a sleeper makes
+#: (wake-up lateness against spinning): the least CPU of the ones that are
+#: no later than :data:`THREAD` at p50 and p90 is the CPU floor of that
+#: target for any waiter that sleeps and spins (docs/performance.md).
+TOLD = {
+    0.0: "floor: told the duration, sleep (timerfd) until the end, then sleep(0) polling",
+    0.2e-3: "floor: told the duration, sleep (timerfd) until 0.2 ms before the end, then sleep(0) polling",
+    1e-3: "floor: told the duration, sleep (timerfd) until 1 ms before the end, then sleep(0) polling",
+}
 STRATEGIES = (
     BALANCED,
     BALANCED_POLLS,
@@ -89,6 +102,7 @@ STRATEGIES = (
     LOW_LATENCY,
     THREAD,
     FLOOR,
+    *TOLD.values(),
     EXECUTOR,
     SLEEP0,
 )
@@ -297,6 +311,73 @@ def _run_floor(gpu: Any, jobs: Jobs, streams: list[Any]) -> tuple[Latencies, flo
     return asyncio.run(main())
 
 
+class _TimerSleep:
+    """A timerfd the running loop watches: :meth:`sleep` to the microsecond."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        from cudafut._timer import make_timer
+
+        timer = make_timer()
+        if timer is None:
+            raise RuntimeError("no timerfd on this machine: the told-the-duration floors need one")
+        self._timer = timer
+        self._loop = loop
+        self._fut: asyncio.Future[None] | None = None
+        loop.add_reader(timer.fd, self._fired)
+
+    def _fired(self) -> None:
+        self._timer.drain()
+        fut, self._fut = self._fut, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def sleep(self, seconds: float) -> None:
+        self._fut = self._loop.create_future()
+        self._timer.arm(seconds)
+        await self._fut
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._timer.fd)
+        self._timer.close()
+
+
+def _run_told(gpu: Any, margin_s: float, jobs: Jobs, streams: list[Any]) -> tuple[Latencies, float]:
+    """:data:`TOLD`: each task launches, records its stream's event, sleeps
+    until ``margin_s`` before the job's known end, then polls the event."""
+
+    async def main() -> tuple[Latencies, float]:
+        loop = asyncio.get_running_loop()
+        events: dict[int, Any] = {}
+        sleepers = [_TimerSleep(loop) for _ in streams]
+
+        async def task(durations: list[float], s: Any, sleeper: _TimerSleep) -> list[float]:
+            ev = _event_of(events, s, block=False)
+            out = []
+            for d in durations:
+                t = time.perf_counter()
+                gpu.work(int(d * 1e9), on=s)
+                ev.record(s)
+                ahead = t + d - margin_s - time.perf_counter()
+                if ahead > 0:
+                    await sleeper.sleep(ahead)
+                while not ev.done:
+                    await asyncio.sleep(0)
+                out.append(time.perf_counter() - t)
+            return out
+
+        try:
+            with CpuMeter() as m:
+                lats = await asyncio.gather(
+                    *(task(d, s, w) for d, s, w in zip(jobs, streams, sleepers, strict=True))
+                )
+        finally:
+            for w in sleepers:
+                w.close()
+        return list(lats), m.ratio
+
+    return asyncio.run(main())
+
+
 def _strategy(name: str, gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) -> Callable[..., Any]:
     if name in _PRESETS:
         preset = _PRESETS[name]
@@ -316,6 +397,9 @@ def _strategy(name: str, gpu: Any, pool: concurrent.futures.ThreadPoolExecutor) 
         return lambda jobs, streams: _run_threads(gpu, jobs, streams)
     if name == FLOOR:
         return lambda jobs, streams: _run_floor(gpu, jobs, streams)
+    for margin, told in TOLD.items():
+        if name == told:
+            return functools.partial(_run_told, gpu, margin)
     if name == EXECUTOR:
         return lambda jobs, streams: _run_async(_await_executor(gpu, pool), jobs, streams)
     return lambda jobs, streams: _run_async(_await_sleep0(gpu), jobs, streams)
@@ -413,6 +497,7 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
         }
     out["targets"] = _targets(out)
     out["ratios"] = _all_ratios(out)
+    out["told_floor"] = _all_told_floors(out)
     return out
 
 
@@ -451,6 +536,13 @@ _PEER_COLUMNS = {
 }
 
 
+#: The Targets column of :func:`_told_floor` (runs that have the told waiters).
+_TOLD_COLUMN = (
+    "CPU floor: the least CPU / wall of a waiter told the duration that is no later than the "
+    "blocked thread at p50 and p90, over the thread's; the default policy's over it"
+)
+
+
 def _over(value: float, base: float) -> float | None:
     return round(value / base, 2) if base > 0 else None
 
@@ -477,6 +569,47 @@ def _all_ratios(result: dict[str, Any]) -> dict[str, Any]:
         for pattern, layouts in result["patterns"].items()
         for layout, rows in layouts.items()
     }
+
+
+def _told_floor(rows: dict[str, Any]) -> dict[str, Any] | None:
+    """Of the :data:`TOLD` waiters no later than the blocked thread at p50
+    and p90, the one with the least CPU: its margin, its CPU over the
+    thread's, and the default policy's CPU over its. None where none is
+    (or the run had none)."""
+    thread = rows[THREAD]
+    fits = [
+        (rows[name]["cpu_per_wall"], margin)
+        for margin, name in TOLD.items()
+        if name in rows
+        and rows[name]["extra_p50_us"] <= thread["extra_p50_us"]
+        and rows[name]["extra_p90_us"] <= thread["extra_p90_us"]
+    ]
+    if not fits:
+        return None
+    cpu, margin = min(fits)
+    return {
+        "margin_ms": margin * 1e3,
+        "cpu_over_thread": _over(cpu, thread["cpu_per_wall"]),
+        "default_cpu_over_it": _over(rows[BALANCED]["cpu_per_wall"], cpu),
+    }
+
+
+def _all_told_floors(result: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_told_floor` of every pattern and layout, keyed as the targets are."""
+    return {
+        f"{pattern} [{layout}]": _told_floor(rows)
+        for pattern, layouts in result["patterns"].items()
+        for layout, rows in layouts.items()
+    }
+
+
+def _told_cell(floor: dict[str, Any] | None) -> str:
+    if floor is None:
+        return "none of them"
+    return (
+        f"{floor['cpu_over_thread']:.2f}x (sleeping until {floor['margin_ms']:g} ms before the end); "
+        f"ours {floor['default_cpu_over_it']:.2f}x it"
+    )
 
 
 def _names(result: dict[str, Any]) -> list[str]:
@@ -520,6 +653,9 @@ def markdown(result: dict[str, Any]) -> list[str]:
     # floor: for runs that have the floor (the tables of older runs stay as they were).
     ratios = _all_ratios(result) if FLOOR in names else {}
     extra = [_PEER_COLUMNS[key] for key in PEERS] if ratios else []
+    told = result.get("told_floor", {})
+    if told:
+        extra.append(_TOLD_COLUMN)
     heading = "### Targets (default policy against the blocking-sync thread, same run)"
     if ratios:
         heading = heading.removesuffix(")") + (
@@ -535,6 +671,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         ]
         if ratios:
             cells += [_ratio_cell(ratios.get(key, {}).get(peer)) for peer in PEERS]
+        if told:
+            cells.append(_told_cell(told.get(key)))
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines

@@ -121,3 +121,71 @@ def test_each_target_row_is_given_against_the_thread_and_the_floor() -> None:
     row = next(line for line in text.splitlines() if line.startswith(f"| {key} |"))
     assert row.endswith(f" | {vary._ratio_cell(r['thread'])} | {vary._ratio_cell(r['floor'])} |"), row
     assert len(row.split(" | ")) == 1 + len(vary._target_names(result)) + 2
+
+
+class _PolledEvent(_Event):
+    """A non-blocking event's stand-in: ``done`` once its work's end passed."""
+
+    @property
+    def done(self) -> bool:
+        return time.perf_counter() >= self.ends
+
+
+def test_a_told_waiter_sleeps_until_its_margin_then_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: dict[int, _PolledEvent] = {}
+
+    def event_of(made: dict[int, Any], stream: _Stream, block: bool) -> _PolledEvent:
+        assert not block  # polled, as the sleep(0) peer's
+        return events.setdefault(stream.ptr, _PolledEvent())
+
+    monkeypatch.setattr(vary, "_event_of", event_of)
+    fds_before = len(list(Path("/proc/self/fd").iterdir()))
+    jobs = [[0.004, 0.0005, 0.002], [0.001] * 4]
+    for margin in vary.TOLD:
+        lats, cpu = vary._run_told(_Gpu(), margin, jobs, [_Stream(1), _Stream(2)])
+        assert [len(x) for x in lats] == [3, 4]
+        for durations, got in zip(jobs, lats, strict=True):
+            assert all(t >= d for d, t in zip(durations, got, strict=True)), (margin, durations, got)
+        assert 0.0 <= cpu
+    assert len(list(Path("/proc/self/fd").iterdir())) == fds_before  # every timerfd closed
+
+
+def _rows(thread: tuple[float, float, float], told: list[tuple[float, float, float]], mine: float) -> dict[str, Any]:
+    def row(p50: float, p90: float, cpu: float) -> dict[str, float]:
+        return {"extra_p50_us": p50, "extra_p90_us": p90, "cpu_per_wall": cpu}
+
+    rows = {vary.THREAD: row(*thread), vary.BALANCED: row(0.0, 0.0, mine)}
+    for name, figures in zip(vary.TOLD.values(), told, strict=True):
+        rows[name] = row(*figures)
+    return rows
+
+
+def test_the_cpu_floor_is_the_cheapest_told_waiter_no_later_than_the_thread() -> None:
+    # The sleeper to the end is too late at p90; of the two in time, the
+    # one with less CPU sets the floor.
+    rows = _rows((100, 300, 0.02), [(80, 400, 0.021), (60, 250, 0.04), (20, 40, 0.08)], mine=0.12)
+    floor = vary._told_floor(rows)
+    assert floor == {"margin_ms": 0.2, "cpu_over_thread": 2.0, "default_cpu_over_it": 3.0}
+    assert vary._told_cell(floor).startswith("2.00x (sleeping until 0.2 ms before the end)")
+    # None in time: no floor is claimed.
+    late = _rows((10, 20, 0.02), [(80, 400, 0.02), (60, 250, 0.04), (20, 40, 0.08)], mine=0.12)
+    assert vary._told_floor(late) is None
+    assert vary._told_cell(None) == "none of them"
+    # A run from before the told waiters has no floor either.
+    assert vary._told_floor({k: v for k, v in rows.items() if k not in vary.TOLD.values()}) is None
+
+
+def test_the_targets_table_gives_the_cpu_floor_where_the_run_has_it() -> None:
+    result = copy.deepcopy(_newest())
+    for layouts in result["patterns"].values():
+        for rows in layouts.values():
+            thread = rows[vary.THREAD]
+            for margin, name in vary.TOLD.items():
+                rows[name] = {**thread, "cpu_per_wall": thread["cpu_per_wall"] * (2 + margin * 1e3)}
+    result["told_floor"] = vary._all_told_floors(result)
+    text = "\n".join(vary.markdown(result))
+    assert vary._TOLD_COLUMN in text
+    key = next(iter(result["targets"]))
+    row = next(line for line in text.splitlines() if line.startswith(f"| {key} |"))
+    assert row.endswith(f" | {vary._told_cell(result['told_floor'][key])} |"), row
+    assert "2.00x (sleeping until 0 ms before the end)" in row
