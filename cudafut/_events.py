@@ -175,6 +175,12 @@ class EventRecord:
                 pass
 
 
+#: The first member of an imported record's stream key (``cudafut._shared``):
+#: an event another process records, keyed apart from every stream of this
+#: process and ordered with no other record.
+IMPORTED: Final = -1
+
+
 def _stream_key(stream: int, device: int) -> tuple[int, ...]:
     if stream == 2:  # cudaStreamPerThread is one stream per thread
         return (device, stream, threading.get_ident())

@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any, Final
 
 from . import _backend, _compiled, _lifetimes
-from ._events import EventRecord, is_newest
+from ._events import IMPORTED, EventRecord, is_newest
 from ._log import logger
 from ._policy import get_wait_policy, predictor
 from ._timer import make_timer
@@ -382,8 +382,16 @@ class AsyncioDriver(LoopDriver):
         GPU, docs/design.md hazard 11), or notices cannot be had: the waiter
         then polls on timers for this record, as ``notify=False`` does. The
         first failure to arm one stops notices for this waiter. Never raises
-        an ``Exception``: it runs inside the waiter's poll."""
+        an ``Exception``: it runs inside the waiter's poll.
+
+        Never for a record of another process (a received future): each has
+        a key of its own, so every await would ask for a notice, GPU work
+        in this process's own CUDA context, which the GPU time-slices with
+        the producer's; timed polls served several such processes better
+        (docs/processes.md, "Timed polls in every process")."""
         key = record.stream_key
+        if key[0] == IMPORTED:
+            return False
         armed = self._notices.get(key)
         if armed is not None:
             return armed.seq <= record.seq

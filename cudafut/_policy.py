@@ -120,11 +120,10 @@ class WaitPolicy:
     that no learnt duration covers (random durations, the jobs after a
     step) was noticed sooner at p90 than with the polls alone, at about
     the same CPU; ``WaitPolicy(notify=False)`` polls on timers only.
-    Where many processes await work they did not learn (several fronts
-    awaiting batches from a GPU process: futures received from another
-    process), each such await arms a notice and its wake-up costs CPU the
-    fronts need; the multi-process serving recipe measured better with
-    ``notify=False`` in every process (docs/processes.md, "Timed polls in
+    An await of a future received from another process never arms a
+    notice: it polls on timers (a notice would be GPU work in this
+    process's own CUDA context, one per future; the multi-process serving
+    recipe measured better without: docs/processes.md, "Timed polls in
     every process").
     The first notice on a device makes its 32 notice streams on a helper
     thread; CUDA may hold that creation, and other CUDA calls of the

@@ -67,7 +67,7 @@ from typing import Any, Final
 
 from . import _backend, _cuda, _lifetimes, _torch
 from ._errors import CudaError, InvalidStateError, SharingError
-from ._events import EventRecord, first_error
+from ._events import IMPORTED, EventRecord, first_error
 from ._future import CudaFuture, set_exporter
 from ._interface import set_future, share_state, until_set
 from ._log import logger
@@ -963,7 +963,7 @@ def _open_record(event: tuple[str, bytes], received: _Received, pid: int, start:
     received.event_key = handle
     received.devices.add(device)
     # A stream key of its own: ordered with no other record.
-    rec = _SharedRecord(event_handle, device, 0, (-1, id(received)), 1, time.perf_counter())
+    rec = _SharedRecord(event_handle, device, 0, (IMPORTED, id(received)), 1, time.perf_counter())
     rec.owner = received
     with st.lock:
         st.watched.append((weakref.ref(rec), pid, start))

@@ -50,6 +50,38 @@ def test_await_in_another_process_waits_for_the_producers_work(children: list[Ch
     _released_by_producer(child)
 
 
+def test_an_await_of_a_received_future_asks_cuda_for_no_notice(
+    children: list[Child], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudafut import _backend
+
+    before = cudafut.get_wait_policy()
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # the default, said
+    asked: list[int] = []
+    close_after = _backend.current.close_after
+
+    def counted(record: Any, fd: int, stream: int) -> None:
+        asked.append(fd)
+        close_after(record, fd, stream)
+
+    monkeypatch.setattr(_backend.current, "close_after", counted)
+    child = Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
+    children.append(child)
+    fut = child.get()
+
+    async def main(fut: cudafut.CudaFuture[Any]) -> Any:
+        return await fut
+
+    try:
+        value = asyncio.run(main(fut))
+    finally:
+        cudafut.set_wait_policy(before)
+    assert (value.get() == 7.0).all(), "read before the producer's kernel wrote"
+    assert asked == [], "a notice was armed for another process's event"
+    del fut, value
+    _released_by_producer(child)
+
+
 def test_then_in_another_process_orders_the_gpu_after_the_producer(children: list[Child]) -> None:
     child = Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
     children.append(child)

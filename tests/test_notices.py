@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import cudafut
-from cudafut import _backend, _cuda, _loops, _notices, _policy, _runtime, testing
+from cudafut import _backend, _cuda, _events, _interface, _loops, _notices, _policy, _runtime, testing
 from tests.runners import run_on
 
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
@@ -104,6 +104,22 @@ def test_an_await_of_unknown_work_asks_for_one_notice_per_stream(
     del futs, values
     gc.collect()
     assert not _open_fds() - before, "a notice's pipe was left open"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_await_of_another_processs_work_polls_and_asks_for_no_notice(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str
+) -> None:
+    # A received future's record is keyed as imported (cudafut._shared): the
+    # same wait, keyed so, arms no notice and still ends, on timed polls.
+    fake, handed = notices
+    futs = [cudafut.record(np.full(2, i), stream=fake.stream()) for i in range(3)]
+    for i, fut in enumerate(futs):
+        for rec in _interface.records_of(fut):
+            rec.stream_key = (_events.IMPORTED, 1000 + i)
+    values = run_on(loop, _await_completed_later, fake, futs, 0.02)
+    assert [v[0] for v in values] == [0, 1, 2]
+    assert handed == [], "a record of another process was noticed"
 
 
 def _polls_seen(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
