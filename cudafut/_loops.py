@@ -82,9 +82,10 @@ class LoopDriver(Driver):
         """Yield to the loop once (one loop iteration)."""
 
     @abc.abstractmethod
-    def wait_records(self, records: Sequence[EventRecord]) -> Generator[Any, None, None]:
+    def wait_records(self, records: Sequence[EventRecord], fresh: bool = True) -> Generator[Any, None, None]:
         """``yield from`` it in an awaiting task: returns once ``records``
-        completed or one failed."""
+        completed or one failed. ``fresh=False``: the wait spun already (a
+        lone await's, handed over): the driver starts no second spin."""
 
     @abc.abstractmethod
     async def until(self, register: Register) -> None:
@@ -119,7 +120,9 @@ class LoopDriver(Driver):
     def _wait_alone(self, records: Sequence[EventRecord]) -> Generator[Any, None, None]:
         if (yield from self.spin_alone(records[0]).__await__()):
             return
-        yield from self.wait_records(records)
+        # The wait spun in the task already: a second spin after a new wait
+        # would only cost CPU (about spin_s per wait of unlearnt work).
+        yield from self.wait_records(records, fresh=False)
 
     def step(self, timer_fired: bool) -> float | None:
         """Poll once and plan what follows: None when nothing is left to
@@ -475,7 +478,7 @@ class AsyncioDriver(LoopDriver):
             return None
         return _AsyncioAwait(self, loop, future, record, finish)
 
-    def wait_records(self, records: Sequence[EventRecord]) -> Generator[Any, None, None]:
+    def wait_records(self, records: Sequence[EventRecord], fresh: bool = True) -> Generator[Any, None, None]:
         """``yield from`` it in an awaiting task: returns once ``records``
         completed or one failed. Keeps one asyncio future and one watch per
         record alive while it waits."""
@@ -483,13 +486,13 @@ class AsyncioDriver(LoopDriver):
         assert loop is not None
         waiter = loop.create_future()
         if len(records) == 1:
-            watch = self.watch_one(records[0], functools.partial(_resolve, waiter))
+            watch = self.watch_one(records[0], functools.partial(_resolve, waiter), fresh)
             try:
                 yield from waiter
             finally:
                 self.watchlist.remove(watch)
             return
-        cancel = self.watch_all(records, functools.partial(_resolve, waiter))
+        cancel = self.watch_all(records, functools.partial(_resolve, waiter), fresh)
         try:
             yield from waiter
         finally:
@@ -830,10 +833,10 @@ class TrioDriver(LoopDriver):
         with contextlib.suppress(self._trio.RunFinishedError):  # the run ended
             token.run_sync_soon(fn)
 
-    def wait_records(self, records: Sequence[EventRecord]) -> Generator[Any, None, None]:
+    def wait_records(self, records: Sequence[EventRecord], fresh: bool = True) -> Generator[Any, None, None]:
         """As :meth:`AsyncioDriver.wait_records`, with a trio event."""
         event = self._trio.Event()
-        cancel = self.watch_all(records, lambda _error: event.set())
+        cancel = self.watch_all(records, lambda _error: event.set(), fresh)
         try:
             yield from event.wait().__await__()
         finally:

@@ -56,7 +56,7 @@ _HISTORY: Final = 16
 #: trusted, or the two newest ones (work that just changed and repeats): one
 #: long job must not move the waiter (it did, once: one 50 ms job made forty
 #: 2 ms jobs wake 34 ms late).
-_MODE_MIN: Final = 3
+_MODE_MIN: Final = 4
 #: ... and one of them among the newest observations: work that moved on is
 #: forgotten quickly.
 _RECENT: Final = 8

@@ -293,30 +293,37 @@ class Driver(abc.ABC):
         self.pacer.new_wait(time.perf_counter())
         self.ensure_polling()
 
-    def watch_one(self, record: EventRecord, callback: RecordCallback) -> Watch:
+    def watch_one(self, record: EventRecord, callback: RecordCallback, fresh: bool = True) -> Watch:
         """Call ``callback(record)`` in this driver's thread once ``record``
         completes or fails; the common case, with the fewest objects alive
         per wait. Must be called from the driver's thread; cancel with
-        ``self.watchlist.remove(watch)``."""
-        return self.watch(Watch(record, callback))
+        ``self.watchlist.remove(watch)``. ``fresh=False``: the wait is one
+        that already spun (a lone await handing its wait over): no new spin."""
+        return self.watch(Watch(record, callback), fresh)
 
-    def watch(self, watch: Watch) -> Watch:
+    def watch(self, watch: Watch, fresh: bool = True) -> Watch:
         """:meth:`watch_one` for a watch the caller made (its ``callback``
         set): the waiter calls ``watch.callback(watch.record)``."""
-        self.pacer.new_wait(time.perf_counter())  # _new_wait(), inline: every wait comes here
+        if fresh:
+            self.pacer.new_wait(time.perf_counter())  # _new_wait(), inline: every wait comes here
         self.ensure_polling()
         return self.watchlist.add_watch(watch)
 
-    def watch_all(self, records: Sequence[EventRecord], on_done: DoneCallback) -> Callable[[], None]:
+    def watch_all(
+        self, records: Sequence[EventRecord], on_done: DoneCallback, fresh: bool = True
+    ) -> Callable[[], None]:
         """Call ``on_done`` in this driver's thread when ``records`` complete.
 
         Must be called from the driver's thread. Returns a function that
-        cancels the wait (idempotent).
+        cancels the wait (idempotent). ``fresh`` as for :meth:`watch_one`.
         """
         if len(records) == 1:
-            watch = self.watch_one(records[0], lambda rec: on_done(rec.error()))
+            watch = self.watch_one(records[0], lambda rec: on_done(rec.error()), fresh)
             return functools.partial(self.watchlist.remove, watch)
-        self._new_wait()
+        if fresh:
+            self._new_wait()
+        else:
+            self.ensure_polling()
         return _Group(self.watchlist, records, on_done).cancel
 
     def poll(self, timer_fired: bool) -> float | None:

@@ -152,6 +152,24 @@ def test_the_notice_not_a_timer_ends_the_sleep(
     assert True not in fired, "the sleep ended on its timer, not on the notice"
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_lone_await_handed_to_the_driver_spins_once(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long spin after a new wait (50 ms): the lone await spins it in its
+    # task, then hands the wait to the driver, which asks for a notice and
+    # sleeps until it comes. A second spin there, as after a new wait,
+    # would poll at every loop iteration for another 50 ms: thousands.
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, spin_s=0.05, notice_sleep_s=1.0))
+    fired = _polls_seen(monkeypatch)
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+    (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.2)
+    assert value.sum() == 2
+    assert handed, "no notice was armed: the wait was not handed to the driver"
+    assert len(fired) < 10, f"the driver polled {len(fired)} times: it spun again"
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_does_not_hold_back_the_parents_notices(
     notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch

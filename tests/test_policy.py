@@ -353,7 +353,7 @@ class _SimDriver(_loops.LoopDriver):
     async def _checkpoint(self) -> None:
         pass
 
-    def wait_records(self, records: Sequence[Any]) -> Any:
+    def wait_records(self, records: Sequence[Any], fresh: bool = True) -> Any:
         raise NotImplementedError
 
     async def until(self, register: Any) -> None:
