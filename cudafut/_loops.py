@@ -391,7 +391,7 @@ class AsyncioDriver(LoopDriver):
         a key of its own, so every await would ask for a notice, GPU work
         in this process's own CUDA context, which the GPU time-slices with
         the producer's; timed polls served several such processes better
-        (docs/processes.md, "Timed polls in every process")."""
+        (docs/processes.md, "Received futures poll on timers")."""
         key = record.stream_key
         if key[0] == IMPORTED:
             return False

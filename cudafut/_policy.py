@@ -55,7 +55,8 @@ _HISTORY: Final = 16
 #: A duration needs this many recent observations close to each other to be
 #: trusted, or the two newest ones (work that just changed and repeats): one
 #: long job must not move the waiter (it did, once: one 50 ms job made forty
-#: 2 ms jobs wake 34 ms late).
+#: 2 ms jobs wake 34 ms late). With 3, random durations formed chance
+#: clusters often enough to spin for ends that did not come.
 _MODE_MIN: Final = 4
 #: ... and one of them among the newest observations: work that moved on is
 #: forgotten quickly.

@@ -396,19 +396,30 @@ def _fronts_batched(all_runs: list[Run]) -> list[str]:
 
 
 #: The wait-policy A/Bs: (their part, the label of each policy).
-_POLICY_PARTS = (
-    ("serve processes: notices or timed polls, A/B", "fronts"),
-    ("serve notices or timed polls, A/B", "batch_graph"),
-)
 _POLICY_NAMES = {"polls": "timed polls (`polls`)", "balanced": "notices (`balanced`, the default)"}
+#: The A/Bs, each part with the names of its policies: the default once it
+#: asked for no notice for a received future, then the two from before.
+_POLICY_PARTS = (
+    (
+        "serve processes: received futures ask for no notice, A/B",
+        "fronts",
+        {**_POLICY_NAMES, "balanced": "the default (`balanced`): no notice for a received future"},
+    ),
+    (
+        "serve processes: notices or timed polls, A/B",
+        "fronts",
+        {**_POLICY_NAMES, "balanced": "`balanced`, received futures asking for notices too"},
+    ),
+    ("serve notices or timed polls, A/B", "batch_graph", _POLICY_NAMES),
+)
 
 
 def _wait_policies(all_runs: list[Run]) -> list[str]:
-    """The service's wait policy, timed polls against CUDA notices,
-    alternated in one call: several processes (fronts and a GPU process per
-    device), then one process."""
+    """The service's wait policy, timed polls against CUDA notices (or the
+    default), alternated in one call: several processes (fronts and a GPU
+    process per device), then one process."""
     out: list[str] = []
-    for part, mode in _POLICY_PARTS:
+    for part, mode, names in _POLICY_PARTS:
         run = newest(all_runs, part)
         if run is None:
             continue
@@ -426,7 +437,7 @@ def _wait_policies(all_runs: list[Run]) -> list[str]:
             for load_, r in found:
                 health = r.get("health") or {}
                 rows.append(
-                    f"| {where}, {load_} | {_POLICY_NAMES[entry['policy']]}, round {entry['round']}{mark} "
+                    f"| {where}, {load_} | {names[entry['policy']]}, round {entry['round']}{mark} "
                     f"| {r['rps']:,.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} "
                     f"| {_ms(health.get('p99_ms'), 2)} / {_ms(health.get('max_ms'), 2)} "
                     f"| {r['server_cpu'] * 100:.0f} % | {_busy(r)} | {r['wrong']} / {r['errors']} |"

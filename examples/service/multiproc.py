@@ -57,10 +57,12 @@ its requests, its front batches and their rows (``front_batches``,
 (``gpu_batches``, ``gpu_items``).
 
 Every process waits with timed polls (``--wait-policy polls``, the
-default here: ``cudafut.WaitPolicy(notify=False)``), not the library's
-default, which arms a CUDA notice for each await of work it has not
-learnt: each front's await of a batch did, and cost the service CPU and
-GPU time (docs/processes.md, "Timed polls in every process").
+default here: ``cudafut.WaitPolicy(notify=False)``). The library's
+default (``--wait-policy balanced``) serves as well now: it arms a CUDA
+notice for an await of work it has not learnt, but never for a future
+received from another process, as each front's batches are; when it
+did, the notices cost the service CPU and GPU time (docs/processes.md,
+"Received futures poll on timers").
 
 If a GPU process ends, each front at once answers that process's waiting
 requests with 502, and the service stops a second later, saying which
