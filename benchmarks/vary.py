@@ -604,8 +604,8 @@ def _all_told_floors(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _told_cell(floor: dict[str, Any] | None) -> str:
-    if floor is None:
-        return "none of them"
+    if floor is None or None in (floor["cpu_over_thread"], floor["default_cpu_over_it"]):
+        return "none of them" if floor is None else "-"
     return (
         f"{floor['cpu_over_thread']:.2f}x (sleeping until {floor['margin_ms']:g} ms before the end); "
         f"ours {floor['default_cpu_over_it']:.2f}x it"

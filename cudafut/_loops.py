@@ -217,10 +217,11 @@ class LoopDriver(Driver):
 
 def _sleeps_alone(record: EventRecord) -> bool:
     """Whether a lone await of ``record`` may sleep in its task: its
-    stream's duration is learnt (no notice is asked for predicted work), or
-    the policy asks for no notices."""
+    stream's duration is learnt (no notice is asked for predicted work),
+    the policy asks for no notices, or ``record`` is another process's (a
+    received future: never noticed, see :meth:`AsyncioDriver._arm`)."""
     policy = get_wait_policy()
-    if not policy.notify:
+    if not policy.notify or record.stream_key[0] == IMPORTED:
         return True
     if not policy.predict:
         return False

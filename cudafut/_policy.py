@@ -124,8 +124,8 @@ class WaitPolicy:
     An await of a future received from another process never arms a
     notice: it polls on timers (a notice would be GPU work in this
     process's own CUDA context, one per future; the multi-process serving
-    recipe measured better without: docs/processes.md, "Timed polls in
-    every process").
+    recipe measured better without: docs/processes.md, "Received futures
+    poll on timers").
     The first notice on a device makes its 32 notice streams on a helper
     thread; CUDA may hold that creation, and other CUDA calls of the
     process with it, until the GPU's running work ends (docs/design.md,

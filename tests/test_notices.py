@@ -122,6 +122,20 @@ def test_an_await_of_another_processs_work_polls_and_asks_for_no_notice(
     assert handed == [], "a record of another process was noticed"
 
 
+def test_a_lone_await_of_another_processs_work_sleeps_in_its_task(
+    notices: tuple[testing.FakeCuda, list[int]],
+) -> None:
+    # Its wait is never noticed (above), so it is not handed to the driver
+    # for a notice: it sleeps in its task, as under notify=False.
+    fake, _handed = notices
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+    (rec,) = _interface.records_of(fut)
+    assert not _loops._sleeps_alone(rec), "unlearnt work of this process is handed over for a notice"
+    rec.stream_key = (_events.IMPORTED, 1000)
+    assert _loops._sleeps_alone(rec)
+    fake.complete(fut)
+
+
 def _polls_seen(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """The asyncio driver's polls from now on: for each, whether its sleep's
     timer ended it (a notice's poll says False)."""
@@ -258,6 +272,41 @@ def test_trio_polls_on_timers(notices: tuple[testing.FakeCuda, list[int]]) -> No
             return await fut
 
     assert trio.run(main).sum() == 2 and handed == []
+
+
+def test_a_lone_await_handed_to_the_trio_driver_spins_once(
+    notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on asyncio (above): the lone await spins spin_s (50 ms) in its
+    # task and hands the wait to trio's driver, which sleeps on timers at
+    # most 20 ms apart. A second spin there would poll at every checkpoint
+    # for another 50 ms: thousands of steps.
+    trio = pytest.importorskip("trio")
+    fake, _handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(spin_s=0.05, max_sleep_s=0.02))
+    steps: list[float | None] = []
+    step = _loops.LoopDriver.step
+
+    def counted(self: Any, timer_fired: bool) -> float | None:
+        planned = step(self, timer_fired)
+        steps.append(planned)
+        return planned
+
+    monkeypatch.setattr(_loops.LoopDriver, "step", counted)
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+
+    async def main() -> Any:
+        async def finish() -> None:
+            await trio.sleep(0.2)
+            fake.complete(fut)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(finish)
+            return await fut
+
+    assert trio.run(main).sum() == 2
+    assert steps, "the wait was never handed to the driver: the test would prove nothing"
+    assert len(steps) < 100, f"the driver stepped {len(steps)} times: it spun again"
 
 
 def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:

@@ -395,10 +395,11 @@ def _fronts_batched(all_runs: list[Run]) -> list[str]:
     return [caption, "", *_COMPARE_HEADER, *rows, "", note, *_unrecorded(run)]
 
 
-#: The wait-policy A/Bs: (their part, the label of each policy).
+#: The label of each policy in the wait-policy A/Bs.
 _POLICY_NAMES = {"polls": "timed polls (`polls`)", "balanced": "notices (`balanced`, the default)"}
-#: The A/Bs, each part with the names of its policies: the default once it
-#: asked for no notice for a received future, then the two from before.
+#: The wait-policy A/Bs: (their part, the handler compared, the label of each
+#: policy): the default once it asked for no notice for a received future,
+#: then the two from before.
 _POLICY_PARTS = (
     (
         "serve processes: received futures ask for no notice, A/B",

@@ -1109,7 +1109,8 @@ def main(argv: list[str] | None = None) -> None:
         choices=WAIT_POLICIES,
         default="polls",
         help="how every process's waiter polls (cudafut.set_wait_policy; polls, the default: "
-        "WaitPolicy(notify=False), which measured best here, docs/processes.md)",
+        "WaitPolicy(notify=False); balanced: the library's default, within 1 %% of polls here, "
+        "docs/processes.md)",
     )
     parser.add_argument("--nogpu", metavar="REFERENCE", help="answer from this reference table, no GPU")
     parser.add_argument("--reference", help="ignored (compare.py passes it to every server)")
