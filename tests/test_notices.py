@@ -257,21 +257,24 @@ def test_a_failed_event_whose_notice_never_comes_is_seen_by_the_fallback_poll(
     assert handed, "no notice was armed: the test would prove nothing"
 
 
+async def _trio_await_completed_later(fake: testing.FakeCuda, fut: Any, after_s: float) -> Any:
+    """``_await_completed_later`` of one future, on trio."""
+    import trio
+
+    async def finish() -> None:
+        await trio.sleep(after_s)
+        fake.complete(fut)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(finish)
+        return await fut
+
+
 def test_trio_polls_on_timers(notices: tuple[testing.FakeCuda, list[int]]) -> None:
     trio = pytest.importorskip("trio")
     fake, handed = notices
     fut = cudafut.record(np.ones(2), stream=fake.stream())
-
-    async def main() -> Any:
-        async def finish() -> None:
-            await trio.sleep(0.01)
-            fake.complete(fut)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(finish)
-            return await fut
-
-    assert trio.run(main).sum() == 2 and handed == []
+    assert trio.run(_trio_await_completed_later, fake, fut, 0.01).sum() == 2 and handed == []
 
 
 def test_a_lone_await_handed_to_the_trio_driver_spins_once(
@@ -294,17 +297,7 @@ def test_a_lone_await_handed_to_the_trio_driver_spins_once(
 
     monkeypatch.setattr(_loops.LoopDriver, "step", counted)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
-
-    async def main() -> Any:
-        async def finish() -> None:
-            await trio.sleep(0.2)
-            fake.complete(fut)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(finish)
-            return await fut
-
-    assert trio.run(main).sum() == 2
+    assert trio.run(_trio_await_completed_later, fake, fut, 0.2).sum() == 2
     assert steps, "the wait was never handed to the driver: the test would prove nothing"
     assert len(steps) < 100, f"the driver stepped {len(steps)} times: it spun again"
 
