@@ -30,6 +30,7 @@ RECORD_KEPT_US = "cudafut record(), futures kept, us"
 LAUNCH_US = LAUNCH + " us"
 CREATE_SET_US = CREATE_SET + " us"
 THEN_US = "cudafut then() per link us"
+THEN_TORCH_US = "cudafut then() per link, torch imported us"
 LAUNCH_X1000_US = "bare kernel launch x1000, per launch us"
 RATIO = "ratio create+set / bare launch"
 TORCH_CREATE_SET_US = "peer: torch Future(devices) create + set_result us"
@@ -46,13 +47,17 @@ RECORD_FLOOR_US = "floor: a pooled CuPy event recorded + a two-slot object, kept
 AWAIT_FRESH_FLOOR_US = "floor: a CuPy event query + an asyncio round trip us"
 RECORD_FLOOR_RATIO = "ratio record(), futures kept / its floor"
 AWAIT_FRESH_FLOOR_RATIO = "ratio await of done work, a new future each / its floor"
+#: The case the await's probe of the stream's newest record cannot help:
+#: newer work on the stream still pending (the probe finds it so, once).
+AWAIT_BEHIND_US = "cudafut await of done work, a new future each, newer work pending us"
+AWAIT_BEHIND_FLOOR_RATIO = "ratio await of done work, a new future each, newer work pending / its floor"
 FN_RETURNS = " (fn returns)"
 FN_LAUNCHES = " (fn launches a kernel)"
 
 
 def steps(quick: bool) -> int:
     torch = importlib.util.find_spec("torch") is not None
-    return 4 + 1 + 2 + 2 * torch
+    return 4 + 1 + 2 + 4 * torch
 
 
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
@@ -133,6 +138,12 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
         res[LAUNCH_X1000_US] = min(per_call_us(launch, links) for _ in range(3))
     stream.synchronize()
     res.update(_torch_host(progress, links))
+    if "torch" not in res:  # torch is imported now: then() also makes the pool stream torch's current one
+        for with_kernel in (False, True):
+            chain_cudafut(with_kernel)
+            key = THEN_TORCH_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
+            res[key] = min(chain_cudafut(with_kernel) for _ in range(3))
+            progress.step(f"host: {key}: {res[key]:.2f}")
     launch_us = res[LAUNCH_US]
     res[RATIO] = res[CREATE_SET_US] / launch_us
     return res
@@ -192,7 +203,9 @@ def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
     Two cudafut rows: the same done future again and again (its event's
     status is known: no ``cudaEventQuery``), and ``n`` futures recorded
     beforehand and completed, each awaited once (one query each), which
-    is what a service meets; neither counts making the future."""
+    is what a service meets; neither counts making the future. The latter
+    again with newer work on the stream still pending, where asking the
+    stream's newest record first does not answer for the older ones."""
     done = cudafut.record(token, stream=stream)
     done.result()
 
@@ -209,6 +222,24 @@ def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
         for fut in futs:
             await fut
         return (time.perf_counter() - t) / n * 1e6
+
+    from .support.gpu import work
+
+    async def await_behind() -> float:
+        # The futures' work is done, but the stream's newest record (made
+        # after a kernel that outlasts the timing) is pending.
+        futs = [cudafut.record(token, stream=stream) for _ in range(n)]
+        stream.synchronize()
+        work(500_000_000, on=stream)
+        pending = cudafut.record(token, stream=stream)
+        t = time.perf_counter()
+        for fut in futs:
+            await fut
+        per = (time.perf_counter() - t) / n * 1e6
+        if pending.done():
+            raise AssertionError("the newer work ended before the timing did: lengthen its kernel")
+        await pending
+        return per
 
     async def floor_fresh() -> float:
         # What await_fresh cannot do without: learn from the driver that each
@@ -243,23 +274,26 @@ def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
         await await_fresh()
         await round_trip()
         await floor_fresh()
-        same, fresh, theirs, floor = [], [], [], []
+        same, fresh, theirs, floor, behind = [], [], [], [], []
         for _ in range(3):  # interleaved, best of three each
             same.append(await await_same())
             fresh.append(await await_fresh())
             theirs.append(await round_trip())
             floor.append(await floor_fresh())
+            behind.append(await await_behind())
         return {
             AWAIT_DONE_US: min(same),
             AWAIT_FRESH_US: min(fresh),
             ASYNCIO_ROUND_TRIP_US: min(theirs),
             AWAIT_FRESH_FLOOR_US: min(floor),
+            AWAIT_BEHIND_US: min(behind),
         }
 
     res = asyncio.run(main())
     res[AWAIT_RATIO] = res[AWAIT_DONE_US] / res[ASYNCIO_ROUND_TRIP_US]
     res[AWAIT_FRESH_RATIO] = res[AWAIT_FRESH_US] / res[ASYNCIO_ROUND_TRIP_US]
     res[AWAIT_FRESH_FLOOR_RATIO] = res[AWAIT_FRESH_US] / res[AWAIT_FRESH_FLOOR_US]
+    res[AWAIT_BEHIND_FLOOR_RATIO] = res[AWAIT_BEHIND_US] / res[AWAIT_FRESH_FLOOR_US]
     return res
 
 

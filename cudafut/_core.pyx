@@ -359,6 +359,7 @@ ctypedef struct _Held:
 # more wait (and by the watcher thread: see _defer).
 cdef enum:
     RECLAIM_EVERY = 64
+    PROBE_GAP_MAX = 64
 
 
 @cython.no_gc
@@ -387,6 +388,18 @@ cdef class _Stream:
     cdef Py_ssize_t reclaim_at  # a record on this stream reclaims once nheld reaches it
     cdef bint armed  # the watcher thread holds a _Sweeper of this stream
     cdef bint unsorted  # a drop came after a newer one's: sorted before the next read
+    # The newest record made here, borrowed (its __dealloc__ clears it): an
+    # await of an older one asks it first (EventRecord._probe), so that one
+    # query answers every older record from the watermark. Holding it would
+    # keep its event out of the pool and make a cycle the collector cannot
+    # see (this class is not tracked).
+    cdef PyObject *last
+    # After a probe found the newest pending: no probe until the stream's
+    # newest number reaches probe_at (the gap doubles, up to PROBE_GAP_MAX,
+    # and a probe that answers resets it), so a stream whose newest work is
+    # always pending (a pipeline) pays an extra query rarely.
+    cdef long long probe_at
+    cdef long long probe_gap
 
     def __cinit__(self, key, long long device):
         self.key = key
@@ -672,6 +685,50 @@ cdef class EventRecord:
             return self._status
         return None
 
+    cdef object _probe(self):
+        """:meth:`_query` for an await or ``result()`` of this record: where
+        a newer record of its stream is alive, that one is asked first, and
+        if it is complete the watermark answers for this one and every
+        record between (a service awaiting futures recorded before a
+        ``synchronize()`` makes one query, not one each). A newer record
+        found pending costs this call a second query; the stream then asks
+        no newer record again until 1, 2, 4, ... up to 64 more are made."""
+        global _queried
+        cdef _Stream state = self.state
+        cdef EventRecord last
+        cdef int raw
+        if (
+            self._known or state is None or not state.ordered or state.last == NULL
+            or state.newest < state.probe_at or _every_query_complete
+        ):
+            return self._query()
+        last = <EventRecord>state.last
+        if (
+            last is self or last.floor < self.seq or last._known or last._confirm is not None
+            or last._failure is not None or self._answered()
+        ):
+            return self._query()
+        _queried += 1
+        if last._fast():
+            raw = cu_event_query(<void *>last.handle)
+            if raw != 0 and raw != NOT_READY:  # an error: this record's own query reports it
+                raw = NOT_READY
+        else:
+            raw = last.calls.event_query(last.handle)
+        if raw == 0:
+            state.probe_gap = 0
+            state.probe_at = 0
+            last._settle(0)  # the watermark reaches last.floor >= self.seq: _query answers
+        else:
+            state.probe_gap = PROBE_GAP_MAX if state.probe_gap * 2 > PROBE_GAP_MAX else max(1, state.probe_gap * 2)
+            state.probe_at = last.seq + state.probe_gap
+        return self._query()
+
+    def probe(self):
+        """The status as an await asks it (:meth:`_probe`): a newer record
+        of the stream may be queried first."""
+        return self._probe()
+
     def known(self):
         """The status if it is known without asking CUDA (kept, or answered
         by the stream's watermark), else None: never a driver call."""
@@ -750,6 +807,9 @@ cdef class EventRecord:
         return f"<EventRecord device={self.device} stream={self.stream:#x} seq={self.seq} {state}>"
 
     def __dealloc__(self):
+        cdef _Stream state = self.state
+        if state is not None and state.last == <PyObject *>self:
+            state.last = NULL
         pool = self.pool
         if pool is not None:
             try:
@@ -853,6 +913,8 @@ cdef EventRecord _record(long long stream, long long device, object confirm, obj
         rec._confirm = confirm  # may refer back to the record: the collector sees it
     else:
         PyObject_GC_UnTrack(rec)
+    if state.ordered:
+        state.last = <PyObject *>rec  # borrowed: see _Stream.last
     return rec
 
 
@@ -1218,25 +1280,32 @@ def new_pending():
 cdef object _torch_module = None  # cudafut._torch, found on first use (its loaded() is swapped under the fake)
 
 
+cdef object _torch_loaded():
+    """``_torch.loaded()`` (torch where it is imported and can use CUDA,
+    else None); cudafut._torch is imported on first use."""
+    global _torch_module
+    if "torch" not in _modules:
+        return None
+    if _torch_module is None:
+        from cudafut import _torch
+        _torch_module = _torch
+    return _torch_module.loaded()
+
+
 def caller_streams(long long device):
     """``_launch._caller_streams_py``'s twin: the calling thread's current
     streams of ``device`` as ``((handle, owner, stream), ...)``: CuPy's (or
     the fake's), and PyTorch's where torch is loaded and its current stream
     is another. Holds the GIL throughout (no CUDA call)."""
-    global _torch_module
     _ensure_types()
     stream = _current_stream(device)
     ptr = int(stream.ptr)
-    if "torch" in _modules:
-        if _torch_module is None:
-            from cudafut import _torch
-            _torch_module = _torch
-        torch = _torch_module.loaded()
-        if torch is not None:
-            other = torch.cuda.current_stream(device)
-            handle = int(other.cuda_stream)
-            if handle != ptr:
-                return ((ptr, stream, stream), (handle, None, other))
+    torch = _torch_loaded()
+    if torch is not None:
+        other = torch.cuda.current_stream(device)
+        handle = int(other.cuda_stream)
+        if handle != ptr:
+            return ((ptr, stream, stream), (handle, None, other))
     return ((ptr, stream, stream),)
 
 
@@ -1412,10 +1481,11 @@ def set_future(value, tuple records, keep=None, maker=None):
 
 def future_then(FutureCore self not None, fn, *, priority="normal"):
     """CudaFuture.then, native for a set future of one record whose work has
-    not failed, a plain function and no PyTorch (its documentation is the
-    twin's): the pool stream, ``fn`` run on it at once, the child recorded
-    there and set. The twin does the rest, and builds the child where a step
-    raised or ``fn`` returned a future."""
+    not failed and a plain function (its documentation is the twin's): the
+    pool stream, ``fn`` run on it at once (with PyTorch loaded, through
+    ``_torch.call_on_streams``, which makes it torch's current stream too),
+    the child recorded there and set. The twin does the rest, and builds
+    the child where a step raised or ``fn`` returned a future."""
     cdef EventRecord rec
     cdef EventRecord done
     cdef _Stream state
@@ -1425,7 +1495,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     cdef FutureCore fut = self
     cdef FutureCore child
     if (fut._state is not _SET or _forked or _tracing
-            or type(priority) is not str or not _plain_function(fn) or "torch" in _modules):
+            or type(priority) is not str or not _plain_function(fn)):
         return _then_py(fut, fn, priority=priority)
     cdef tuple records = fut._records
     prio = _priorities.get(priority)
@@ -1435,6 +1505,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     if rec._known and rec._status:
         return _then_py(fut, fn, priority=priority)  # failed work: the child takes the error
     _ensure_types()
+    torch = _torch_loaded()
     value = fut._value
     device = rec.device
     try:
@@ -1460,7 +1531,9 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     if _then_record_early:  # the mutation: before fn's work
         early = _record(stream.ptr, device, None, None)
     try:
-        if _be is not _CUDA_BE or _get_device is None:
+        if torch is not None:  # the pool stream is PyTorch's current stream too
+            out = _torch_module.call_on_streams(torch, {device: stream}, fn, (value,), {}, value)
+        elif _be is not _CUDA_BE or _get_device is None:
             out = _be.call_on_streams({device: stream}, device, fn, (value,), {})
         else:
             # As _streams.call_on_streams: the caller's device comes back
@@ -1500,9 +1573,12 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
         done = _record(ptr, device, None, None) if early is None else early
         if isinstance(out, _Future):
             return _then_follows(fut, out, (done,))
-        # Arrays fn placed on other devices were made on those devices' streams.
+        # Arrays fn placed on other devices were made on those devices' streams
+        # (torch's tensors on torch's current streams).
         extra = ()
-        if lone:
+        if torch is not None:
+            extra = _torch_module.record_value(torch, out, None, skip=(device,))
+        elif lone:
             if out.data.device_id != device:
                 extra = (_record_current(out.data.device_id),)
         else:
@@ -2012,7 +2088,7 @@ cdef object _future_await(FutureCore fut):
                     # joins the queue without a query (Watchlist._behind).
                     if entry is not None and not rec._answered() and entry.watchlist._behind(rec):
                         return _entry_await(entry, fut, rec)
-                    if rec._query() is None:
+                    if rec._probe() is None:
                         if entry is not None:
                             return _entry_await(entry, fut, rec)
                         driver = _current_driver()
@@ -2038,7 +2114,7 @@ def future_result(FutureCore self not None, timeout=None):
             if type(r) is not EventRecord:
                 return _result_py(fut, timeout)
             rec = <EventRecord>r
-            if not rec._known and rec._query() is None:
+            if not rec._known and rec._probe() is None:
                 return _result_py(fut, timeout)  # pending: the twin blocks until done
         return _outcome(fut, None)  # set: the error type is not needed
     return _result_py(fut, timeout)

@@ -110,6 +110,12 @@ class EventRecord:
             return self.status
         return status
 
+    def probe(self) -> int | None:
+        """The status as an ``await`` or ``result()`` asks it: :meth:`query`
+        here (the native twin may first ask its stream's newest record, whose
+        completion answers for this one from the watermark)."""
+        return self.query()
+
     def known(self) -> int | None:
         """The status if it is known without asking CUDA, else None: never
         a driver call (finalizers ask this; the watcher thread asks CUDA)."""

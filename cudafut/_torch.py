@@ -80,6 +80,9 @@ OTHER: Final = 1
 _known: tuple[Any, Any] = (None, None)
 # torch streams over cudafut's pool streams, which live as long as the process.
 _pool_streams: dict[tuple[int, int, int], Any] = {}
+# Per torch module: its C entry points beneath torch.cuda.current_stream()
+# and set_stream() (see _stream_calls), or None where it has none.
+_raw_calls: dict[int, tuple[Callable[[int], tuple[int, int, int]], Callable[..., None]] | None] = {}
 
 
 def module() -> Any:
@@ -161,6 +164,35 @@ def pool_stream(torch: Any, handle: int, device: int) -> Any:
     if stream is None:
         stream = _pool_streams[key] = torch.cuda.ExternalStream(handle, device=device)
     return stream
+
+
+def _stream_calls(torch: Any) -> tuple[Callable[[int], tuple[int, int, int]], Callable[..., None]] | None:
+    """``torch._C._cuda_getCurrentStream`` and ``_cuda_setStream``: what
+    ``torch.cuda.current_stream()`` and ``set_stream()`` call beneath, as
+    ``(stream_id, device_index, device_type)`` triples, without building a
+    ``torch.cuda.Stream`` per call (the public pair cost several times a
+    whole ``then()`` link: the host section of ``python -m cudafut bench``
+    measures a link with torch imported). Private to PyTorch, so
+    used only where they take and give triples as expected, and only once
+    torch has initialised CUDA (the public calls do that, and report a
+    fork); else None, and callers use the public calls."""
+    initialized = getattr(torch.cuda, "is_initialized", None)
+    if initialized is None or not initialized():
+        return None
+    key = id(torch)
+    if key not in _raw_calls:
+        calls = None
+        try:
+            c = torch._C  # noqa: SLF001 - torch's C entry points, checked below
+            get, put = c._cuda_getCurrentStream, c._cuda_setStream  # noqa: SLF001
+            now = get(torch.cuda.current_device())
+            if type(now) is tuple and len(now) == 3 and all(type(x) is int for x in now):
+                put(*now)  # a no-op: the current stream again
+                calls = (get, put)
+        except Exception:  # noqa: BLE001 - another torch: the public calls
+            calls = None
+        _raw_calls[key] = calls
+    return _raw_calls[key]
 
 
 def use_pool_streams(torch: Any, streams: Mapping[int, Any]) -> tuple[list[Any], int]:
@@ -413,6 +445,25 @@ def call_on_streams(
     ours = {device: pool_stream(torch, int(stream.ptr), device) for device, stream in streams.items()}
     record_tensors(torch_tensors(torch, reads), ours)
     cuda = torch.cuda
+    calls = _stream_calls(torch)
+    if calls is not None:
+        get, put = calls
+        ids = [(device, (s.stream_id, s.device_index, s.device_type)) for device, s in ours.items()]
+
+        def run_raw() -> Any:
+            saved = []
+            try:
+                for device, triple in ids:
+                    saved.append(get(device))
+                    put(*triple)  # makes the stream's device current, as set_stream()
+                if len(ids) > 1:
+                    cuda.set_device(primary)
+                return fn(*args, **kwargs)
+            finally:
+                for triple in reversed(saved):
+                    put(*triple)
+
+        return _backend.current.call_on_streams(streams, primary, run_raw, (), {})
 
     def run() -> Any:
         saved = []

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
-from . import _compiled, _lifetimes
+from . import _compiled, _lifetimes, _policy
 from ._events import EventRecord, first_error
 from ._log import logger
 from ._policy import Pacer, predictor, sleep_until
@@ -438,6 +438,13 @@ class ThreadWaiter(Driver):
     alive the values of futures dropped while their GPU work is pending. It
     sleeps on a condition variable when it has nothing to watch (no CPU),
     and between polls otherwise (never spins, see ``THREAD_MIN_SLEEP_S``).
+    While it only keeps values alive (futures dropped while their work
+    runs, memory freed behind pending work), it polls every ``max_sleep_s``
+    of the wait policy, the first time too: a keep-alive needs no prompt
+    wake-up, and a wake-up per drop on a stream of short kernels, taking
+    the GIL, stalled the application's launching thread at each launch (a
+    ``then()`` chain that dropped its links cost several times one that
+    kept them). A value is let go up to ``max_sleep_s`` later.
 
     Nothing a callback raises stops it (``KeyboardInterrupt`` and
     ``SystemExit`` are logged like the rest). Should it die anyway (a bug),
@@ -458,6 +465,9 @@ class ThreadWaiter(Driver):
         # Values to keep alive: appended without a lock (atomic under the
         # GIL), picked up at the next poll; the thread is woken only if idle.
         self._holds: deque[tuple[Sequence[EventRecord], object]] = deque()
+        # Records watched for holds (this thread's own count): while every
+        # pending watch is one of them, polls are max_sleep_s apart.
+        self._keeping = 0
         self._idle = True
         self._thread: threading.Thread | None = None
         self._started = False
@@ -532,7 +542,10 @@ class ThreadWaiter(Driver):
                             self._cond.wait(_lifetimes.RETIRED_STALE_S)
                         self._idle = False
                     elif not self._holds:
-                        delay = max(next_poll - time.perf_counter(), THREAD_MIN_SLEEP_S)
+                        least = THREAD_MIN_SLEEP_S
+                        if self.watchlist.pending <= self._keeping:  # keep-alives only
+                            least = max(least, _policy.get_wait_policy().max_sleep_s)
+                        delay = max(next_poll - time.perf_counter(), least)
                         if _trace.active is not None:
                             _trace.planned(self, delay)
                         self.pacer.sleeping_until(time.perf_counter() + delay)
@@ -541,7 +554,13 @@ class ThreadWaiter(Driver):
             if calls:
                 self._run_calls(calls)
                 self._served = True
-            self._take_holds()
+            idle = next_poll is None
+            if self._take_holds() and idle and not calls and self.watchlist.pending <= self._keeping:
+                # Keep-alives only, taken while idle: their first poll too
+                # comes max_sleep_s later (see the class), by when more
+                # drops have joined the same sweep.
+                next_poll = time.perf_counter() + _policy.get_wait_policy().max_sleep_s
+                continue
             next_poll = self.poll(timer_fired)
 
     def _run_calls(self, calls: list[Callable[[], None]]) -> None:
@@ -565,19 +584,31 @@ class ThreadWaiter(Driver):
             with self._cond:
                 self._start_or_notify()
 
-    def _take_holds(self) -> None:
+    def _take_holds(self) -> int:
+        """Watch the holds queued so far; return how many there were."""
         holds = self._holds
+        taken = 0
         while holds:
             records, obj = holds.popleft()
             self._hold(records, obj)
+            taken += 1
+        return taken
 
     def _hold(self, records: Sequence[EventRecord], obj: object) -> None:
         # The callback's default argument owns ``obj``: it goes when the
         # callback is dropped, once the records complete.
-        def done(_error: Exception | None, _held: object = obj) -> None:
-            pass
+        count = len(records)
 
-        self.watch_all(records, done)
+        def done(_error: Exception | None, _held: object = obj) -> None:
+            self._keeping -= count
+
+        self._keeping += count
+        try:
+            # Not a fresh wait: a keep-alive needs no spin (see the class).
+            self.watch_all(records, done, fresh=False)
+        except BaseException:
+            self._keeping -= count
+            raise
 
     @property
     def holding(self) -> int:

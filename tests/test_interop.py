@@ -794,6 +794,56 @@ def test_then_makes_the_pool_stream_torchs_current_stream_while_fn_runs(
     assert child.devices == (0,)
 
 
+@pytest.mark.parametrize("raises", [False, True])
+def test_then_sets_torchs_stream_through_its_c_entry_points_where_it_has_them(
+    fake_cuda: FakeCuda, torch: Any, monkeypatch: pytest.MonkeyPatch, raises: bool
+) -> None:
+    # torch._C._cuda_getCurrentStream/_cuda_setStream take and give
+    # (stream_id, device_index, device_type); torch.cuda's Stream objects
+    # are left out of then()'s path once torch has initialised CUDA.
+    cuda = torch.cuda
+    calls: list[tuple[int, int, int]] = []
+
+    def get(device: int) -> tuple[int, int, int]:
+        stream = cuda.current_stream(device)
+        return (stream.cuda_stream, stream.device_index, 1)
+
+    def put(stream_id: int, device_index: int, device_type: int) -> None:
+        calls.append((stream_id, device_index, device_type))
+        cuda.current[device_index] = FakeTorchStream(stream_id, device_index)
+        cuda.set_device(device_index)
+
+    def external(handle: int, device: Any = None) -> FakeTorchStream:
+        stream = FakeTorchStream(handle, device)
+        stream.stream_id, stream.device_type = handle, 1  # type: ignore[attr-defined]
+        return stream
+
+    monkeypatch.setattr(torch, "_C", types.SimpleNamespace(_cuda_getCurrentStream=get, _cuda_setStream=put))
+    monkeypatch.setattr(cuda, "is_initialized", lambda: True, raising=False)
+    monkeypatch.setattr(cuda, "current_device", lambda: cuda.device, raising=False)
+    monkeypatch.setattr(cuda, "ExternalStream", external)
+    monkeypatch.setattr(cuda, "set_stream", None)  # the public call is not used
+    monkeypatch.setattr(_torch, "_raw_calls", {})
+    parent = set_future(FakeTensor(0), [Rec(device=0)])
+    seen: list[int] = []
+
+    def fn(value: Any) -> Any:
+        seen.append(cuda.current_stream(0).cuda_stream)
+        if raises:
+            raise ValueError("fn")
+        return FakeTensor(0)
+
+    child = parent.then(fn)
+    (pool,) = seen
+    assert pool >= 0x1000  # a pool stream
+    assert calls[-2:] == [(pool, 0, 1), (0x70, 0, 1)]
+    assert cuda.current_stream(0) == default_torch_stream(0)  # restored
+    if raises:
+        assert isinstance(child.exception(timeout=0), ValueError)
+    else:
+        assert fake_cuda.recorded() == [(pool, 0)]  # the child's event, on the pool stream
+
+
 def test_then_restores_torchs_streams_when_fn_raises(fake_cuda: FakeCuda, torch: Any) -> None:
     mine = FakeTorchStream(0x333, 0)
     torch.cuda.current[0] = mine

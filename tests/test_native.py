@@ -162,6 +162,114 @@ def test_a_newer_record_seen_complete_answers_for_the_older_ones_of_a_pool_strea
     assert NATIVE.counts() == (queried + 1, answered + 3)
 
 
+def _own_queries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The fake's event queries made by this thread from now on (the handles
+    asked, appended to the list returned); the watcher thread's, sweeping
+    an earlier test's records, are left out."""
+    backend = _backend.current
+    real, me = backend.event_query, threading.get_ident()
+    asked: list[int] = []
+
+    def event_query(handle: int) -> int:
+        if threading.get_ident() == me:
+            asked.append(handle)
+        return int(real(handle))
+
+    monkeypatch.setattr(backend, "event_query", event_query)
+    return asked
+
+
+@native_only
+def test_awaits_of_finished_work_ask_the_newest_record_once(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Futures recorded, their work finished, then each awaited once (a
+    # service's futures after a synchronize()): the first await asks the
+    # stream's newest record, whose completion answers for all the others
+    # from the watermark.
+    stream = _pools.streams.get(0, 0)
+    futs = [_record_on(stream) for _ in range(5)]
+    fake_cuda.complete_all()
+    asked = _own_queries(monkeypatch)
+
+    async def main() -> None:
+        for fut in futs:
+            await fut
+
+    asyncio.run(main())
+    assert asked == [records_of(futs[-1])[0].handle]
+
+
+@native_only
+def test_result_of_finished_work_asks_the_newest_record_once(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = _pools.streams.get(0, 0)
+    futs = [_record_on(stream) for _ in range(3)]
+    fake_cuda.complete_all()
+    asked = _own_queries(monkeypatch)
+    for fut in futs:
+        fut.result()
+    assert asked == [records_of(futs[-1])[0].handle]
+
+
+@native_only
+def test_a_newest_record_found_pending_is_asked_again_only_after_more_records(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pipeline: the newest work is pending whenever an older future is
+    # awaited. A probe that finds it pending costs one query, and the next
+    # is 1, 2, 4, ... records later, so the extra queries stay rare.
+    stream = _pools.streams.get(0, 0)
+    records = [records_of(_record_on(stream))[0] for _ in range(2)]
+    asked = _own_queries(monkeypatch)
+    for _ in range(100):
+        older = records[-2]
+        older.calls.complete([older.calls.event_of(older.handle)])
+        assert older.probe() == 0
+        records.append(records_of(_record_on(stream))[0])
+    probes = len(asked) - 100  # beyond each record's own query
+    assert 0 < probes <= 10
+    fake_cuda.complete_all()
+
+
+@native_only
+def test_a_probe_never_asks_a_record_that_is_gone_or_that_does_not_follow(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The newest record gone (its event back in the pool, perhaps recorded
+    # again elsewhere), or made on the runtime's path before an
+    # older-numbered one (it does not vouch for it): each is asked itself.
+    stream = _pools.streams.get(0, 0)
+    ptr = int(stream.ptr)
+    first, newest = (_events.record(ptr, 0, None, stream) for _ in range(2))
+    first.calls.complete([first.calls.event_of(first.handle)])
+    del newest
+    asked = _own_queries(monkeypatch)
+    assert first.probe() == 0
+    assert asked == [first.handle]
+
+    real = _backend.current.event_record
+    inner: list[Any] = []
+
+    def record_then_another(event: int, on: int, device: int) -> None:
+        real(event, on, device)
+        if not inner:
+            inner.append(None)
+            inner[0] = _events.record(on, device, None, stream)
+
+    monkeypatch.setattr(_backend.current, "event_record", record_then_another)
+    outer = _events.record(ptr, 0, None, stream)
+    monkeypatch.setattr(_backend.current, "event_record", real)
+    later = inner[0]
+    assert later.seq < outer.seq
+    outer.calls.complete([outer.calls.event_of(outer.handle)])
+    asked.clear()
+    assert later.probe() is None
+    assert asked == [later.handle]
+    fake_cuda.complete_all()
+
+
 class Stream:
     """Stands for a user's CuPy stream, which owns its handle and destroys
     it when it is garbage (the fake keeps its own streams for ever)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import cudafut
-from cudafut import _compiled, _policy, _timer, _waiter
+from cudafut import _compiled, _lifetimes, _policy, _timer, _waiter
 from tests.fakes import FakeRecord, gone, stream_records
 
 
@@ -121,6 +121,51 @@ def test_the_watcher_thread_sleeps_between_polls_even_when_told_to_spin() -> Non
     # threads out for the 5 ms switch interval at a time.
     cudafut.set_wait_policy("low_latency")
     assert min(_watcher_sleeps(20)) >= _waiter.THREAD_MIN_SLEEP_S > 0
+
+
+def test_a_watcher_thread_that_only_keeps_values_alive_polls_every_max_sleep_s() -> None:
+    # Polls 50 µs apart, each taking the GIL, stalled the application's
+    # launching thread; a keep-alive needs no prompt wake-up.
+    cudafut.set_wait_policy("low_latency")  # its plans would poll every 50 µs
+    assert min(_watcher_sleeps(5)) >= cudafut.get_wait_policy().max_sleep_s
+
+
+def test_a_keep_alive_taken_while_idle_is_first_polled_max_sleep_s_later() -> None:
+    # Dropped futures on a stream of short kernels each woke the idle
+    # watcher, whose poll then found the work done: a wake-up (and the GIL
+    # taken from the application) per few drops.
+    waiter = _waiter.ThreadWaiter()
+    cond = waiter._cond = _RecordingCondition()
+    rec = FakeRecord()
+    rec.complete()
+    value = _Value()
+    ref = weakref.ref(value)
+    waiter.hold([rec], value)
+    del value
+    assert gone(ref)
+    first = next(t for t in cond.timeouts if t is not None)
+    assert cudafut.get_wait_policy().max_sleep_s <= first < _lifetimes.RETIRED_STALE_S
+
+
+def test_a_watcher_thread_with_a_callback_to_run_polls_as_its_plans_say() -> None:
+    cudafut.set_wait_policy("low_latency")
+    waiter = _waiter.ThreadWaiter()
+    cond = waiter._cond = _RecordingCondition()
+    kept, watched = FakeRecord(), FakeRecord()
+    waiter.hold([kept], _Value())
+    fired: list[object] = []
+
+    def watch() -> None:
+        waiter.watch_one(watched, fired.append)
+
+    waiter.call_soon_threadsafe(watch)
+    deadline = time.monotonic() + 5
+    while len(cond.timeouts) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watched.complete()
+    kept.complete()
+    polls = [t for t in cond.timeouts if t is not None]
+    assert min(polls) < cudafut.get_wait_policy().max_sleep_s
 
 
 def test_the_watcher_thread_sleeps_at_most_max_sleep_s() -> None:
