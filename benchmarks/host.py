@@ -50,6 +50,7 @@ AWAIT_FRESH_FLOOR_RATIO = "ratio await of done work, a new future each / its flo
 #: The case the await's probe of the stream's newest record cannot help:
 #: newer work on the stream still pending (the probe finds it so, once).
 AWAIT_BEHIND_US = "cudafut await of done work, a new future each, newer work pending us"
+AWAIT_BEHIND_FLOOR_US = "floor: a CuPy event query + an asyncio round trip, newer work pending us"
 AWAIT_BEHIND_FLOOR_RATIO = "ratio await of done work, a new future each, newer work pending / its floor"
 FN_RETURNS = " (fn returns)"
 FN_LAUNCHES = " (fn launches a kernel)"
@@ -241,15 +242,18 @@ def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
         await pending
         return per
 
-    async def floor_fresh() -> float:
+    async def floor_fresh(behind: bool = False) -> float:
         # What await_fresh cannot do without: learn from the driver that each
-        # event completed (one query), and an asyncio round trip.
+        # event completed (one query), and an asyncio round trip; with
+        # ``behind``, while newer work on the stream runs (await_behind's).
         import cupy as cp
 
         events = [cp.cuda.Event(disable_timing=True) for _ in range(n)]
         for event in events:
             event.record(stream)
         stream.synchronize()
+        if behind:
+            work(500_000_000, on=stream)
         loop = asyncio.get_running_loop()
         t = time.perf_counter()
         for event in events:
@@ -258,7 +262,9 @@ def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
             fut = loop.create_future()
             fut.set_result(None)
             await fut
-        return (time.perf_counter() - t) / n * 1e6
+        per = (time.perf_counter() - t) / n * 1e6
+        stream.synchronize()
+        return per
 
     async def round_trip() -> float:
         loop = asyncio.get_running_loop()
@@ -274,26 +280,28 @@ def _awaits(stream: Any, token: Any, n: int = 20_000) -> dict[str, float]:
         await await_fresh()
         await round_trip()
         await floor_fresh()
-        same, fresh, theirs, floor, behind = [], [], [], [], []
+        same, fresh, theirs, floor, behind, floor_behind = [], [], [], [], [], []
         for _ in range(3):  # interleaved, best of three each
             same.append(await await_same())
             fresh.append(await await_fresh())
             theirs.append(await round_trip())
             floor.append(await floor_fresh())
             behind.append(await await_behind())
+            floor_behind.append(await floor_fresh(behind=True))
         return {
             AWAIT_DONE_US: min(same),
             AWAIT_FRESH_US: min(fresh),
             ASYNCIO_ROUND_TRIP_US: min(theirs),
             AWAIT_FRESH_FLOOR_US: min(floor),
             AWAIT_BEHIND_US: min(behind),
+            AWAIT_BEHIND_FLOOR_US: min(floor_behind),
         }
 
     res = asyncio.run(main())
     res[AWAIT_RATIO] = res[AWAIT_DONE_US] / res[ASYNCIO_ROUND_TRIP_US]
     res[AWAIT_FRESH_RATIO] = res[AWAIT_FRESH_US] / res[ASYNCIO_ROUND_TRIP_US]
     res[AWAIT_FRESH_FLOOR_RATIO] = res[AWAIT_FRESH_US] / res[AWAIT_FRESH_FLOOR_US]
-    res[AWAIT_BEHIND_FLOOR_RATIO] = res[AWAIT_BEHIND_US] / res[AWAIT_FRESH_FLOOR_US]
+    res[AWAIT_BEHIND_FLOOR_RATIO] = res[AWAIT_BEHIND_US] / res[AWAIT_BEHIND_FLOOR_US]
     return res
 
 

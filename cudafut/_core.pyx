@@ -388,11 +388,12 @@ cdef class _Stream:
     cdef Py_ssize_t reclaim_at  # a record on this stream reclaims once nheld reaches it
     cdef bint armed  # the watcher thread holds a _Sweeper of this stream
     cdef bint unsorted  # a drop came after a newer one's: sorted before the next read
-    # The newest record made here, borrowed (its __dealloc__ clears it): an
-    # await of an older one asks it first (EventRecord._probe), so that one
-    # query answers every older record from the watermark. Holding it would
-    # keep its event out of the pool and make a cycle the collector cannot
-    # see (this class is not tracked).
+    # The newest record made here, borrowed, while it is not tracked by the
+    # collector (its __dealloc__ or _track clears it): an await of an older
+    # one asks it first (EventRecord._probe), so that one query answers
+    # every older record from the watermark. Holding it would keep its
+    # event out of the pool and make a cycle the collector cannot see (this
+    # class is not tracked).
     cdef PyObject *last
     # After a probe found the newest pending: no probe until the stream's
     # newest number reaches probe_at (the gap doubles, up to PROBE_GAP_MAX,
@@ -612,7 +613,13 @@ cdef class EventRecord:
 
     cdef inline void _track(self):
         """Let the collector see this record from now on (record() leaves it
-        untracked while it holds nothing that could refer back to it)."""
+        untracked while it holds nothing that could refer back to it). It is
+        no longer its stream's ``last``: the collector's clear of a cycle
+        drops ``state`` before ``__dealloc__`` runs, which then could not
+        clear that borrowed pointer."""
+        cdef _Stream state = self.state
+        if state is not None and state.last == <PyObject *>self:
+            state.last = NULL
         if not PyObject_GC_IsTracked(self):
             PyObject_GC_Track(self)
 
@@ -913,8 +920,10 @@ cdef EventRecord _record(long long stream, long long device, object confirm, obj
         rec._confirm = confirm  # may refer back to the record: the collector sees it
     else:
         PyObject_GC_UnTrack(rec)
-    if state.ordered:
-        state.last = <PyObject *>rec  # borrowed: see _Stream.last
+        if state.ordered:
+            # Borrowed (see _Stream.last): only while untracked, so that no
+            # collector's clear runs before its __dealloc__ (see _track).
+            state.last = <PyObject *>rec
     return rec
 
 
@@ -1483,7 +1492,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     """CudaFuture.then, native for a set future of one record whose work has
     not failed and a plain function (its documentation is the twin's): the
     pool stream, ``fn`` run on it at once (with PyTorch loaded, through
-    ``_torch.call_on_streams``, which makes it torch's current stream too),
+    ``_torch.call_on_torch_streams``, which makes it torch's current stream too),
     the child recorded there and set. The twin does the rest, and builds
     the child where a step raised or ``fn`` returned a future."""
     cdef EventRecord rec
@@ -1530,11 +1539,13 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     early = None
     if _then_record_early:  # the mutation: before fn's work
         early = _record(stream.ptr, device, None, None)
+    if torch is None:
+        call, args = fn, (value,)
+    else:  # the pool stream is PyTorch's current stream too while fn runs
+        call, args = _torch_module.call_on_torch_streams, (torch, {device: stream}, fn, (value,), {}, value)
     try:
-        if torch is not None:  # the pool stream is PyTorch's current stream too
-            out = _torch_module.call_on_streams(torch, {device: stream}, fn, (value,), {}, value)
-        elif _be is not _CUDA_BE or _get_device is None:
-            out = _be.call_on_streams({device: stream}, device, fn, (value,), {})
+        if _be is not _CUDA_BE or _get_device is None:
+            out = _be.call_on_streams({device: stream}, device, call, args, {})
         else:
             # As _streams.call_on_streams: the caller's device comes back
             # however fn (or entering the stream) ends, and whatever fn set.
@@ -1544,7 +1555,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
                     _set_device(device)
                 stream.__enter__()
                 try:
-                    out = fn(value)
+                    out = call(*args)
                 finally:
                     stream.__exit__(None, None, None)
             finally:
@@ -1576,11 +1587,11 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
         # Arrays fn placed on other devices were made on those devices' streams
         # (torch's tensors on torch's current streams).
         extra = ()
-        if torch is not None:
-            extra = _torch_module.record_value(torch, out, None, skip=(device,))
-        elif lone:
+        if lone:
             if out.data.device_id != device:
                 extra = (_record_current(out.data.device_id),)
+        elif torch is not None:
+            extra = _torch_module.record_value(torch, out, None, skip=(device,))
         else:
             for d in _find_devices(out):
                 if d != device:

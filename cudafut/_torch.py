@@ -47,6 +47,7 @@ from ._values import gpu_arrays, placements
 __all__ = [
     "all_cuda_tensors",
     "call_on_streams",
+    "call_on_torch_streams",
     "capture_graph",
     "current_handle",
     "current_records",
@@ -442,45 +443,48 @@ def call_on_streams(
     The torch CUDA tensors in ``reads`` are recorded on those streams first.
     """
     primary = next(iter(streams))
+    return _backend.current.call_on_streams(
+        streams, primary, call_on_torch_streams, (torch, streams, fn, args, kwargs, reads), {}
+    )
+
+
+def call_on_torch_streams(
+    torch: Any, streams: Mapping[int, Any], fn: Callable[..., Any], args: Any, kwargs: Any, reads: object
+) -> Any:
+    """The torch half of :func:`call_on_streams`, for a caller that made
+    ``streams`` CuPy's current streams already (the native ``then()`` does it
+    from C): the torch CUDA tensors in ``reads`` recorded on them, each made
+    PyTorch's current stream of its device while ``fn`` runs (which makes
+    that device current), torch's previous streams restored however ``fn``
+    ends; the caller restores the device."""
     ours = {device: pool_stream(torch, int(stream.ptr), device) for device, stream in streams.items()}
     record_tensors(torch_tensors(torch, reads), ours)
     cuda = torch.cuda
     calls = _stream_calls(torch)
     if calls is not None:
         get, put = calls
-        ids = [(device, (s.stream_id, s.device_index, s.device_type)) for device, s in ours.items()]
-
-        def run_raw() -> Any:
-            saved = []
-            try:
-                for device, triple in ids:
-                    saved.append(get(device))
-                    put(*triple)  # makes the stream's device current, as set_stream()
-                if len(ids) > 1:
-                    cuda.set_device(primary)
-                return fn(*args, **kwargs)
-            finally:
-                for triple in reversed(saved):
-                    put(*triple)
-
-        return _backend.current.call_on_streams(streams, primary, run_raw, (), {})
-
-    def run() -> Any:
-        saved = []
+        saved_ids = []
         try:
             for device, stream in ours.items():
-                saved.append(cuda.current_stream(device))
-                cuda.set_stream(stream)  # makes the stream's device current
+                saved_ids.append(get(device))
+                put(stream.stream_id, stream.device_index, stream.device_type)  # as set_stream()
             if len(ours) > 1:
-                cuda.set_device(primary)
+                cuda.set_device(next(iter(streams)))
             return fn(*args, **kwargs)
         finally:
-            # Each restores its device's stream (and makes that device
-            # current); _backend.current.call_on_streams then restores the caller's device.
-            for stream in reversed(saved):
-                cuda.set_stream(stream)
-
-    return _backend.current.call_on_streams(streams, primary, run, (), {})
+            for triple in reversed(saved_ids):
+                put(*triple)
+    saved = []
+    try:
+        for device, stream in ours.items():
+            saved.append(cuda.current_stream(device))
+            cuda.set_stream(stream)  # makes the stream's device current
+        if len(ours) > 1:
+            cuda.set_device(next(iter(streams)))
+        return fn(*args, **kwargs)
+    finally:
+        for stream in reversed(saved):
+            cuda.set_stream(stream)
 
 
 def _record_if_other(torch: Any, device: int, cupy_stream: int) -> EventRecord | None:

@@ -523,6 +523,7 @@ class ThreadWaiter(Driver):
 
     def _serve(self) -> None:
         next_poll: float | None = None
+        again = False
         while True:
             # What this thread retired in its last round (a dropped
             # future's tensor it let go): those deallocations are done.
@@ -543,7 +544,7 @@ class ThreadWaiter(Driver):
                         self._idle = False
                     elif not self._holds:
                         least = THREAD_MIN_SLEEP_S
-                        if self.watchlist.pending <= self._keeping:  # keep-alives only
+                        if not again and self.watchlist.pending <= self._keeping:  # keep-alives only
                             least = max(least, _policy.get_wait_policy().max_sleep_s)
                         delay = max(next_poll - time.perf_counter(), least)
                         if _trace.active is not None:
@@ -562,6 +563,9 @@ class ThreadWaiter(Driver):
                 next_poll = time.perf_counter() + _policy.get_wait_policy().max_sleep_s
                 continue
             next_poll = self.poll(timer_fired)
+            # "Again at once" (a full slice fired): no keep-alive floor then,
+            # or a backlog of completed holds would drain 64 per max_sleep_s.
+            again = next_poll is not None and next_poll <= time.perf_counter()
 
     def _run_calls(self, calls: list[Callable[[], None]]) -> None:
         # A function of its own, so that no local of the endless loop keeps
@@ -597,18 +601,20 @@ class ThreadWaiter(Driver):
     def _hold(self, records: Sequence[EventRecord], obj: object) -> None:
         # The callback's default argument owns ``obj``: it goes when the
         # callback is dropped, once the records complete.
-        count = len(records)
+        # A watch per record, each callback owning ``obj`` (it goes with the
+        # last of them), so that ``_keeping`` counts the records still
+        # watched, as ``watchlist.pending`` does. Not fresh waits: a
+        # keep-alive needs no spin (see the class).
+        def done(_record: EventRecord, _held: object = obj) -> None:
+            self._keeping -= 1
 
-        def done(_error: Exception | None, _held: object = obj) -> None:
-            self._keeping -= count
-
-        self._keeping += count
-        try:
-            # Not a fresh wait: a keep-alive needs no spin (see the class).
-            self.watch_all(records, done, fresh=False)
-        except BaseException:
-            self._keeping -= count
-            raise
+        for record in records:
+            self._keeping += 1
+            try:
+                self.watch_one(record, done, fresh=False)
+            except BaseException:
+                self._keeping -= 1
+                raise
 
     @property
     def holding(self) -> int:

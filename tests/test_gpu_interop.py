@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import cudafut
-from cudafut import _backend, _cuda
+from cudafut import _backend, _compiled, _cuda, _future
 from cudafut._values import find_devices
 from tests.children import until
 from tests.kernels import spin_fill
@@ -132,6 +132,31 @@ def test_torch_ops_in_then_run_on_the_pool_stream_after_a_slow_producer(cp: Any,
     assert torch_stream == cupy_stream != before.cuda_stream
     assert torch.cuda.current_stream() == before  # restored
     assert (child.result(timeout=10).cpu() == 8).all()
+
+
+def test_then_with_torch_imported_runs_on_the_native_core(
+    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails where the native core's then() hands every link to the Python
+    twin once torch is imported (a link then cost about four times one
+    without torch). The ordering and streams are the test above's."""
+    if _compiled.native() is None:
+        pytest.skip(f"the native core does not run here ({_compiled.core()})")
+    twin: list[object] = []
+    settle_later = _future._settle_later
+
+    def counted(*args: Any) -> Any:
+        twin.append(args[0])
+        return settle_later(*args)
+
+    monkeypatch.setattr(_future, "_settle_later", counted)
+    t, view = torch_zeros(torch, cp)
+    producer = cp.cuda.Stream(non_blocking=True)
+    with producer:
+        spin_fill(view, 7, SLOW_MS)
+    child = cudafut.record(t, stream=producer).then(lambda v: v + 1)
+    assert (child.result(timeout=10).cpu() == 8).all()
+    assert twin == []
 
 
 def test_submit_waits_for_what_the_caller_enqueued_on_torchs_stream(cp: Any, torch: Any) -> None:

@@ -800,7 +800,9 @@ def test_then_sets_torchs_stream_through_its_c_entry_points_where_it_has_them(
 ) -> None:
     # torch._C._cuda_getCurrentStream/_cuda_setStream take and give
     # (stream_id, device_index, device_type); torch.cuda's Stream objects
-    # are left out of then()'s path once torch has initialised CUDA.
+    # are left out of then()'s path once torch has initialised CUDA. (This
+    # module's fake records are not the native core's: its then() with
+    # torch is tested on the GPU, tests/test_gpu_interop.py.)
     cuda = torch.cuda
     calls: list[tuple[int, int, int]] = []
 

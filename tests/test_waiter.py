@@ -147,25 +147,55 @@ def test_a_keep_alive_taken_while_idle_is_first_polled_max_sleep_s_later() -> No
     assert cudafut.get_wait_policy().max_sleep_s <= first < _lifetimes.RETIRED_STALE_S
 
 
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, "the watcher thread did not get there in 5 s"
+        time.sleep(0.001)
+
+
 def test_a_watcher_thread_with_a_callback_to_run_polls_as_its_plans_say() -> None:
-    cudafut.set_wait_policy("low_latency")
+    # Beside a keep-alive of two records, one of them complete: the
+    # callback's watch is not taken for a keep-alive (the keep-alive counts
+    # its records one by one, as the watchlist does). No spin: its plan is
+    # sleeps of 50 µs, doubling up to 2 ms.
+    cudafut.set_wait_policy(cudafut.WaitPolicy(spin_s=0.0, first_sleep_s=50e-6, max_sleep_s=2e-3))
     waiter = _waiter.ThreadWaiter()
     cond = waiter._cond = _RecordingCondition()
-    kept, watched = FakeRecord(), FakeRecord()
-    waiter.hold([kept], _Value())
+    first, second, watched = FakeRecord(), FakeRecord(), FakeRecord()
+    waiter.hold([first, second], _Value())
+    first.complete()
+    _until(lambda: waiter.watchlist.pending == 1)
+    start = len(cond.timeouts)
     fired: list[object] = []
 
     def watch() -> None:
         waiter.watch_one(watched, fired.append)
 
     waiter.call_soon_threadsafe(watch)
-    deadline = time.monotonic() + 5
-    while len(cond.timeouts) < 20 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until(lambda: len(cond.timeouts) >= start + 20)
     watched.complete()
-    kept.complete()
-    polls = [t for t in cond.timeouts if t is not None]
+    second.complete()
+    polls = [t for t in cond.timeouts[start:] if t is not None]
     assert min(polls) < cudafut.get_wait_policy().max_sleep_s
+
+
+def test_a_backlog_of_completed_keep_alives_drains_without_the_keep_alive_sleeps() -> None:
+    # A poll fires at most FIRE_PER_POLL watches and asks to poll again at
+    # once: with the keep-alives' floor there, a backlog would drain one
+    # slice per max_sleep_s.
+    waiter = _waiter.ThreadWaiter()
+    cond = waiter._cond = _RecordingCondition()
+    records = [FakeRecord() for _ in range(3 * _waiter.FIRE_PER_POLL)]
+    for rec in records:
+        rec.complete()
+    values = [_Value() for _ in records]
+    refs = [weakref.ref(v) for v in values]
+    for rec, value in zip(records, values, strict=True):
+        waiter.hold([rec], value)
+    del value, values
+    assert all(gone(ref) for ref in refs)
+    assert cond.timeouts.count(_waiter.THREAD_MIN_SLEEP_S) >= 2
 
 
 def test_the_watcher_thread_sleeps_at_most_max_sleep_s() -> None:
