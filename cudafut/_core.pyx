@@ -2198,6 +2198,7 @@ cdef class Pacer:
     cdef public double spin_ends
     # Readable for the differential test (tests/test_pacer_differential.py).
     cdef readonly double _backoff
+    cdef readonly double _retract
     cdef readonly double _asked
     cdef readonly object _lateness
     cdef readonly double _late_median
@@ -2208,6 +2209,7 @@ cdef class Pacer:
         self.spin_until = 0.0
         self.spin_ends = 0.0
         self._backoff = _first_sleep_s
+        self._retract = 0.0
         self._asked = 0.0
         self._lateness = _deque(maxlen=32) if lateness is None else lateness
         self._late_median = _DEFAULT_LATENESS_S
@@ -2222,6 +2224,13 @@ cdef class Pacer:
         _current_policy()
         self.spin_until = now + _spin_s
         self._backoff = _first_sleep_s
+        self._retract = 0.0
+
+    def retract(self):
+        """The last plan's sleep was not taken: the back-off steps back (the twin's)."""
+        if self._retract:
+            self._backoff = self._retract
+            self._retract = 0.0
 
     def sleeping_until(self, double when):
         """The sleeper is about to sleep until ``when``."""
@@ -2277,6 +2286,7 @@ cdef class Pacer:
         predict = _predict
         bound = now + max_sleep_s
         best = _INF
+        self._retract = 0.0
         if not _notify:
             arm = None
         spin_ends = 0.0
@@ -2340,6 +2350,7 @@ cdef class Pacer:
         self.spin_ends = 0.0
         if backoff and now + self._backoff < best:
             best = now + self._backoff
+            self._retract = self._backoff
             self._backoff = self._backoff * 2
             if max_sleep_s < self._backoff:
                 self._backoff = max_sleep_s

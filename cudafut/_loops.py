@@ -169,6 +169,7 @@ class LoopDriver(Driver):
         pacer.new_wait(now)
         when = pacer.next_poll((record,), now)
         if when > now and not _sleeps_alone(record):
+            pacer.retract()  # the driver plans that sleep again
             return False  # the plan says sleep, with a notice: the driver's
         ends = pacer.spin_ends if when <= now else 0.0
         self._alone = True
@@ -180,6 +181,7 @@ class LoopDriver(Driver):
                     if _trace.active is not None:
                         _trace.planned(self, when - now, "sleep (lone await)")
                     if not await self._sleep_alone(when):
+                        pacer.retract()  # not slept: the driver plans that sleep again
                         return False
                 else:
                     if not spinning and _trace.active is not None:
@@ -202,6 +204,7 @@ class LoopDriver(Driver):
                 if when <= now:
                     ends = pacer.spin_ends
                 elif not _sleeps_alone(record):
+                    pacer.retract()  # the driver plans that sleep again
                     return False  # the plan says sleep, with a notice: the driver's
         finally:
             self._alone = False

@@ -478,6 +478,7 @@ class Pacer:
         "_backoff",
         "_late_median",
         "_lateness",
+        "_retract",
         "name",
         "spin_ends",
         "spin_until",
@@ -492,6 +493,9 @@ class Pacer:
         #: then need no new plan unless something fired.
         self.spin_ends = 0.0
         self._backoff = _policy.first_sleep_s
+        # The back-off before the last plan's step (0.0: that plan took
+        # none): what retract() restores.
+        self._retract = 0.0
         self._asked = 0.0
         # Blocking waits share one history: each call is too short to learn.
         self._lateness = deque(maxlen=32) if lateness is None else lateness
@@ -504,6 +508,16 @@ class Pacer:
         policy = _policy
         self.spin_until = now + policy.spin_s
         self._backoff = policy.first_sleep_s
+        self._retract = 0.0
+
+    def retract(self) -> None:
+        """The last plan's sleep was not taken (a lone await handed its
+        wait to the loop's waiter instead, which plans again): the back-off
+        steps back to where that plan found it, so the waiter's first sleep
+        is the one that plan chose, not twice it."""
+        if self._retract:
+            self._backoff = self._retract
+            self._retract = 0.0
 
     def sleeping_until(self, when: float) -> None:
         """The sleeper is about to sleep until ``when``."""
@@ -554,6 +568,7 @@ class Pacer:
         spin_s = policy.spin_s
         bound = now + policy.max_sleep_s
         best = math.inf
+        self._retract = 0.0
         backoff = False
         noticed = False
         bounded = False
@@ -598,6 +613,7 @@ class Pacer:
         self.spin_ends = 0.0
         if backoff and now + self._backoff < best:
             best = now + self._backoff
+            self._retract = self._backoff
             self._backoff = min(self._backoff * 2, policy.max_sleep_s)
         elif noticed and not backoff and not bounded:  # every record has a notice
             bound = now + max(policy.notice_sleep_s, policy.max_sleep_s)

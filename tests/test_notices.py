@@ -302,6 +302,33 @@ def test_a_lone_await_handed_to_the_trio_driver_spins_once(
     assert len(steps) < 100, f"the driver stepped {len(steps)} times: it spun again"
 
 
+def test_the_trio_drivers_first_sleep_after_a_hand_over_is_the_lone_awaits_plan(
+    notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lone await spins spin_s in its task; its next plan says sleep
+    # first_sleep_s (and steps the back-off to twice that); trio's lone
+    # task cannot sleep on the driver's timer, so it hands the wait over,
+    # and the driver plans that first sleep again, not twice it.
+    trio = pytest.importorskip("trio")
+    fake, _handed = notices
+    cudafut.set_wait_policy(
+        cudafut.WaitPolicy(spin_s=0.001, first_sleep_s=0.002, max_sleep_s=0.02, predict=False)
+    )
+    steps: list[float | None] = []
+    step = _loops.LoopDriver.step
+
+    def counted(self: Any, timer_fired: bool) -> float | None:
+        planned = step(self, timer_fired)
+        steps.append(planned)
+        return planned
+
+    monkeypatch.setattr(_loops.LoopDriver, "step", counted)
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+    assert trio.run(_trio_await_completed_later, fake, fut, 0.05).sum() == 2
+    assert steps, "the wait was never handed to the driver: the test would prove nothing"
+    assert steps[0] is not None and 0.001 < steps[0] <= 0.002  # not 0.004
+
+
 def test_real_cuda_without_libcuda_says_so_and_takes_the_descriptor() -> None:
     # No GPU here: the real close_after refuses, and the waiter then polls.
     # It takes the descriptor whatever happens: not launched, it closes it.

@@ -8,7 +8,7 @@ notices on and off), fills the duration predictor with histories (points
 from a few durations, exact or not, modes found or still to find, the
 newest one a surprise or not, work started before or after the last
 completion), then calls ``new_wait``, ``sleeping_until``, ``woke``,
-``interrupted``, ``margin`` and ``next_poll`` (over some of the streams,
+``interrupted``, ``retract``, ``margin`` and ``next_poll`` (over some of the streams,
 with and without an ``arm`` whose answers the program gives) at times
 around the learnt windows, alone or as a sleeper's run of polls. Compared after each step: what it returned,
 ``spin_until``, ``spin_ends``, the back-off, the lateness history and its
@@ -120,6 +120,7 @@ ops = st.lists(
         st.tuples(st.just("sleeping_until"), times),
         st.tuples(st.just("woke"), times),
         st.tuples(st.just("interrupted")),
+        st.tuples(st.just("retract")),
         st.tuples(st.just("margin"), st.sampled_from(DURATIONS)),
         st.tuples(
             st.just("next_poll"),
@@ -170,6 +171,7 @@ def _observe(pacer: Any) -> tuple[Any, ...]:
         pacer.spin_until,
         pacer.spin_ends,
         pacer._backoff,
+        pacer._retract,
         pacer._asked,
         list(pacer._lateness),
         pacer._late_median,
@@ -178,8 +180,8 @@ def _observe(pacer: Any) -> tuple[Any, ...]:
 
 def _step(pacer: Any, op: tuple[Any, ...], recs: list[Rec], asked: list[Any]) -> Any:
     name = op[0]
-    if name == "interrupted":
-        return pacer.interrupted()
+    if name in ("interrupted", "retract"):
+        return getattr(pacer, name)()
     if name == "margin":
         return pacer.margin(op[1], cudafut.get_wait_policy())
     if name == "sleeps":
