@@ -288,6 +288,7 @@ class Driver(abc.ABC):
     def __init__(self, *, learn: bool = True) -> None:
         self.watchlist = Watchlist(learn=learn)
         self.pacer = Pacer(name=self.name)
+        self.slice_full = False
 
     def _new_wait(self) -> None:
         self.pacer.new_wait(time.perf_counter())
@@ -339,6 +340,8 @@ class Driver(abc.ABC):
             self.pacer.interrupted()
         watchlist = self.watchlist
         fired = watchlist.poll(now, FIRE_PER_POLL)
+        # Whether this poll fired a full slice (it asks to poll again at once).
+        self.slice_full = len(fired) == FIRE_PER_POLL
         if fired:
             _run_fired(self, fired)
         learnt = watchlist.learnt
@@ -352,7 +355,7 @@ class Driver(abc.ABC):
             _trace.polled(self, now, timer_fired, fired)
         if not watchlist.pending:
             return None
-        if len(fired) == FIRE_PER_POLL:
+        if self.slice_full:
             return now  # more may have completed: fire them at the next loop iteration
         if not fired and now < self.pacer.spin_ends:
             return now  # the plan still says spin: keep the spinning poll lean
@@ -563,9 +566,10 @@ class ThreadWaiter(Driver):
                 next_poll = time.perf_counter() + _policy.get_wait_policy().max_sleep_s
                 continue
             next_poll = self.poll(timer_fired)
-            # "Again at once" (a full slice fired): no keep-alive floor then,
-            # or a backlog of completed holds would drain 64 per max_sleep_s.
-            again = next_poll is not None and next_poll <= time.perf_counter()
+            # A full slice fired: no keep-alive floor before the next poll, or
+            # a backlog of completed holds would drain 64 per max_sleep_s.
+            # (Not a spin plan: a keep-alive never needs one.)
+            again = self.slice_full
 
     def _run_calls(self, calls: list[Callable[[], None]]) -> None:
         # A function of its own, so that no local of the endless loop keeps

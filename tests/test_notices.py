@@ -302,18 +302,26 @@ def test_a_lone_await_handed_to_the_trio_driver_spins_once(
     assert len(steps) < 100, f"the driver stepped {len(steps)} times: it spun again"
 
 
+@pytest.mark.parametrize(
+    ("spin_s", "notify"),
+    [
+        (0.001, True),  # spun, then a sleep plan with a notice: the driver's
+        (0.001, False),  # spun, then a sleep plan to take alone, which trio's task cannot
+        (0.0, True),  # no spin: the first plan already says sleep, with a notice
+    ],
+)
 def test_the_trio_drivers_first_sleep_after_a_hand_over_is_the_lone_awaits_plan(
-    notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch
+    notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch, spin_s: float, notify: bool
 ) -> None:
-    # The lone await spins spin_s in its task; its next plan says sleep
-    # first_sleep_s (and steps the back-off to twice that); trio's lone
-    # task cannot sleep on the driver's timer, so it hands the wait over,
-    # and the driver plans that first sleep again, not twice it.
+    # The lone await's plan says sleep first_sleep_s (and steps the
+    # back-off to twice that), but it hands the wait over instead of
+    # sleeping: the driver must plan that first sleep again, not twice it.
     trio = pytest.importorskip("trio")
     fake, _handed = notices
-    cudafut.set_wait_policy(
-        cudafut.WaitPolicy(spin_s=0.001, first_sleep_s=0.002, max_sleep_s=0.02, predict=False)
+    policy = cudafut.WaitPolicy(
+        spin_s=spin_s, first_sleep_s=0.002, max_sleep_s=0.02, predict=False, notify=notify
     )
+    cudafut.set_wait_policy(policy)
     steps: list[float | None] = []
     step = _loops.LoopDriver.step
 

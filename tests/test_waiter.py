@@ -100,6 +100,13 @@ class _RecordingCondition(threading.Condition):
         return super().wait(timeout)
 
 
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, "the watcher thread did not get there in 5 s"
+        time.sleep(0.001)
+
+
 def _watcher_sleeps(n: int) -> list[float]:
     """The first ``n`` sleeps (at least) of a fresh watcher thread that holds
     a value on a record which stays pending meanwhile."""
@@ -130,6 +137,30 @@ def test_a_watcher_thread_that_only_keeps_values_alive_polls_every_max_sleep_s()
     assert min(_watcher_sleeps(5)) >= cudafut.get_wait_policy().max_sleep_s
 
 
+def test_keep_alives_after_a_callback_still_poll_every_max_sleep_s() -> None:
+    # A callback's watch is a new wait: under low_latency its spin never
+    # ends (spin_s is infinite), and keep-alives that follow must not poll
+    # on that spin's plan.
+    cudafut.set_wait_policy("low_latency")
+    waiter = _waiter.ThreadWaiter()
+    cond = waiter._cond = _RecordingCondition()
+    watched, kept = FakeRecord(), FakeRecord()
+    fired: list[object] = []
+
+    def watch() -> None:
+        waiter.watch_one(watched, fired.append)
+
+    waiter.call_soon_threadsafe(watch)
+    watched.complete()
+    _until(lambda: bool(fired))
+    start = len(cond.timeouts)
+    waiter.hold([kept], _Value())
+    _until(lambda: len(cond.timeouts) >= start + 5)
+    kept.complete()
+    polls = [t for t in cond.timeouts[start:] if t is not None]
+    assert min(polls) >= cudafut.get_wait_policy().max_sleep_s
+
+
 def test_a_keep_alive_taken_while_idle_is_first_polled_max_sleep_s_later() -> None:
     # Dropped futures on a stream of short kernels each woke the idle
     # watcher, whose poll then found the work done: a wake-up (and the GIL
@@ -145,13 +176,6 @@ def test_a_keep_alive_taken_while_idle_is_first_polled_max_sleep_s_later() -> No
     assert gone(ref)
     first = next(t for t in cond.timeouts if t is not None)
     assert cudafut.get_wait_policy().max_sleep_s <= first < _lifetimes.RETIRED_STALE_S
-
-
-def _until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 5
-    while not condition():
-        assert time.monotonic() < deadline, "the watcher thread did not get there in 5 s"
-        time.sleep(0.001)
 
 
 def test_a_watcher_thread_with_a_callback_to_run_polls_as_its_plans_say() -> None:
