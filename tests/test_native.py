@@ -162,6 +162,25 @@ def test_a_newer_record_seen_complete_answers_for_the_older_ones_of_a_pool_strea
     assert NATIVE.counts() == (queried + 1, answered + 3)
 
 
+def _record_with_another_inside(monkeypatch: pytest.MonkeyPatch, stream: Any) -> tuple[Any, Any]:
+    """A record of ``stream`` made on the runtime's path (the fake's), and
+    one made while its event was being enqueued (a finalizer, another
+    thread): the second is numbered lower, though it follows in the stream."""
+    ptr, real = int(stream.ptr), _backend.current.event_record
+    inner: list[Any] = []
+
+    def record_then_another(event: int, on: int, device: int) -> None:
+        real(event, on, device)
+        if not inner:
+            inner.append(None)
+            inner[0] = _events.record(on, device, None, stream)
+
+    monkeypatch.setattr(_backend.current, "event_record", record_then_another)
+    outer = _events.record(ptr, 0, None, stream)
+    monkeypatch.setattr(_backend.current, "event_record", real)
+    return outer, inner[0]
+
+
 def _own_queries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The fake's event queries made by this thread from now on (the handles
     asked, appended to the list returned); the watcher thread's, sweeping
@@ -180,13 +199,14 @@ def _own_queries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @native_only
-def test_awaits_of_finished_work_ask_the_newest_record_once(
-    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("how", ["await", "result"])
+def test_finished_work_asks_the_newest_record_once(
+    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    # Futures recorded, their work finished, then each awaited once (a
-    # service's futures after a synchronize()): the first await asks the
-    # stream's newest record, whose completion answers for all the others
-    # from the watermark.
+    # Futures recorded, their work finished, then each awaited (or its
+    # result() taken) once, as a service does after a synchronize(): the
+    # first asks the stream's newest record, whose completion answers for
+    # all the others from the watermark.
     stream = _pools.streams.get(0, 0)
     futs = [_record_on(stream) for _ in range(5)]
     fake_cuda.complete_all()
@@ -196,20 +216,11 @@ def test_awaits_of_finished_work_ask_the_newest_record_once(
         for fut in futs:
             await fut
 
-    asyncio.run(main())
-    assert asked == [records_of(futs[-1])[0].handle]
-
-
-@native_only
-def test_result_of_finished_work_asks_the_newest_record_once(
-    fake_cuda: testing.FakeCuda, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    stream = _pools.streams.get(0, 0)
-    futs = [_record_on(stream) for _ in range(3)]
-    fake_cuda.complete_all()
-    asked = _own_queries(monkeypatch)
-    for fut in futs:
-        fut.result()
+    if how == "await":
+        asyncio.run(main())
+    else:
+        for fut in futs:
+            fut.result()
     assert asked == [records_of(futs[-1])[0].handle]
 
 
@@ -249,19 +260,7 @@ def test_a_probe_never_asks_a_record_that_is_gone_or_that_does_not_follow(
     assert first.probe() == 0
     assert asked == [first.handle]
 
-    real = _backend.current.event_record
-    inner: list[Any] = []
-
-    def record_then_another(event: int, on: int, device: int) -> None:
-        real(event, on, device)
-        if not inner:
-            inner.append(None)
-            inner[0] = _events.record(on, device, None, stream)
-
-    monkeypatch.setattr(_backend.current, "event_record", record_then_another)
-    outer = _events.record(ptr, 0, None, stream)
-    monkeypatch.setattr(_backend.current, "event_record", real)
-    later = inner[0]
+    outer, later = _record_with_another_inside(monkeypatch, stream)
     assert later.seq < outer.seq
     outer.calls.complete([outer.calls.event_of(outer.handle)])
     asked.clear()
@@ -345,19 +344,7 @@ def test_a_record_enqueued_outside_the_streams_lock_vouches_only_for_those_numbe
     # though it follows in the stream. The first's completion must not
     # answer for it.
     stream = _pools.streams.get(0, 0)
-    ptr, real = int(stream.ptr), _backend.current.event_record
-    inner: list[Any] = []
-
-    def record_then_another(event: int, on: int, device: int) -> None:
-        real(event, on, device)
-        if not inner:
-            inner.append(None)
-            inner[0] = _events.record(on, device, None, stream)
-
-    monkeypatch.setattr(_backend.current, "event_record", record_then_another)
-    first = _events.record(ptr, 0, None, stream)
-    monkeypatch.setattr(_backend.current, "event_record", real)
-    later = inner[0]
+    first, later = _record_with_another_inside(monkeypatch, stream)
     assert later.seq < first.seq  # numbered out of the stream's order
     backend = first.calls
     ev = backend.event_of(first.handle)

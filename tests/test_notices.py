@@ -277,6 +277,21 @@ def test_trio_polls_on_timers(notices: tuple[testing.FakeCuda, list[int]]) -> No
     assert trio.run(_trio_await_completed_later, fake, fut, 0.01).sum() == 2 and handed == []
 
 
+def _driver_steps(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
+    """What each loop driver's ``step`` planned from now on (None: nothing
+    left to watch; 0.0: poll again at once; else seconds of sleep)."""
+    steps: list[float | None] = []
+    step = _loops.LoopDriver.step
+
+    def counted(self: Any, timer_fired: bool) -> float | None:
+        planned = step(self, timer_fired)
+        steps.append(planned)
+        return planned
+
+    monkeypatch.setattr(_loops.LoopDriver, "step", counted)
+    return steps
+
+
 def test_a_lone_await_handed_to_the_trio_driver_spins_once(
     notices: tuple[testing.FakeCuda, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -287,15 +302,7 @@ def test_a_lone_await_handed_to_the_trio_driver_spins_once(
     trio = pytest.importorskip("trio")
     fake, _handed = notices
     cudafut.set_wait_policy(cudafut.WaitPolicy(spin_s=0.05, max_sleep_s=0.02))
-    steps: list[float | None] = []
-    step = _loops.LoopDriver.step
-
-    def counted(self: Any, timer_fired: bool) -> float | None:
-        planned = step(self, timer_fired)
-        steps.append(planned)
-        return planned
-
-    monkeypatch.setattr(_loops.LoopDriver, "step", counted)
+    steps = _driver_steps(monkeypatch)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
     assert trio.run(_trio_await_completed_later, fake, fut, 0.2).sum() == 2
     assert steps, "the wait was never handed to the driver: the test would prove nothing"
@@ -322,15 +329,7 @@ def test_the_trio_drivers_first_sleep_after_a_hand_over_is_the_lone_awaits_plan(
         spin_s=spin_s, first_sleep_s=0.002, max_sleep_s=0.02, predict=False, notify=notify
     )
     cudafut.set_wait_policy(policy)
-    steps: list[float | None] = []
-    step = _loops.LoopDriver.step
-
-    def counted(self: Any, timer_fired: bool) -> float | None:
-        planned = step(self, timer_fired)
-        steps.append(planned)
-        return planned
-
-    monkeypatch.setattr(_loops.LoopDriver, "step", counted)
+    steps = _driver_steps(monkeypatch)
     fut = cudafut.record(np.ones(2), stream=fake.stream())
     assert trio.run(_trio_await_completed_later, fake, fut, 0.05).sum() == 2
     assert steps, "the wait was never handed to the driver: the test would prove nothing"
