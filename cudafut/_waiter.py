@@ -526,7 +526,6 @@ class ThreadWaiter(Driver):
 
     def _serve(self) -> None:
         next_poll: float | None = None
-        again = False
         while True:
             # What this thread retired in its last round (a dropped
             # future's tensor it let go): those deallocations are done.
@@ -547,7 +546,10 @@ class ThreadWaiter(Driver):
                         self._idle = False
                     elif not self._holds:
                         least = THREAD_MIN_SLEEP_S
-                        if not again and self.watchlist.pending <= self._keeping:  # keep-alives only
+                        # Keep-alives only, unless the last poll fired a full slice:
+                        # then no floor, or a backlog of completed holds would
+                        # drain 64 per max_sleep_s (a spin plan does not count).
+                        if not self.slice_full and self.watchlist.pending <= self._keeping:
                             least = max(least, _policy.get_wait_policy().max_sleep_s)
                         delay = max(next_poll - time.perf_counter(), least)
                         if _trace.active is not None:
@@ -566,10 +568,6 @@ class ThreadWaiter(Driver):
                 next_poll = time.perf_counter() + _policy.get_wait_policy().max_sleep_s
                 continue
             next_poll = self.poll(timer_fired)
-            # A full slice fired: no keep-alive floor before the next poll, or
-            # a backlog of completed holds would drain 64 per max_sleep_s.
-            # (Not a spin plan: a keep-alive never needs one.)
-            again = self.slice_full
 
     def _run_calls(self, calls: list[Callable[[], None]]) -> None:
         # A function of its own, so that no local of the endless loop keeps
