@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib
 import os
 import sys
 import time
@@ -66,11 +65,10 @@ from typing import Any
 
 import numpy as np
 
-from .support.common import Progress, Ticker, stall_ms
+from .support.common import Progress, Ticker, service_module, stall_ms
 
 NAME = "serve"
 
-SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service"
 ALL_MODELS = ("resnet50", "vit_b_16")
 THREADS = (1, 4)  # besides the default (2)
 #: Closed loop with more clients (nogpu, batch_graph, batch_floor): the
@@ -170,15 +168,8 @@ def _processes_part(quick: bool, progress: Progress) -> dict[str, Any]:
     return out
 
 
-def _service(name: str) -> Any:
-    """The module ``name`` of examples/service (the folder put on the path)."""
-    if str(SERVICE) not in sys.path:
-        sys.path.insert(0, str(SERVICE))
-    return importlib.import_module(name)
-
-
 def _compare_module() -> Any:
-    return _service("compare")
+    return service_module("compare")
 
 
 def steps(quick: bool) -> int:
@@ -329,7 +320,7 @@ async def _stall(
     by_round: dict[str, list[list[float]]] = {n: [] for n in names}
     gcs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     walls = dict.fromkeys(names, 0.0)
-    recorder = _service("pauses").PauseRecorder(STALL_GC_MS, count_tracked=False)
+    recorder = service_module("pauses").PauseRecorder(STALL_GC_MS, count_tracked=False)
     ticker.start()
     await asyncio.sleep(0.05)
     idle = list(late)
@@ -350,7 +341,7 @@ async def _stall(
                 # The serving recipe (docs/serving.md): what start-up and the
                 # cold rounds left is frozen, so a full collection does not
                 # walk PyTorch's objects in whichever way's round it lands.
-                _service("pauses").freeze_warm_objects()
+                service_module("pauses").freeze_warm_objects()
                 # The freeze held the loop (a full collection, then a walk of
                 # the frozen objects): the ticker's late tick lands here, not
                 # in the next round, which clears what came before it.
@@ -482,7 +473,7 @@ def _launch_part(quick: bool, progress: Progress) -> dict[str, Any]:
     )
     cp = _backend.current.cupy()
     x = cp.ones(16, dtype=cp.float32)
-    served = _service("models").Served("resnet50")
+    served = service_module("models").Served("resnet50")
     out["stall_settings"] = _stall_settings(quick)
     out["stalls"] = _stalls(
         quick,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import gc
 import math
 import queue
 import random
@@ -40,7 +41,7 @@ from typing import Any
 import cudafut
 from cudafut import WaitPolicy, _cuda
 
-from .support.common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure
+from .support.common import CpuMeter, Progress, meta_of, policy, pyplot, save_figure, service_module
 
 NAME = "vary"
 
@@ -454,6 +455,19 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
     cpus: dict[tuple[str, str, str], list[float]] = {}
     works: dict[tuple[str, str, str], list[float]] = {}
     patterns = _patterns(quick)
+    # A full collection walks every object the imports left (CuPy, PyTorch,
+    # JAX: several 100,000) and holds the loop meanwhile; where one fell in a
+    # row, that row's max was the collection's, whatever the strategy. Frozen
+    # first, as the serving recipe does (docs/serving.md); every collection
+    # of GC_PAUSE_MS or more that remains is recorded with its row.
+    pauses = service_module("pauses")
+    gc_out: dict[str, Any] = {"threshold_ms": GC_PAUSE_MS, "tracked_before": len(gc.get_objects())}
+    t0 = time.perf_counter()
+    gc_out["frozen"] = pauses.freeze_warm_objects()
+    gc_out["collect_and_freeze_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    recorder = pauses.PauseRecorder(GC_PAUSE_MS, count_tracked=False)  # a count would stall the row
+    row_pauses: list[dict[str, Any]] = []
+    recorder.install()
     try:
         for r in range(_rounds(quick)):
             for p_index, (pattern, make) in enumerate(patterns.items()):
@@ -462,8 +476,13 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
                     for name in STRATEGIES:
                         streams = [cp.cuda.Stream(non_blocking=True) for _ in range(nstreams)]
                         keep_streams += streams
+                        seen = len(recorder.pauses)
                         lats, cpu = _strategy(name, gpu, pool)(jobs, streams)
                         key = (pattern, layout, name)
+                        row_pauses += [
+                            {"row": f"{pattern} [{layout}] {name}", "round": r, **p}
+                            for p in recorder.pauses[seen:]
+                        ]
                         ex = extras.setdefault(key, [])
                         for durations, got in zip(jobs, lats, strict=True):
                             ex += [(t - d - floor0) * 1e6 for d, t in zip(durations, got, strict=True)]
@@ -477,9 +496,13 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
                                 f"cpu {q['cpu_per_wall']:.3f}"
                             )
     finally:
+        recorder.remove()
+        gc.unfreeze()  # the next section starts as this one did
         pool.shutdown()
         gpu.sync_all()
+    gc_out["pauses"] = [{k: p[k] for k in ("row", "round", "ms", "generation")} for p in row_pauses]
     out: dict[str, Any] = {
+        "gc": gc_out,
         "floor_empty_kernel_us": floor0 * 1e6,
         "floor_model_error_us": model,
         "rounds": _rounds(quick),
@@ -504,6 +527,8 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
 # -- targets, Markdown and plots (no CuPy) --------------------------------------------
 
 MAX_EXTRA_US = 1500.0
+#: Garbage collections at least this long are recorded with their row (ms).
+GC_PAUSE_MS = 5.0
 MAX_CPU_LONG = 0.10
 
 
@@ -635,6 +660,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         + f"), in µs, p50 / p90 / max, and process CPU / wall; {result['rounds']} interleaved round(s).",
         "",
     ]
+    if "gc" in result:
+        lines += [_gc_text(result["gc"]), ""]
     names = _names(result)
     for layout in LAYOUTS:
         lines += [f"### {layout}", "", "| pattern | " + " | ".join(names) + " |"]
@@ -676,6 +703,25 @@ def markdown(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
+
+
+def _gc_text(g: dict[str, Any]) -> str:
+    """The garbage collector's part in a run: what was frozen before the
+    rows, and the collections over the threshold during them."""
+    text = (
+        f"Before the rows the suite froze what its imports left, as the serving recipe does "
+        f"(`gc.collect()` then `gc.freeze()`: {g['frozen']:,} objects; that full collection took "
+        f"{g['collect_and_freeze_ms']:.0f} ms, the loop stall one costs this process unfrozen). "
+        f"Collections of {g['threshold_ms']:g} ms or more during the rows: "
+    )
+    found = g["pauses"]
+    if not found:
+        return text + "none."
+    longest = max(found, key=lambda p: p["ms"])
+    return text + (
+        f"{len(found)}, the longest {longest['ms']:.1f} ms (generation {longest['generation']}, "
+        f"{longest['row']}, round {longest['round'] + 1})."
+    )
 
 
 def _target_names(result: dict[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import serve
 from benchmarks.support import tables
+from benchmarks.support.common import service_module
 from cudafut import testing
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -139,7 +140,7 @@ def test_the_later_stall_rounds_run_with_the_cold_rounds_objects_frozen(
             frozen.append((r, gc.get_freeze_count()))
         return i
 
-    pauses = serve._service("pauses")
+    pauses = service_module("pauses")
     freeze = pauses.freeze_warm_objects
 
     def slow_freeze() -> int:

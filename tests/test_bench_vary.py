@@ -192,3 +192,36 @@ def test_the_targets_table_gives_the_cpu_floor_where_the_run_has_it() -> None:
     row = next(line for line in text.splitlines() if line.startswith(f"| {key} |"))
     assert row.endswith(f" | {vary._told_cell(result['told_floor'][key])} |"), row
     assert "2.00x (sleeping until 0 ms before the end)" in row
+
+
+def test_the_collections_during_the_rows_are_reported_beside_them() -> None:
+    """A run's ``gc`` part: what was frozen before the rows and every long
+    collection with its row; a run without one (before it was recorded)
+    has no such line."""
+    result = copy.deepcopy(_newest())
+    result.pop("gc", None)
+    assert "Collections of" not in "\n".join(vary.markdown(result))
+    result["gc"] = {
+        "threshold_ms": 5.0,
+        "tracked_before": 412_000,
+        "frozen": 409_876,
+        "collect_and_freeze_ms": 51.2,
+        "pauses": [],
+    }
+    text = "\n".join(vary.markdown(result))
+    assert "`gc.freeze()`: 409,876 objects; that full collection took 51 ms" in text
+    assert "Collections of 5 ms or more during the rows: none." in text
+    result["gc"]["pauses"] = [
+        {"row": "bimodal [8 streams] cudafut await (balanced)", "round": 1, "ms": 7.25, "generation": 2},
+        {
+            "row": "stable 2 ms [1 stream] peer: asyncio sleep(0) polling",
+            "round": 0,
+            "ms": 5.5,
+            "generation": 1,
+        },
+    ]
+    text = "\n".join(vary.markdown(result))
+    assert (
+        "during the rows: 2, the longest 7.2 ms "
+        "(generation 2, bimodal [8 streams] cudafut await (balanced), round 2)." in text
+    )

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import cudafut
-from cudafut import _backend, _compiled, _cuda, _future
+from cudafut import _backend, _compiled, _cuda, _future, _torch
 from cudafut._values import find_devices
 from tests.children import until
 from tests.kernels import spin_fill
@@ -150,13 +150,40 @@ def test_then_with_torch_imported_runs_on_the_native_core(
         return settle_later(*args)
 
     monkeypatch.setattr(_future, "_settle_later", counted)
+    # Only the torch half: the native core has made the pool stream CuPy's
+    # current one itself, so the whole of _torch.call_on_streams (which
+    # switches CuPy's stream again) is never called.
+    halves: list[object] = []
+    torch_half = _torch.call_on_torch_streams
+
+    def counted_half(*args: Any) -> Any:
+        halves.append(args[1])
+        return torch_half(*args)
+
+    def whole(*args: Any) -> Any:
+        raise AssertionError("then() called _torch.call_on_streams, not its torch half")
+
+    monkeypatch.setattr(_torch, "call_on_torch_streams", counted_half)
+    monkeypatch.setattr(_torch, "call_on_streams", whole)
     t, view = torch_zeros(torch, cp)
     producer = cp.cuda.Stream(non_blocking=True)
     with producer:
         spin_fill(view, 7, SLOW_MS)
-    child = cudafut.record(t, stream=producer).then(lambda v: v + 1)
+    torch_before = torch.cuda.current_stream().cuda_stream
+    seen: list[tuple[int, int]] = []
+
+    def fn(v: Any) -> Any:
+        seen.append((torch.cuda.current_stream().cuda_stream, cp.cuda.get_current_stream().ptr))
+        return v + 1
+
+    child = cudafut.record(t, stream=producer).then(fn)
     assert (child.result(timeout=10).cpu() == 8).all()
     assert twin == []
+    assert len(halves) == 1
+    [(torch_in_fn, cupy_in_fn)] = seen
+    assert torch_in_fn == cupy_in_fn  # fn ran on the pool stream, torch's current too
+    assert torch_in_fn != torch_before
+    assert torch.cuda.current_stream().cuda_stream == torch_before  # restored
 
 
 def test_submit_waits_for_what_the_caller_enqueued_on_torchs_stream(cp: Any, torch: Any) -> None:

@@ -97,6 +97,18 @@ def section(name: str) -> Section:
     return cast(Section, module)
 
 
+#: examples/service: the serving example, whose helpers some sections reuse.
+SERVICE = _SECTIONS_DIR.parent / "examples" / "service"
+
+
+def service_module(name: str) -> ModuleType:
+    """The module ``name`` of examples/service (the folder put on the path):
+    its ``pauses`` recorder, its servers, its comparison driver."""
+    if str(SERVICE) not in sys.path:
+        sys.path.insert(0, str(SERVICE))
+    return importlib.import_module(name)
+
+
 def error_line(exc: BaseException) -> str:
     """``exc`` and the last three frames of its traceback on one line: what a
     section stores in its JSON for a part that failed."""
