@@ -83,6 +83,24 @@ def inject_watcher_bug(
     monkeypatch.setattr(waiter, "_take_holds", buggy)
 
 
+def count_notices(mp: pytest.MonkeyPatch) -> list[int]:
+    """Wrap the current backend's ``close_after`` (the call that arms a
+    CUDA notice: real CUDA's, or the fake's inside ``fake_cuda()``) so that
+    each descriptor it is handed is appended to the list returned; the call
+    itself goes on as before. ``mp`` undoes it."""
+    from cudafut import _backend
+
+    handed: list[int] = []
+    close_after = _backend.current.close_after
+
+    def counting(record: Any, fd: int, stream: int) -> None:
+        handed.append(fd)
+        close_after(record, fd, stream)
+
+    mp.setattr(_backend.current, "close_after", counting)
+    return handed
+
+
 def gone(ref: weakref.ref[Any]) -> bool:
     """Whether ``ref``'s object is collected within 5 s (a hang guard, not
     a timing), collecting garbage meanwhile: a value the watcher thread let

@@ -23,6 +23,7 @@ import pytest
 import cudafut
 from tests import shared_worker
 from tests.children import Child, until
+from tests.fakes import count_notices
 
 pytestmark = pytest.mark.gpu
 
@@ -53,18 +54,9 @@ def test_await_in_another_process_waits_for_the_producers_work(children: list[Ch
 def test_an_await_of_a_received_future_asks_cuda_for_no_notice(
     children: list[Child], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cudafut import _backend
-
     before = cudafut.get_wait_policy()
     cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True))  # the default, said
-    asked: list[int] = []
-    close_after = _backend.current.close_after
-
-    def counted(record: Any, fd: int, stream: int) -> None:
-        asked.append(fd)
-        close_after(record, fd, stream)
-
-    monkeypatch.setattr(_backend.current, "close_after", counted)
+    asked = count_notices(monkeypatch)
     child = Child(shared_worker.produce_slow, N, 7.0, 300.0, False)
     children.append(child)
     fut = child.get()

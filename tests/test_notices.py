@@ -27,6 +27,7 @@ import pytest
 
 import cudafut
 from cudafut import _backend, _cuda, _events, _interface, _loops, _notices, _policy, _runtime, testing
+from tests.fakes import count_notices
 from tests.runners import run_on
 
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
@@ -64,15 +65,7 @@ def notices() -> Iterator[tuple[testing.FakeCuda, list[int]]]:
     with testing.fake_cuda() as fake, pytest.MonkeyPatch.context() as mp:
         # Patched inside the fake and undone before it goes: the fake's
         # removal puts real CUDA's close_after back.
-        handed: list[int] = []
-        fake_close_after = _backend.current.close_after
-
-        def counting(record: Any, fd: int, stream: int) -> None:
-            handed.append(fd)
-            fake_close_after(record, fd, stream)
-
-        mp.setattr(_backend.current, "close_after", counting)
-        yield fake, handed
+        yield fake, count_notices(mp)
 
 
 async def _await_completed_later(fake: testing.FakeCuda, futs: list[Any], after_s: float) -> list[Any]:
