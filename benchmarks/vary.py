@@ -449,26 +449,31 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
         model[f"{ms}"] = (_floor(gpu, ms * MS, 20 if ms > 10 else 100) - ms * MS - floor0) * 1e6
     progress.step(f"vary: floor of an empty kernel {floor0 * 1e6:.1f} us, model error (us) {model}")
 
+    pauses = service_module("pauses")
+    recorder = pauses.PauseRecorder(GC_PAUSE_MS, count_tracked=False)  # a count would stall the row
     pool = concurrent.futures.ThreadPoolExecutor(max(LAYOUTS.values()))
     keep_streams: list[Any] = []  # alive to the end: a freed stream's handle could be reused
     extras: dict[tuple[str, str, str], list[float]] = {}
     cpus: dict[tuple[str, str, str], list[float]] = {}
     works: dict[tuple[str, str, str], list[float]] = {}
     patterns = _patterns(quick)
-    # A full collection walks every object the imports left (CuPy, PyTorch,
-    # JAX: several 100,000) and holds the loop meanwhile; where one fell in a
-    # row, that row's max was the collection's, whatever the strategy. Frozen
-    # first, as the serving recipe does (docs/serving.md); every collection
-    # of GC_PAUSE_MS or more that remains is recorded with its row.
-    pauses = service_module("pauses")
-    gc_out: dict[str, Any] = {"threshold_ms": GC_PAUSE_MS, "tracked_before": len(gc.get_objects())}
-    t0 = time.perf_counter()
-    gc_out["frozen"] = pauses.freeze_warm_objects()
-    gc_out["collect_and_freeze_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-    recorder = pauses.PauseRecorder(GC_PAUSE_MS, count_tracked=False)  # a count would stall the row
-    row_pauses: list[dict[str, Any]] = []
-    recorder.install()
+    # A full collection walks every object tracked (CuPy's, and PyTorch's
+    # where an earlier section imported it) and holds the loop meanwhile:
+    # in a row, it lands on one strategy's wake-up. What the imports left is
+    # frozen first, as the serving recipe does (docs/serving.md), and every
+    # collection of GC_PAUSE_MS or more that remains is recorded with the row
+    # it fell in, or as between rows.
+    gc_out: dict[str, Any] = {
+        "threshold_ms": GC_PAUSE_MS,
+        "tracked_before": len(gc.get_objects()),
+        "between_rows": True,  # runs without this key recorded the rows' collections only
+    }
+    rows_of: dict[int, tuple[str, int]] = {}  # index in recorder.pauses: (row, round)
     try:
+        t0 = time.perf_counter()
+        gc_out["frozen"] = pauses.freeze_warm_objects()
+        gc_out["collect_and_freeze_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        recorder.install()
         for r in range(_rounds(quick)):
             for p_index, (pattern, make) in enumerate(patterns.items()):
                 for layout, nstreams in LAYOUTS.items():
@@ -479,10 +484,8 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
                         seen = len(recorder.pauses)
                         lats, cpu = _strategy(name, gpu, pool)(jobs, streams)
                         key = (pattern, layout, name)
-                        row_pauses += [
-                            {"row": f"{pattern} [{layout}] {name}", "round": r, **p}
-                            for p in recorder.pauses[seen:]
-                        ]
+                        for i in range(seen, len(recorder.pauses)):
+                            rows_of[i] = (f"{pattern} [{layout}] {name}", r)
                         ex = extras.setdefault(key, [])
                         for durations, got in zip(jobs, lats, strict=True):
                             ex += [(t - d - floor0) * 1e6 for d, t in zip(durations, got, strict=True)]
@@ -497,10 +500,16 @@ def run(progress: Progress, quick: bool) -> dict[str, Any]:
                             )
     finally:
         recorder.remove()
-        gc.unfreeze()  # the next section starts as this one did
+        # Everything: a benchmark process freezes nothing else, so the next
+        # section starts unfrozen, as this one did.
+        gc.unfreeze()
         pool.shutdown()
         gpu.sync_all()
-    gc_out["pauses"] = [{k: p[k] for k in ("row", "round", "ms", "generation")} for p in row_pauses]
+    gc_out["pauses"] = [
+        {"row": row, "round": r, "ms": p["ms"], "generation": p["generation"]}
+        for i, p in enumerate(recorder.pauses)
+        for row, r in [rows_of.get(i, ("between rows", -1))]
+    ]
     out: dict[str, Any] = {
         "gc": gc_out,
         "floor_empty_kernel_us": floor0 * 1e6,
@@ -707,20 +716,26 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 def _gc_text(g: dict[str, Any]) -> str:
     """The garbage collector's part in a run: what was frozen before the
-    rows, and the collections over the threshold during them."""
+    rows, and every collection over the threshold, with its row."""
     text = (
-        f"Before the rows the suite froze what its imports left, as the serving recipe does "
-        f"(`gc.collect()` then `gc.freeze()`: {g['frozen']:,} objects; that full collection took "
-        f"{g['collect_and_freeze_ms']:.0f} ms, the loop stall one costs this process unfrozen). "
-        f"Collections of {g['threshold_ms']:g} ms or more during the rows: "
+        f"Before the rows this section froze what the process held, as the serving recipe does "
+        f"({g['frozen']:,} objects; `gc.collect()`, `gc.freeze()` and a count of what it froze took "
+        f"{g['collect_and_freeze_ms']:.0f} ms). Collections of {g['threshold_ms']:g} ms or more "
+        f"during the {'section' if g.get('between_rows') else 'rows'}: "
     )
-    found = g["pauses"]
+    found = sorted(g["pauses"], key=lambda p: -p["ms"])
     if not found:
         return text + "none."
-    longest = max(found, key=lambda p: p["ms"])
-    return text + (
-        f"{len(found)}, the longest {longest['ms']:.1f} ms (generation {longest['generation']}, "
-        f"{longest['row']}, round {longest['round'] + 1})."
+    return (
+        text
+        + f"{len(found)}: "
+        + "; ".join(
+            f"{p['ms']:.1f} ms (generation {p['generation']}, "
+            + ("between rows" if p["round"] < 0 else f"{p['row']}, round {p['round'] + 1}")
+            + ")"
+            for p in found
+        )
+        + "."
     )
 
 

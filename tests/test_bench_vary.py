@@ -209,19 +209,71 @@ def test_the_collections_during_the_rows_are_reported_beside_them() -> None:
         "pauses": [],
     }
     text = "\n".join(vary.markdown(result))
-    assert "`gc.freeze()`: 409,876 objects; that full collection took 51 ms" in text
-    assert "Collections of 5 ms or more during the rows: none." in text
+    assert "(409,876 objects; `gc.collect()`, `gc.freeze()` and a count of what it froze took 51 ms)" in text
+    assert "Collections of 5 ms or more during the rows: none." in text  # a run that recorded the rows only
+    result["gc"]["between_rows"] = True
     result["gc"]["pauses"] = [
-        {"row": "bimodal [8 streams] cudafut await (balanced)", "round": 1, "ms": 7.25, "generation": 2},
         {
             "row": "stable 2 ms [1 stream] peer: asyncio sleep(0) polling",
             "round": 0,
             "ms": 5.5,
             "generation": 1,
         },
+        {"row": "between rows", "round": -1, "ms": 6.0, "generation": 1},
+        {"row": "bimodal [8 streams] cudafut await (balanced)", "round": 1, "ms": 7.25, "generation": 2},
     ]
     text = "\n".join(vary.markdown(result))
     assert (
-        "during the rows: 2, the longest 7.2 ms "
-        "(generation 2, bimodal [8 streams] cudafut await (balanced), round 2)." in text
+        "during the section: 3: "
+        "7.2 ms (generation 2, bimodal [8 streams] cudafut await (balanced), round 2); "
+        "6.0 ms (generation 1, between rows); "
+        "5.5 ms (generation 1, stable 2 ms [1 stream] peer: asyncio sleep(0) polling, round 1)." in text
     )
+
+
+def test_a_run_records_each_collection_with_its_row_and_unfreezes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run()``'s bookkeeping with CuPy and the GPU stood in for: a
+    collection inside a row is named with it, one between rows as such;
+    afterwards nothing stays frozen and the recorder is gone."""
+    import gc
+    import sys
+    import types
+
+    import benchmarks.support
+
+    fake_gpu = types.SimpleNamespace(sync_all=lambda: None)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=lambda non_blocking: object()))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "benchmarks.support.gpu", fake_gpu)
+    monkeypatch.setattr(benchmarks.support, "gpu", fake_gpu, raising=False)
+    monkeypatch.setattr(vary, "GC_PAUSE_MS", 0.0)  # every collection is recorded
+    monkeypatch.setattr(vary, "_floor", lambda gpu, seconds, n: seconds)
+    collect_in = (next(iter(vary._patterns(True))), "8 streams", vary.BALANCED)
+
+    def strategy(name: str, gpu: Any, pool: Any) -> Any:
+        def run(jobs: list[list[float]], streams: list[Any]) -> tuple[list[list[float]], float]:
+            if len(streams) == 8 and name == vary.BALANCED and not seen:
+                seen.append(name)
+                gc.collect()
+            return [[d + 1e-5 * (i + 1) for i, d in enumerate(durations)] for durations in jobs], 0.1
+
+        return run
+
+    seen: list[str] = []
+    monkeypatch.setattr(vary, "_strategy", strategy)
+
+    class Steps:
+        def step(self, what: str) -> None:
+            if "stable 20 ms [8 streams]" in what and vary.THREAD in what:
+                gc.collect()  # after that row's bookkeeping: between rows
+
+    callbacks = list(gc.callbacks)
+    result = vary.run(Steps(), quick=True)  # type: ignore[arg-type]
+    assert gc.get_freeze_count() == 0
+    assert gc.callbacks == callbacks
+    g = result["gc"]
+    assert g["between_rows"] and g["frozen"] > 0
+    rows = [(p["row"], p["round"]) for p in g["pauses"] if p["generation"] == 2]
+    assert (f"{collect_in[0]} [{collect_in[1]}] {collect_in[2]}", 0) in rows
+    assert ("between rows", -1) in rows
+    assert "Collections of 0 ms or more during the section: " in "\n".join(vary.markdown(result))

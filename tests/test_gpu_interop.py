@@ -139,7 +139,8 @@ def test_then_with_torch_imported_runs_on_the_native_core(
 ) -> None:
     """Fails where the native core's then() hands every link to the Python
     twin once torch is imported (a link then cost about four times one
-    without torch). The ordering and streams are the test above's."""
+    without torch), or calls more than the torch half of the stream switch.
+    The ordering is the test above's."""
     if _compiled.native() is None:
         pytest.skip(f"the native core does not run here ({_compiled.core()})")
     twin: list[object] = []
@@ -153,11 +154,11 @@ def test_then_with_torch_imported_runs_on_the_native_core(
     # Only the torch half: the native core has made the pool stream CuPy's
     # current one itself, so the whole of _torch.call_on_streams (which
     # switches CuPy's stream again) is never called.
-    halves: list[object] = []
+    halves: list[list[int]] = []  # the pool streams handed to the torch half
     torch_half = _torch.call_on_torch_streams
 
     def counted_half(*args: Any) -> Any:
-        halves.append(args[1])
+        halves.append([int(s.ptr) for s in args[1].values()])
         return torch_half(*args)
 
     def whole(*args: Any) -> Any:
@@ -170,6 +171,7 @@ def test_then_with_torch_imported_runs_on_the_native_core(
     with producer:
         spin_fill(view, 7, SLOW_MS)
     torch_before = torch.cuda.current_stream().cuda_stream
+    cupy_before = cp.cuda.get_current_stream().ptr
     seen: list[tuple[int, int]] = []
 
     def fn(v: Any) -> Any:
@@ -179,11 +181,12 @@ def test_then_with_torch_imported_runs_on_the_native_core(
     child = cudafut.record(t, stream=producer).then(fn)
     assert (child.result(timeout=10).cpu() == 8).all()
     assert twin == []
-    assert len(halves) == 1
     [(torch_in_fn, cupy_in_fn)] = seen
+    assert halves == [[cupy_in_fn]]
     assert torch_in_fn == cupy_in_fn  # fn ran on the pool stream, torch's current too
     assert torch_in_fn != torch_before
     assert torch.cuda.current_stream().cuda_stream == torch_before  # restored
+    assert cp.cuda.get_current_stream().ptr == cupy_before
 
 
 def test_submit_waits_for_what_the_caller_enqueued_on_torchs_stream(cp: Any, torch: Any) -> None:
