@@ -15,6 +15,7 @@ import pytest
 
 import cudafut
 from cudafut import _compiled, _lifetimes, _policy, _timer, _waiter
+from tests.children import until
 from tests.fakes import FakeRecord, gone, stream_records
 
 
@@ -100,13 +101,6 @@ class _RecordingCondition(threading.Condition):
         return super().wait(timeout)
 
 
-def _until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 5
-    while not condition():
-        assert time.monotonic() < deadline, "the watcher thread did not get there in 5 s"
-        time.sleep(0.001)
-
-
 def _watcher_sleeps(n: int) -> list[float]:
     """The first ``n`` sleeps (at least) of a fresh watcher thread that holds
     a value on a record which stays pending meanwhile."""
@@ -152,10 +146,10 @@ def test_keep_alives_after_a_callback_still_poll_every_max_sleep_s() -> None:
 
     waiter.call_soon_threadsafe(watch)
     watched.complete()
-    _until(lambda: bool(fired))
+    until(lambda: bool(fired), "the callback fired", 5.0)
     start = len(cond.timeouts)
     waiter.hold([kept], _Value())
-    _until(lambda: len(cond.timeouts) >= start + 5)
+    until(lambda: len(cond.timeouts) >= start + 5, "5 more watcher sleeps", 5.0)
     kept.complete()
     polls = [t for t in cond.timeouts[start:] if t is not None]
     assert min(polls) >= cudafut.get_wait_policy().max_sleep_s
@@ -189,7 +183,7 @@ def test_a_watcher_thread_with_a_callback_to_run_polls_as_its_plans_say() -> Non
     first, second, watched = FakeRecord(), FakeRecord(), FakeRecord()
     waiter.hold([first, second], _Value())
     first.complete()
-    _until(lambda: waiter.watchlist.pending == 1)
+    until(lambda: waiter.watchlist.pending == 1, "one record left watched", 5.0)
     start = len(cond.timeouts)
     fired: list[object] = []
 
@@ -197,7 +191,7 @@ def test_a_watcher_thread_with_a_callback_to_run_polls_as_its_plans_say() -> Non
         waiter.watch_one(watched, fired.append)
 
     waiter.call_soon_threadsafe(watch)
-    _until(lambda: len(cond.timeouts) >= start + 20)
+    until(lambda: len(cond.timeouts) >= start + 20, "20 more watcher sleeps", 5.0)
     watched.complete()
     second.complete()
     polls = [t for t in cond.timeouts[start:] if t is not None]
