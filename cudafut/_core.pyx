@@ -191,6 +191,33 @@ cdef extern from *:
     bint _finalizing "cudafut_finalizing"() noexcept
 
 
+cdef extern from *:
+    """
+    /* tp_new of CudaFuture (a subtype of FutureCore, bound at import),
+       without FutureCore.__new__'s lookup, bound call, argument tuple and
+       tp_new_wrapper checks: a future per then() link and per record. */
+    static PyObject *cudafut_tp_new(PyObject *type, PyObject *args) {
+        PyTypeObject *t = (PyTypeObject *)type;
+        return t->tp_new(t, args, NULL);
+    }
+    /* stream.__exit__(None, None, None) as a method vectorcall: no bound method. */
+    static PyObject *cudafut_call_exit(PyObject *stream, PyObject *name) {
+        PyObject *args[4] = {stream, Py_None, Py_None, Py_None};
+        return PyObject_VectorcallMethod(name, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    static int cudafut_code_flags(PyObject *fn) {
+        return ((PyCodeObject *)PyFunction_GET_CODE(fn))->co_flags;
+    }
+    static PyObject *cudafut_func_dict(PyObject *fn) {
+        return ((PyFunctionObject *)fn)->func_dict;  /* borrowed, may be NULL */
+    }
+    """
+    object cudafut_tp_new(object type, object args)
+    object cudafut_call_exit(object stream, object name)
+    int cudafut_code_flags(object fn) noexcept
+    PyObject *cudafut_func_dict(object fn) noexcept
+
+
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
 # then goes through the backend's functions).
 cdef int _driver = 0
@@ -401,6 +428,12 @@ cdef class _Stream:
     # always pending (a pipeline) pays an extra query rarely.
     cdef long long probe_at
     cdef long long probe_gap
+    # then()'s memo of StreamPool.lookup(handle, priority) for this stream:
+    # a pool's streams live as long as the pool (keyed by its identity), so
+    # the answer for this handle never changes.
+    cdef object memo_pool
+    cdef object memo_stream
+    cdef object memo_prio
 
     def __cinit__(self, key, long long device):
         self.key = key
@@ -844,9 +877,12 @@ def record(long long stream, long long device, confirm=None, owner=None):
 
 cdef EventRecord _record(long long stream, long long device, object confirm, object owner):
     """:func:`record`, called from C by the futures' paths."""
+    return _record_on(_stream_of(stream, device, owner), stream, device, confirm)
+
+
+cdef EventRecord _record_on(_Stream state, long long stream, long long device, object confirm):
     cdef object pool = _pools.events
     cdef long long handle
-    cdef _Stream state = _stream_of(stream, device, owner)
     cdef EventRecord rec
     cdef int rc = -1
     cdef int current = -1
@@ -1187,14 +1223,15 @@ cdef object _AsyncioInvalidState = None
 
 def bind_future(future, states, hooks, await_py, result_py, finalize_py, consumers_py,
                 order_foreign, current_driver, mapped_pages, long long page_size, block_type,
-                tuple scalars, kept_by_producer):
+                tuple scalars, kept_by_producer, dict readers):
     """Give the futures' native paths what they use of the Python modules
     (called once, by ``_future`` at import)."""
     global _Future, _PENDING, _SET, _FAILED, _CANCELLED, _hooks, _await_py, _result_py, _finalize_py
     global _consumers_py, _order_foreign, _current_driver, _mapped_pages, _page_size
     global _allocate_lock, _get_running_loop, _AsyncioCancelled, _AsyncioInvalidState, _block_type
-    global _scalars, _kept_by_producer
+    global _scalars, _kept_by_producer, _readers_map
     _kept_by_producer = kept_by_producer
+    _readers_map = readers
     _block_type = block_type
     _scalars = scalars
     import _thread
@@ -1227,10 +1264,16 @@ cdef dict _modules = sys.modules
 cdef object _sys = sys
 
 
+cdef object _is_finalizing_builtin = sys.is_finalizing
+
+
 cdef inline bint _ending() except -1:
     """Whether the interpreter ends: CPython's own flag, then
     ``sys.is_finalizing()`` (which tests replace to pretend it)."""
-    return _finalizing() or _sys.is_finalizing()
+    if _finalizing():
+        return True
+    f = _sys.is_finalizing
+    return f is not _is_finalizing_builtin and f()
 
 
 cdef bint _find_types() except -1:
@@ -1278,7 +1321,7 @@ def new_pending():
     set here (``_future.new_future``'s untraced case, and ``launch()``'s)."""
     if _Future is None:
         raise RuntimeError("the native futures are not bound yet (import cudafut)")
-    cdef FutureCore fut = FutureCore.__new__(_Future)
+    cdef FutureCore fut = <FutureCore>cudafut_tp_new(_Future, ())
     fut._state = _PENDING
     fut._records = ()
     if _tracing:  # a trace began meanwhile: as __init__, it sees the future
@@ -1418,12 +1461,16 @@ cdef inline bint _plain_function(object fn):
     """A Python function whose call makes neither a coroutine nor an async
     generator (what _checks.not_async passes, said without a call); other
     callables go through the twin's checks."""
+    cdef PyObject *d
     if type(fn) is not _FunctionType:
         return False
-    if (<int>fn.__code__.co_flags) & _ASYNC_FLAGS:
+    if cudafut_code_flags(fn) & _ASYNC_FLAGS:
         return False
     # inspect.markcoroutinefunction() marks a plain function as async.
-    return getattr(fn, "_is_coroutine_marker", None) is None
+    d = cudafut_func_dict(fn)
+    if d == NULL:
+        return True
+    return (<dict><object>d).get("_is_coroutine_marker") is None
 
 
 cdef object _FunctionType = types.FunctionType
@@ -1480,7 +1527,7 @@ def set_future(value, tuple records, keep=None, maker=None):
     cdef FutureCore fut
     if maker is not None or _hooks is None or _tracing:
         return _set_future_py(value, records, keep, maker)
-    fut = FutureCore.__new__(_Future)
+    fut = <FutureCore>cudafut_tp_new(_Future, ())
     fut._value = value
     fut._records = records
     fut._keep = keep
@@ -1526,7 +1573,14 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
         reuse = not fut._stream_given
         fut._stream_given = True  # before the lookup, as the twin: one child continues there
         if reuse and (_is_newest(rec) if state is None else state.newest == rec.seq):
-            stream = pool.lookup(rec.stream, prio)
+            if state is not None and state.memo_pool is pool and state.memo_prio == prio:
+                stream = state.memo_stream
+            else:
+                stream = pool.lookup(rec.stream, prio)
+                if stream is not None and state is not None:
+                    state.memo_pool = pool
+                    state.memo_stream = stream
+                    state.memo_prio = prio
         if stream is None:
             stream = pool.get(device, prio)
             rec.wait_on(stream.ptr, device)
@@ -1555,9 +1609,9 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
                     _set_device(device)
                 stream.__enter__()
                 try:
-                    out = call(*args)
+                    out = fn(value) if torch is None else call(*args)
                 finally:
-                    stream.__exit__(None, None, None)
+                    cudafut_call_exit(stream, "__exit__")
             finally:
                 if _get_device() != prev:
                     _set_device(prev)
@@ -1581,8 +1635,15 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
                 return _then_failed(fut, exc, False)
         # The child's record, after fn's work (and the foreign work ordered
         # before it), as the twin's: _events.record without an owner.
-        done = _record(ptr, device, None, None) if early is None else early
-        if isinstance(out, _Future):
+        if early is not None:
+            done = early
+        elif state is not None and state.memo_stream is stream and _by_handle.get(ptr) is state:
+            # The parent's pool stream, whose state _stream_of would return
+            # (a pool's stream owns its handle for good): no second lookup.
+            done = _record_on(state, ptr, device, None)
+        else:
+            done = _record(ptr, device, None, None)
+        if not lone and isinstance(out, _Future):
             return _then_follows(fut, out, (done,))
         # Arrays fn placed on other devices were made on those devices' streams
         # (torch's tensors on torch's current streams).
@@ -1607,7 +1668,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
 cdef FutureCore _set_future(object value, EventRecord rec, object keep):
     """A CudaFuture set with ``value`` and ``rec`` (as _future.set_future);
     the members not set here are None and False, as ``__init__`` leaves them."""
-    cdef FutureCore fut = FutureCore.__new__(_Future)
+    cdef FutureCore fut = <FutureCore>cudafut_tp_new(_Future, ())
     fut._value = value
     fut._records = (rec,)
     fut._keep = keep
@@ -1987,8 +2048,18 @@ cdef object _consume_one(object array, long long device, object stream=None):
         stream = _current_stream(device)
     ptr = stream.ptr
     if ptr != block.stream:  # the allocating stream: CuPy's pool orders it already
+        # Already a reader through the same stream object (a then() chain on
+        # one pool stream): nothing to add, and no Python call.
+        readers = _readers_map.get(id(block))
+        if readers is not None:
+            entry = (<dict>readers).get(ptr)
+            if entry is not None and (<tuple>entry)[1] is stream:
+                return None
         block.add_reader(ptr, device, stream)
     return None
+
+
+cdef dict _readers_map = {}  # _memory's readers by block, bound by bind_future
 
 
 cdef object _awaited_py(object fut, object cancelled_error):

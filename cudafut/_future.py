@@ -1499,6 +1499,7 @@ if _native is not None:
         _memory.block_type(),
         SCALARS,
         KEPT_BY_PRODUCER,
+        _memory.readers_by_block(),
     )
     _native.bind_then(
         CudaFuture.then, _then_failed, _then_follows, record_consumers, find_devices, _pools.PRIORITIES

@@ -124,6 +124,13 @@ def block_type() -> type:
     return _Block
 
 
+def readers_by_block() -> dict[int, dict[int, tuple[int, object]]]:
+    """The readers of every block (``id(block)``: ``{stream handle: (device,
+    owner)}``), the map itself, for the native core's check that a stream
+    object reads a block already (a lookup without a call, never a write)."""
+    return _readers
+
+
 def installed() -> bool:
     """Whether CuPy's allocator in force now is cudafut's wrapper."""
     return hasattr(_cuda.cupy_allocator(), "cudafut_wraps")
