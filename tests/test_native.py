@@ -1326,3 +1326,32 @@ def test_an_await_behind_an_older_watched_record_of_its_stream_asks_cuda_nothing
         fake_cuda.complete_all()
 
     asyncio.run(main())
+
+
+@native_only
+def test_then_continues_on_its_parents_pool_stream_of_the_same_priority(fake_cuda: testing.FakeCuda) -> None:
+    """A child continues on its parent's pool stream only where that stream
+    has the child's priority (the native then() remembers the lookup per
+    stream and priority): fails if the remembered stream is reused for
+    another priority."""
+    parent = cudafut.record(np.arange(2.0), stream=fake_cuda.stream())
+
+    def stream_of(fut: CudaFuture[Any]) -> int:
+        [rec] = records_of(fut)
+        return int(rec.stream)
+
+    a = parent.then(lambda v: v)  # the pool's next normal stream
+    b = a.then(lambda v: v)  # continues there
+    assert stream_of(b) == stream_of(a)
+    high = b.then(lambda v: v, priority="high")
+    assert stream_of(high) != stream_of(b)
+    assert _pools.streams.lookup(stream_of(high), _pools.PRIORITIES["high"]) is not None
+    high2 = high.then(lambda v: v, priority="high")  # continues on the high stream
+    assert stream_of(high2) == stream_of(high)
+    normal = high2.then(lambda v: v)  # not on the high stream: a normal one
+    assert stream_of(normal) != stream_of(high2)
+    assert _pools.streams.lookup(stream_of(normal), _pools.PRIORITIES["normal"]) is not None
+    normal2 = normal.then(lambda v: v)
+    assert stream_of(normal2) == stream_of(normal)
+    fake_cuda.complete_all()
+    assert (normal2.result() == np.arange(2.0)).all()
