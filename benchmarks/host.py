@@ -31,6 +31,18 @@ LAUNCH_US = LAUNCH + " us"
 CREATE_SET_US = CREATE_SET + " us"
 THEN_US = "cudafut then() per link us"
 THEN_TORCH_US = "cudafut then() per link, torch imported us"
+#: With torch imported: record() of the same CuPy array, and then() links
+#: whose value is a torch CUDA tensor (each link records it on the pool
+#: stream for torch's allocator, as torch.futures' own chain does).
+RECORD_TORCH_US = "cudafut record(), torch imported us"
+THEN_TENSOR_US = "cudafut then() per link, a torch tensor value us"
+#: The host's speed moves within a run (a virtual machine's CPUs are
+#: shared): cudafut's and torch's chains alternated, a ratio per round.
+THEN_ROUNDS_RATIO = "ratio then() per link, torch imported / torch's, median of 7 alternated rounds"
+THEN_TENSOR_ROUNDS_RATIO = (
+    "ratio then() per link, a torch tensor value / torch's, median of 7 alternated rounds"
+)
+ROUNDS = 7
 LAUNCH_X1000_US = "bare kernel launch x1000, per launch us"
 RATIO = "ratio create+set / bare launch"
 TORCH_CREATE_SET_US = "peer: torch Future(devices) create + set_result us"
@@ -109,8 +121,8 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
             f"host: record(), futures kept: {res[RECORD_KEPT_US]:.2f} us, floor {res[RECORD_FLOOR_US]:.2f} us"
         )
 
-    def chain_cudafut(with_kernel: bool) -> float:
-        fut = cudafut.record(token, stream=stream)
+    def chain_cudafut(with_kernel: bool, value: Any = token) -> float:
+        fut = cudafut.record(value, stream=stream)
 
         def link(v: Any) -> Any:
             if with_kernel:
@@ -140,11 +152,26 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
     stream.synchronize()
     res.update(_torch_host(progress, links))
     if "torch" not in res:  # torch is imported now: then() also makes the pool stream torch's current one
+        import torch
+
+        with stream:
+            res[RECORD_TORCH_US] = min(per_call_us(record, 20_000) for _ in range(3))
+        stream.synchronize()
+        tensor = torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
         for with_kernel in (False, True):
             chain_cudafut(with_kernel)
             key = THEN_TORCH_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
             res[key] = min(chain_cudafut(with_kernel) for _ in range(3))
             progress.step(f"host: {key}: {res[key]:.2f}")
+            key = THEN_TENSOR_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
+            res[key] = min(chain_cudafut(with_kernel, tensor) for _ in range(3))
+            progress.step(f"host: {key}: {res[key]:.2f}")
+        torch_chain = _torch_chain(torch, tensor, links)
+        for name, value in ((THEN_ROUNDS_RATIO, token), (THEN_TENSOR_ROUNDS_RATIO, tensor)):
+            rounds = sorted(chain_cudafut(False, value) / torch_chain(False) for _ in range(ROUNDS))
+            res[name] = rounds[ROUNDS // 2]
+            progress.step(f"host: {name}: {res[name]:.2f}x (rounds {rounds[0]:.2f}x-{rounds[-1]:.2f}x)")
     launch_us = res[LAUNCH_US]
     res[RATIO] = res[CREATE_SET_US] / launch_us
     return res
@@ -310,14 +337,8 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
         torch = importlib.import_module("torch")  # an optional peer
     except Exception as exc:  # noqa: BLE001
         return {"torch": f"unavailable: {exc}"}
-    import cupy as cp
-
-    from .support.gpu import gsleep
-
     res: dict[str, Any] = {}
     t = torch.zeros(1, device="cuda")
-    tkernel = gsleep
-    zero = cp.int64(0)
 
     def create_set() -> None:
         torch.futures.Future(devices=["cuda:0"]).set_result(t)
@@ -326,13 +347,32 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
     key = TORCH_CREATE_SET_US
     res[key] = min(per_call_us(create_set, 20_000) for _ in range(3))
 
+    chain = _torch_chain(torch, t, links)
+    for with_kernel in (False, True):
+        chain(with_kernel)
+        key = TORCH_THEN_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
+        res[key] = min(chain(with_kernel) for _ in range(3))
+        progress.step(f"host: {key}: {res[key]:.2f}")
+    return res
+
+
+def _torch_chain(torch: Any, t: Any, links: int) -> Callable[[bool], float]:
+    """``chain(with_kernel)``: µs per link of a ``torch.futures`` chain of
+    ``links`` links on ``t``, ``fn`` returning the value (or launching a
+    kernel first)."""
+    import cupy as cp
+
+    from .support.gpu import gsleep
+
+    zero = cp.int64(0)
+
     def chain(with_kernel: bool) -> float:
         fut = torch.futures.Future(devices=["cuda:0"])
         fut.set_result(t)
 
         def link(f: Any) -> Any:
             if with_kernel:
-                tkernel((1,), (1,), (zero,))
+                gsleep((1,), (1,), (zero,))
             return f.value()
 
         t0 = time.perf_counter()
@@ -343,12 +383,7 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
         torch.cuda.synchronize()
         return per
 
-    for with_kernel in (False, True):
-        chain(with_kernel)
-        key = TORCH_THEN_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
-        res[key] = min(chain(with_kernel) for _ in range(3))
-        progress.step(f"host: {key}: {res[key]:.2f}")
-    return res
+    return chain
 
 
 def markdown(result: dict[str, Any]) -> list[str]:

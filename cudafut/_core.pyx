@@ -1416,9 +1416,10 @@ cdef object _record_value(object value, object stream, object keep):
         return None
     _ensure_types()
     if stream is None:
-        # One CuPy array, recorded on its device's current stream (PyTorch
-        # imported: the twin, which records torch's current streams).
-        if _lone_array is None or type(value) is not _lone_array or "torch" in _modules:
+        # One CuPy array, recorded on its device's current stream: with
+        # PyTorch imported too (the twin records torch's current streams for
+        # torch tensors only, and a CuPy array is none).
+        if _lone_array is None or type(value) is not _lone_array:
             return None
         device = value.data.device_id
         stream = _current_stream(device)
@@ -1593,9 +1594,15 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     early = None
     if _then_record_early:  # the mutation: before fn's work
         early = _record(stream.ptr, device, None, None)
+    switch = None
     if torch is None:
         call, args = fn, (value,)
-    else:  # the pool stream is PyTorch's current stream too while fn runs
+    elif (_lone_array is not None and type(value) is _lone_array
+            and _be is _CUDA_BE and _get_device is not None):
+        # No torch tensor to record on the pool stream: the switch alone,
+        # in the CUDA branch below.
+        switch = _torch_switch(torch, stream.ptr, device)
+    if torch is not None and switch is None:  # the pool stream is PyTorch's current stream too while fn runs
         call, args = _torch_module.call_on_torch_streams, (torch, {device: stream}, fn, (value,), {}, value)
     try:
         if _be is not _CUDA_BE or _get_device is None:
@@ -1609,7 +1616,12 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
                     _set_device(device)
                 stream.__enter__()
                 try:
-                    out = fn(value) if torch is None else call(*args)
+                    if torch is None:
+                        out = fn(value)
+                    elif switch is not None:
+                        out = _on_torch_stream(<tuple>switch, device, fn, value)
+                    else:
+                        out = call(*args)
                 finally:
                     cudafut_call_exit(stream, "__exit__")
             finally:
@@ -1663,6 +1675,49 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     if extra:
         child._records = (done,) + extra
     return child
+
+
+# then()'s torch stream switch for a pool stream, by its handle:
+# _torch.raw_switch's (get, put, triple), for the torch module in
+# _switch_torch (pool streams live as long as the process, so a handle keeps
+# its triple).
+cdef object _switch_torch = None
+cdef dict _switches = {}
+
+
+cdef object _torch_switch(object torch, long long ptr, long long device):
+    """``_torch.raw_switch(torch, ptr, device)``, kept per handle once it
+    gives one (None until torch has initialised CUDA: then the caller takes
+    ``call_on_torch_streams``, which initialises it)."""
+    global _switch_torch
+    if torch is not _switch_torch:
+        _switches.clear()
+        _switch_torch = torch
+    switch = _switches.get(ptr)
+    if switch is None:
+        switch = _torch_module.raw_switch(torch, ptr, device)
+        if switch is not None:
+            _switches[ptr] = switch
+    return switch
+
+
+def forget_switches():
+    """Drop then()'s kept torch switches (tests that replace
+    ``_torch.raw_switch``; the next link of each pool stream asks again)."""
+    _switches.clear()
+
+
+cdef object _on_torch_stream(tuple switch, long long device, object fn, object value):
+    """``fn(value)`` with the pool stream of ``switch`` PyTorch's current
+    stream of ``device`` (as call_on_torch_streams for a value holding no
+    torch tensor), torch's previous stream restored however ``fn`` ends."""
+    get, put, triple = switch
+    saved = get(device)
+    put(*triple)
+    try:
+        return fn(value)
+    finally:
+        put(*saved)
 
 
 cdef FutureCore _set_future(object value, EventRecord rec, object keep):

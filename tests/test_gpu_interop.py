@@ -189,6 +189,123 @@ def test_then_with_torch_imported_runs_on_the_native_core(
     assert cp.cuda.get_current_stream().ptr == cupy_before
 
 
+def _torch_out(torch: Any, view_of: Any) -> tuple[Any, Any]:
+    """A torch view of the CuPy array ``view_of`` (made while the device is
+    idle) and a torch tensor of N zeros for fn to write into."""
+    t = torch.as_tensor(view_of, device="cuda")
+    out = torch.zeros(N, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    return t, out
+
+
+def test_torch_ops_in_then_of_a_cupy_value_run_on_the_pool_stream(
+    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails without the pool stream being PyTorch's current stream in fn
+    where the value is a CuPy array (the native core's switch from C, which
+    takes no call_on_torch_streams): ``t + 1`` then runs on torch's default
+    stream, unordered after the slow producer, and ``out`` holds 1s."""
+    x, producer, fut = slow_cupy(cp)
+    t, out = _torch_out(torch, x)
+    if _compiled.native() is not None:
+
+        def whole(*args: Any) -> Any:
+            raise AssertionError("then() of a CuPy value took call_on_torch_streams, not the switch")
+
+        monkeypatch.setattr(_torch, "call_on_torch_streams", whole)
+    before = torch.cuda.current_stream().cuda_stream
+    cupy_before = cp.cuda.get_current_stream().ptr
+    inside: list[tuple[int, int]] = []
+
+    def fn(v: Any) -> Any:
+        inside.append((torch.cuda.current_stream().cuda_stream, cp.cuda.get_current_stream().ptr))
+        out.copy_(t + 1)  # torch ops on torch's current stream
+        return v
+
+    child = fut.then(fn)
+    ((torch_in_fn, cupy_in_fn),) = inside
+    assert torch_in_fn == cupy_in_fn != before
+    assert torch.cuda.current_stream().cuda_stream == before  # restored
+    assert cp.cuda.get_current_stream().ptr == cupy_before
+    assert child.result(timeout=10) is x
+    torch.cuda.synchronize()
+    assert (out.cpu() == 8).all()
+    producer.synchronize()
+
+
+def test_control_then_of_a_cupy_value_without_the_torch_switch_reads_stale_data(
+    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """The test above's harness sees a missing switch: with the switch made
+    to torch's own current stream (as if then() left torch's stream alone),
+    ``t + 1`` runs unordered and ``out`` is not all 8s."""
+    if _compiled.native() is None:
+        pytest.skip(f"the native core's switch does not run here ({_compiled.core()})")
+    raw_switch = _torch.raw_switch
+
+    def left_alone(torch_: Any, handle: int, device: int) -> Any:
+        switch = raw_switch(torch_, handle, device)
+        assert switch is not None
+        get, put, _ = switch
+        return get, put, get(device)  # "switch" to the current stream: none
+
+    native = _compiled.native()
+    assert native is not None
+    monkeypatch.setattr(_torch, "raw_switch", left_alone)
+    native.forget_switches()  # kept from earlier links: ask left_alone
+    request.addfinalizer(native.forget_switches)
+    x, producer, fut = slow_cupy(cp)
+    t, out = _torch_out(torch, x)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):  # a non-default stream: nothing orders it after the producer
+
+        def fn(v: Any) -> Any:
+            out.copy_(t + 1)
+            return v
+
+        child = fut.then(fn)
+    child.result(timeout=10)
+    torch.cuda.synchronize()
+    assert not (out.cpu() == 8).all()
+    producer.synchronize()
+
+
+def test_then_of_a_cupy_value_restores_torchs_stream_when_fn_raises(cp: Any, torch: Any) -> None:
+    _x, producer, fut = slow_cupy(cp)
+    before = torch.cuda.current_stream().cuda_stream
+
+    def fn(v: Any) -> Any:
+        raise KeyError("from fn")
+
+    child = fut.then(fn)
+    assert torch.cuda.current_stream().cuda_stream == before
+    with pytest.raises(KeyError, match="from fn"):
+        child.result(timeout=10)
+    producer.synchronize()
+
+
+def test_record_of_a_cupy_array_with_torch_imported_records_cupys_current_stream(
+    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails where record(x) with torch imported records another stream than
+    CuPy's current one (the result is then read before the producer wrote),
+    or, on the native core, hands a CuPy array to the twin's torch path."""
+    if _compiled.native() is not None:
+
+        def twin(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("record() of a CuPy array took the twin's torch path")
+
+        monkeypatch.setattr(_torch, "record_value", twin)
+    x = cp.zeros(N, dtype=cp.float32)
+    producer = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with producer:
+        spin_fill(x, 7, SLOW_MS)
+        fut = cudafut.record(x)
+    assert fut.result(timeout=10) is x
+    assert (host(x, cp.cuda.Stream(non_blocking=True)) == 7).all()
+
+
 def test_submit_waits_for_what_the_caller_enqueued_on_torchs_stream(cp: Any, torch: Any) -> None:
     """Fails without submit()'s pool stream waiting for PyTorch's current
     stream (CuPy's current stream, the default one, has nothing of it)."""
