@@ -1565,6 +1565,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     torch = _torch_loaded()
     value = fut._value
     device = rec.device
+    tensor_value = torch is not None and type(value) is _torch_tensor_type(torch)
     try:
         # _future._then_streams for one record: the parent's own pool stream
         # where nothing was recorded there since (no wait), else the next one.
@@ -1587,7 +1588,9 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
             rec.wait_on(stream.ptr, device)
         if _lone_array is not None and type(value) is _lone_array:
             _consume_one(value, device, stream)
-        else:
+        elif not tensor_value:
+            # (A torch tensor is no CuPy array: cudafut's allocator owns
+            # none of it, and _record_consumers would mark nothing.)
             _record_consumers(value, {device: stream}, untracked=False)
     except Exception as exc:
         return _then_failed(fut, exc, True)
@@ -1597,11 +1600,17 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     switch = None
     if torch is None:
         call, args = fn, (value,)
-    elif (_lone_array is not None and type(value) is _lone_array
-            and _be is _CUDA_BE and _get_device is not None):
-        # No torch tensor to record on the pool stream: the switch alone,
-        # in the CUDA branch below.
-        switch = _torch_switch(torch, stream.ptr, device)
+    elif _be is _CUDA_BE and _get_device is not None:
+        # The switch from C, in the CUDA branch below, for a CuPy array or
+        # one torch tensor on this device (or on the host); other values
+        # take call_on_torch_streams, which walks them.
+        if _lone_array is not None and type(value) is _lone_array:
+            switch = _torch_switch(torch, stream.ptr, device)
+        elif tensor_value:
+            where = value.get_device()
+            if where == device or where < 0:
+                switch = _torch_switch(torch, stream.ptr, device)
+                tensor_value = where == device
     if torch is not None and switch is None:  # the pool stream is PyTorch's current stream too while fn runs
         call, args = _torch_module.call_on_torch_streams, (torch, {device: stream}, fn, (value,), {}, value)
     try:
@@ -1619,7 +1628,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
                     if torch is None:
                         out = fn(value)
                     elif switch is not None:
-                        out = _on_torch_stream(<tuple>switch, device, fn, value)
+                        out = _on_torch_stream(<_TorchSwitch>switch, device, fn, value, tensor_value)
                     else:
                         out = call(*args)
                 finally:
@@ -1637,7 +1646,11 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     try:
         ptr = stream.ptr
         lone = _lone_array is not None and type(out) is _lone_array
-        if not lone and not isinstance(out, _Future):
+        # One torch tensor on this device: recorded below with the pool stream
+        # (order_foreign skips torch tensors, record_value the pool's device).
+        tensor_out = (torch is not None and type(out) is _torch_tensor_type(torch)
+                      and out.get_device() == device)
+        if not lone and not tensor_out and not isinstance(out, _Future):
             consumer = _Consumer.__new__(_Consumer)
             (<_Consumer>consumer).handle = (ptr, device)
             (<_Consumer>consumer).others_current = True
@@ -1655,7 +1668,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
             done = _record_on(state, ptr, device, None)
         else:
             done = _record(ptr, device, None, None)
-        if not lone and isinstance(out, _Future):
+        if not lone and not tensor_out and isinstance(out, _Future):
             return _then_follows(fut, out, (done,))
         # Arrays fn placed on other devices were made on those devices' streams
         # (torch's tensors on torch's current streams).
@@ -1663,6 +1676,8 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
         if lone:
             if out.data.device_id != device:
                 extra = (_record_current(out.data.device_id),)
+        elif tensor_out:
+            pass
         elif torch is not None:
             extra = _torch_module.record_value(torch, out, None, skip=(device,))
         else:
@@ -1677,27 +1692,53 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     return child
 
 
-# then()'s torch stream switch for a pool stream, by its handle:
-# _torch.raw_switch's (get, put, triple), for the torch module in
-# _switch_torch (pool streams live as long as the process, so a handle keeps
-# its triple).
+# then()'s torch stream switch for a pool stream, by its handle (pool
+# streams live as long as the process, so a handle keeps its switch), for the
+# torch module in _switch_torch, whose Tensor type is _switch_tensor.
 cdef object _switch_torch = None
+cdef object _switch_tensor = None
+cdef object _weakref_ref = weakref.ref
 cdef dict _switches = {}
 
 
-cdef object _torch_switch(object torch, long long ptr, long long device):
-    """``_torch.raw_switch(torch, ptr, device)``, kept per handle once it
-    gives one (None until torch has initialised CUDA: then the caller takes
-    ``call_on_torch_streams``, which initialises it)."""
-    global _switch_torch
+@cython.final
+@cython.no_gc
+cdef class _TorchSwitch:
+    """_torch.raw_switch's answer for one pool stream, and the torch tensor
+    last recorded on it (``Tensor.record_stream``) with its data pointer."""
+    cdef object get
+    cdef object put
+    cdef tuple triple
+    cdef object stream  # the torch ExternalStream over the pool stream
+    cdef object last  # a weak reference to that tensor, or None
+    cdef object last_ptr
+
+
+cdef inline object _torch_tensor_type(object torch):
+    """``torch.Tensor``, kept with the switches for the same torch module."""
+    global _switch_torch, _switch_tensor
     if torch is not _switch_torch:
         _switches.clear()
         _switch_torch = torch
-    switch = _switches.get(ptr)
-    if switch is None:
-        switch = _torch_module.raw_switch(torch, ptr, device)
-        if switch is not None:
-            _switches[ptr] = switch
+        _switch_tensor = torch.Tensor
+    return _switch_tensor
+
+
+cdef _TorchSwitch _torch_switch(object torch, long long ptr, long long device):
+    """``_torch.raw_switch(torch, ptr, device)``, kept per handle once it
+    gives one (None until torch has initialised CUDA: then the caller takes
+    ``call_on_torch_streams``, which initialises it)."""
+    cdef _TorchSwitch switch
+    _torch_tensor_type(torch)
+    found = _switches.get(ptr)
+    if found is not None:
+        return <_TorchSwitch>found
+    raw = _torch_module.raw_switch(torch, ptr, device)
+    if raw is None:
+        return None
+    switch = _TorchSwitch.__new__(_TorchSwitch)
+    switch.get, switch.put, switch.triple, switch.stream = raw
+    _switches[ptr] = switch
     return switch
 
 
@@ -1707,17 +1748,26 @@ def forget_switches():
     _switches.clear()
 
 
-cdef object _on_torch_stream(tuple switch, long long device, object fn, object value):
+cdef object _on_torch_stream(_TorchSwitch switch, long long device, object fn, object value, bint tensor):
     """``fn(value)`` with the pool stream of ``switch`` PyTorch's current
-    stream of ``device`` (as call_on_torch_streams for a value holding no
-    torch tensor), torch's previous stream restored however ``fn`` ends."""
-    get, put, triple = switch
-    saved = get(device)
-    put(*triple)
+    stream of ``device``, torch's previous stream restored however ``fn``
+    ends: call_on_torch_streams for a value holding no torch tensor, or
+    (``tensor``) being one torch CUDA tensor on ``device``, recorded on the
+    pool stream first for torch's allocator, unless it is the tensor
+    recorded there last, still alive and on the same memory."""
+    if tensor:
+        last = switch.last
+        ptr = value.data_ptr()
+        if last is None or last() is not value or switch.last_ptr != ptr:
+            value.record_stream(switch.stream)
+            switch.last = _weakref_ref(value)
+            switch.last_ptr = ptr
+    saved = switch.get(device)
+    switch.put(*switch.triple)
     try:
         return fn(value)
     finally:
-        put(*saved)
+        switch.put(*saved)
 
 
 cdef FutureCore _set_future(object value, EventRecord rec, object keep):

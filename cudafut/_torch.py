@@ -196,19 +196,21 @@ def _stream_calls(torch: Any) -> tuple[Callable[[int], tuple[int, int, int]], Ca
     return _raw_calls[key]
 
 
-def raw_switch(torch: Any, handle: int, device: int) -> tuple[Any, Any, tuple[int, int, int]] | None:
-    """For the native ``then()``: ``(get, put, triple)``, where ``put(*triple)``
-    makes the pool stream ``handle`` of ``device`` PyTorch's current stream
-    (and ``device`` current) and ``get(device)`` reads the current stream as
-    a triple for ``put`` to restore; None where torch's raw stream calls are
-    not usable (see :func:`_stream_calls`). The native core keeps it per
-    handle: the same switch :func:`call_on_torch_streams` makes, without its
-    Python frames, for a value that holds no torch tensor."""
+def raw_switch(torch: Any, handle: int, device: int) -> tuple[Any, Any, tuple[int, int, int], Any] | None:
+    """For the native ``then()``: ``(get, put, triple, stream)``, where
+    ``put(*triple)`` makes the pool stream ``handle`` of ``device`` PyTorch's
+    current stream (and ``device`` current), ``get(device)`` reads the
+    current stream as a triple for ``put`` to restore, and ``stream`` is the
+    torch stream over the pool stream (for ``Tensor.record_stream``); None
+    where torch's raw stream calls are not usable (see :func:`_stream_calls`).
+    The native core keeps it per handle: the same switch
+    :func:`call_on_torch_streams` makes, without its Python frames, for a
+    value that is a CuPy array or one torch tensor."""
     calls = _stream_calls(torch)
     if calls is None:
         return None
     stream = pool_stream(torch, handle, device)
-    return calls[0], calls[1], (stream.stream_id, stream.device_index, stream.device_type)
+    return calls[0], calls[1], (stream.stream_id, stream.device_index, stream.device_type), stream
 
 
 def use_pool_streams(torch: Any, streams: Mapping[int, Any]) -> tuple[list[Any], int]:

@@ -134,12 +134,15 @@ def test_torch_ops_in_then_run_on_the_pool_stream_after_a_slow_producer(cp: Any,
     assert (child.result(timeout=10).cpu() == 8).all()
 
 
+@pytest.mark.parametrize("shape", ["tensor", "tuple"])
 def test_then_with_torch_imported_runs_on_the_native_core(
-    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch
+    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch, shape: str
 ) -> None:
     """Fails where the native core's then() hands every link to the Python
     twin once torch is imported (a link then cost about four times one
-    without torch), or calls more than the torch half of the stream switch.
+    without torch); where a lone torch tensor does not take the switch from
+    C (then it costs twice torch.futures' link); or where a value it must
+    walk (a tuple) calls more than the torch half of the stream switch.
     The ordering is the test above's."""
     if _compiled.native() is None:
         pytest.skip(f"the native core does not run here ({_compiled.core()})")
@@ -176,26 +179,63 @@ def test_then_with_torch_imported_runs_on_the_native_core(
 
     def fn(v: Any) -> Any:
         seen.append((torch.cuda.current_stream().cuda_stream, cp.cuda.get_current_stream().ptr))
-        return v + 1
+        return (v if shape == "tensor" else v[0]) + 1
 
-    child = cudafut.record(t, stream=producer).then(fn)
+    child = cudafut.record(t if shape == "tensor" else (t,), stream=producer).then(fn)
     assert (child.result(timeout=10).cpu() == 8).all()
     assert twin == []
     [(torch_in_fn, cupy_in_fn)] = seen
-    assert halves == [[cupy_in_fn]]
+    assert halves == ([] if shape == "tensor" else [[cupy_in_fn]])
     assert torch_in_fn == cupy_in_fn  # fn ran on the pool stream, torch's current too
     assert torch_in_fn != torch_before
     assert torch.cuda.current_stream().cuda_stream == torch_before  # restored
     assert cp.cuda.get_current_stream().ptr == cupy_before
 
 
-def _torch_out(torch: Any, view_of: Any) -> tuple[Any, Any]:
-    """A torch view of the CuPy array ``view_of`` (made while the device is
-    idle) and a torch tensor of N zeros for fn to write into."""
-    t = torch.as_tensor(view_of, device="cuda")
+def test_then_of_a_torch_tensor_records_it_on_the_pool_stream_for_torchs_allocator(
+    cp: Any, torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each link's pool stream is recorded on the tensor (Tensor.record_stream,
+    as call_on_torch_streams does); the native core's switch records the same
+    live tensor on the same stream once, not per link."""
+    calls: list[tuple[int, int]] = []
+    original = torch.Tensor.record_stream
+
+    def counted(self: Any, stream: Any) -> Any:
+        calls.append((self.data_ptr(), int(stream.cuda_stream)))
+        return original(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", counted)
+    t = torch.ones(4, device="cuda")
+    seen: list[int] = []
+
+    def fn(v: Any) -> Any:
+        seen.append(int(torch.cuda.current_stream().cuda_stream))
+        return v
+
+    fut = cudafut.record(t)
+    for _ in range(3):
+        fut = fut.then(fn)
+    assert fut.result(timeout=10) is t
+    assert {ptr for ptr, _ in calls} == {t.data_ptr()}
+    assert {stream for _, stream in calls} == set(seen)
+    if _compiled.native() is not None:
+        assert len(calls) == len(set(seen))
+
+
+def slow_cupy_for_torch(cp: Any, torch: Any) -> tuple[Any, Any, cudafut.CudaFuture[Any], Any, Any]:
+    """:func:`slow_cupy`, with a torch view ``t`` of its array and a torch
+    tensor ``out`` of N zeros for fn to write into, both made while the
+    device is idle (before the producer starts): ``x, producer, fut, t, out``."""
+    x = cp.zeros(N, dtype=cp.float32)
+    t = torch.as_tensor(x, device="cuda")
     out = torch.zeros(N, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
-    return t, out
+    cp.cuda.Device().synchronize()
+    producer = cp.cuda.Stream(non_blocking=True)
+    with producer:
+        spin_fill(x, 7, SLOW_MS)
+    return x, producer, cudafut.record(x, stream=producer), t, out
 
 
 def test_torch_ops_in_then_of_a_cupy_value_run_on_the_pool_stream(
@@ -205,8 +245,7 @@ def test_torch_ops_in_then_of_a_cupy_value_run_on_the_pool_stream(
     where the value is a CuPy array (the native core's switch from C, which
     takes no call_on_torch_streams): ``t + 1`` then runs on torch's default
     stream, unordered after the slow producer, and ``out`` holds 1s."""
-    x, producer, fut = slow_cupy(cp)
-    t, out = _torch_out(torch, x)
+    x, producer, fut, t, out = slow_cupy_for_torch(cp, torch)
     if _compiled.native() is not None:
 
         def whole(*args: Any) -> Any:
@@ -246,16 +285,15 @@ def test_control_then_of_a_cupy_value_without_the_torch_switch_reads_stale_data(
     def left_alone(torch_: Any, handle: int, device: int) -> Any:
         switch = raw_switch(torch_, handle, device)
         assert switch is not None
-        get, put, _ = switch
-        return get, put, get(device)  # "switch" to the current stream: none
+        get, put, _, stream = switch
+        return get, put, get(device), stream  # "switch" to the current stream: none
 
     native = _compiled.native()
     assert native is not None
     monkeypatch.setattr(_torch, "raw_switch", left_alone)
     native.forget_switches()  # kept from earlier links: ask left_alone
     request.addfinalizer(native.forget_switches)
-    x, producer, fut = slow_cupy(cp)
-    t, out = _torch_out(torch, x)
+    _x, producer, fut, t, out = slow_cupy_for_torch(cp, torch)
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):  # a non-default stream: nothing orders it after the producer
 

@@ -846,6 +846,42 @@ def test_then_sets_torchs_stream_through_its_c_entry_points_where_it_has_them(
         assert fake_cuda.recorded() == [(pool, 0)]  # the child's event, on the pool stream
 
 
+@pytest.mark.parametrize("initialized", [False, True])
+def test_raw_switch_gives_the_pool_streams_triple_once_torch_initialised_cuda(
+    fake_cuda: FakeCuda, torch: Any, monkeypatch: pytest.MonkeyPatch, initialized: bool
+) -> None:
+    # What the native then() keeps per pool stream (tests/test_gpu_interop.py
+    # runs it): torch's raw get/put, the pool stream's triple, its stream.
+    cuda = torch.cuda
+
+    def get(device: int) -> tuple[int, int, int]:
+        return (cuda.current_stream(device).cuda_stream, device, 1)
+
+    def put(stream_id: int, device_index: int, device_type: int) -> None:
+        cuda.current[device_index] = FakeTorchStream(stream_id, device_index)
+
+    def external(handle: int, device: Any = None) -> FakeTorchStream:
+        stream = FakeTorchStream(handle, device)
+        stream.stream_id, stream.device_index, stream.device_type = handle, device, 1  # type: ignore[attr-defined]
+        return stream
+
+    monkeypatch.setattr(torch, "_C", types.SimpleNamespace(_cuda_getCurrentStream=get, _cuda_setStream=put))
+    monkeypatch.setattr(cuda, "is_initialized", lambda: initialized, raising=False)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0, raising=False)
+    monkeypatch.setattr(cuda, "ExternalStream", external)
+    monkeypatch.setattr(_torch, "_raw_calls", {})
+    monkeypatch.setattr(_torch, "_pool_streams", {})
+    switch = _torch.raw_switch(torch, 0x1234, 0)
+    if not initialized:
+        assert switch is None  # then() takes call_on_torch_streams, which initialises it
+        return
+    assert switch is not None
+    got, set_, triple, stream = switch
+    assert (got, set_) == (get, put)
+    assert triple == (0x1234, 0, 1)
+    assert stream is _torch.pool_stream(torch, 0x1234, 0)  # the one kept for the pool stream
+
+
 def test_then_restores_torchs_streams_when_fn_raises(fake_cuda: FakeCuda, torch: Any) -> None:
     mine = FakeTorchStream(0x333, 0)
     torch.cuda.current[0] = mine
