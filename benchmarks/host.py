@@ -70,7 +70,7 @@ FN_LAUNCHES = " (fn launches a kernel)"
 
 def steps(quick: bool) -> int:
     torch = importlib.util.find_spec("torch") is not None
-    return 4 + 1 + 2 + 4 * torch
+    return 4 + 1 + 2 + 8 * torch
 
 
 def run(progress: Progress, quick: bool) -> dict[str, Any]:
@@ -155,6 +155,7 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
         import torch
 
         with stream:
+            per_call_us(record, 2000)
             res[RECORD_TORCH_US] = min(per_call_us(record, 20_000) for _ in range(3))
         stream.synchronize()
         tensor = torch.zeros(1, device="cuda")
@@ -169,7 +170,16 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
             progress.step(f"host: {key}: {res[key]:.2f}")
         torch_chain = _torch_chain(torch, tensor, links)
         for name, value in ((THEN_ROUNDS_RATIO, token), (THEN_TENSOR_ROUNDS_RATIO, tensor)):
-            rounds = sorted(chain_cudafut(False, value) / torch_chain(False) for _ in range(ROUNDS))
+            rounds = []
+            for i in range(ROUNDS):  # which goes first alternates too
+                if i % 2:
+                    theirs = torch_chain(False)
+                    ours = chain_cudafut(False, value)
+                else:
+                    ours = chain_cudafut(False, value)
+                    theirs = torch_chain(False)
+                rounds.append(ours / theirs)
+            rounds.sort()
             res[name] = rounds[ROUNDS // 2]
             progress.step(f"host: {name}: {res[name]:.2f}x (rounds {rounds[0]:.2f}x-{rounds[-1]:.2f}x)")
     launch_us = res[LAUNCH_US]

@@ -209,13 +209,16 @@ cdef extern from *:
         return ((PyCodeObject *)PyFunction_GET_CODE(fn))->co_flags;
     }
     static PyObject *cudafut_func_dict(PyObject *fn) {
-        return ((PyFunctionObject *)fn)->func_dict;  /* borrowed, may be NULL */
+        PyObject *d = ((PyFunctionObject *)fn)->func_dict;
+        if (d == NULL) Py_RETURN_NONE;
+        Py_INCREF(d);
+        return d;
     }
     """
     object cudafut_tp_new(object type, object args)
     object cudafut_call_exit(object stream, object name)
     int cudafut_code_flags(object fn) noexcept
-    PyObject *cudafut_func_dict(object fn) noexcept
+    object cudafut_func_dict(object fn)
 
 
 # 0: not tried yet; 1: loaded; -1: libcuda or a symbol is missing (every call
@@ -1462,16 +1465,15 @@ cdef inline bint _plain_function(object fn):
     """A Python function whose call makes neither a coroutine nor an async
     generator (what _checks.not_async passes, said without a call); other
     callables go through the twin's checks."""
-    cdef PyObject *d
     if type(fn) is not _FunctionType:
         return False
     if cudafut_code_flags(fn) & _ASYNC_FLAGS:
         return False
     # inspect.markcoroutinefunction() marks a plain function as async.
     d = cudafut_func_dict(fn)
-    if d == NULL:
+    if d is None:
         return True
-    return (<dict><object>d).get("_is_coroutine_marker") is None
+    return (<dict>d).get("_is_coroutine_marker") is None
 
 
 cdef object _FunctionType = types.FunctionType
@@ -1598,22 +1600,22 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
     if _then_record_early:  # the mutation: before fn's work
         early = _record(stream.ptr, device, None, None)
     switch = None
-    if torch is None:
-        call, args = fn, (value,)
-    elif _be is _CUDA_BE and _get_device is not None:
-        # The switch from C, in the CUDA branch below, for a CuPy array or
-        # one torch tensor on this device (or on the host); other values
-        # take call_on_torch_streams, which walks them.
-        if _lone_array is not None and type(value) is _lone_array:
-            switch = _torch_switch(torch, stream.ptr, device)
-        elif tensor_value:
-            where = value.get_device()
-            if where == device or where < 0:
-                switch = _torch_switch(torch, stream.ptr, device)
-                tensor_value = where == device
-    if torch is not None and switch is None:  # the pool stream is PyTorch's current stream too while fn runs
-        call, args = _torch_module.call_on_torch_streams, (torch, {device: stream}, fn, (value,), {}, value)
+    call, args = fn, (value,)
     try:
+        if torch is not None:
+            # The pool stream is PyTorch's current stream too while fn runs:
+            # switched from C (in the CUDA branch below) for a CuPy array or
+            # one torch CUDA tensor on this device; other values take
+            # call_on_torch_streams, which walks them. (In this try, as the
+            # twin's in its settle: what fails here fails the child.)
+            if _be is _CUDA_BE and _get_device is not None:
+                if _lone_array is not None and type(value) is _lone_array:
+                    switch = _torch_switch(torch, stream.ptr, device)
+                elif tensor_value and value.is_cuda and value.get_device() == device:
+                    switch = _torch_switch(torch, stream.ptr, device)
+            if switch is None:
+                tensor_value = False
+                call, args = _torch_module.call_on_torch_streams, (torch, {device: stream}, fn, (value,), {}, value)
         if _be is not _CUDA_BE or _get_device is None:
             out = _be.call_on_streams({device: stream}, device, call, args, {})
         else:
@@ -1625,9 +1627,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
                     _set_device(device)
                 stream.__enter__()
                 try:
-                    if torch is None:
-                        out = fn(value)
-                    elif switch is not None:
+                    if switch is not None:
                         out = _on_torch_stream(<_TorchSwitch>switch, device, fn, value, tensor_value)
                     else:
                         out = call(*args)
@@ -1649,7 +1649,7 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
         # One torch tensor on this device: recorded below with the pool stream
         # (order_foreign skips torch tensors, record_value the pool's device).
         tensor_out = (torch is not None and type(out) is _torch_tensor_type(torch)
-                      and out.get_device() == device)
+                      and out.is_cuda and out.get_device() == device)
         if not lone and not tensor_out and not isinstance(out, _Future):
             consumer = _Consumer.__new__(_Consumer)
             (<_Consumer>consumer).handle = (ptr, device)
@@ -1697,21 +1697,17 @@ def future_then(FutureCore self not None, fn, *, priority="normal"):
 # torch module in _switch_torch, whose Tensor type is _switch_tensor.
 cdef object _switch_torch = None
 cdef object _switch_tensor = None
-cdef object _weakref_ref = weakref.ref
 cdef dict _switches = {}
 
 
 @cython.final
 @cython.no_gc
 cdef class _TorchSwitch:
-    """_torch.raw_switch's answer for one pool stream, and the torch tensor
-    last recorded on it (``Tensor.record_stream``) with its data pointer."""
+    """_torch.raw_switch's answer for one pool stream."""
     cdef object get
     cdef object put
     cdef tuple triple
     cdef object stream  # the torch ExternalStream over the pool stream
-    cdef object last  # a weak reference to that tensor, or None
-    cdef object last_ptr
 
 
 cdef inline object _torch_tensor_type(object torch):
@@ -1753,15 +1749,11 @@ cdef object _on_torch_stream(_TorchSwitch switch, long long device, object fn, o
     stream of ``device``, torch's previous stream restored however ``fn``
     ends: call_on_torch_streams for a value holding no torch tensor, or
     (``tensor``) being one torch CUDA tensor on ``device``, recorded on the
-    pool stream first for torch's allocator, unless it is the tensor
-    recorded there last, still alive and on the same memory."""
+    pool stream first for torch's allocator, at every link: a live tensor's
+    storage may have been freed and reallocated at the same address since
+    (``untyped_storage().resize_()``), and torch keeps no generation to tell."""
     if tensor:
-        last = switch.last
-        ptr = value.data_ptr()
-        if last is None or last() is not value or switch.last_ptr != ptr:
-            value.record_stream(switch.stream)
-            switch.last = _weakref_ref(value)
-            switch.last_ptr = ptr
+        value.record_stream(switch.stream)
     saved = switch.get(device)
     switch.put(*switch.triple)
     try:

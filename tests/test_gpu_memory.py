@@ -244,6 +244,32 @@ def test_then_and_submit_mark_their_pool_streams() -> None:
     assert float(child.result()[0]) == 2.0 and float(sub.result()[0]) == 2.0
 
 
+def test_then_marks_each_pool_stream_that_reads_a_block() -> None:
+    """Fails where then() leaves a block unmarked for a second pool stream
+    because another stream reads it already (the native core skips a block
+    only for the same stream object)."""
+    cp = _backend.current.cupy()
+    a = stream()
+    with a:
+        x = cp.ones(N, dtype=cp.float32)
+        fut = cudafut.record(x)
+    seen: list[int] = []
+
+    def fn(v: Any) -> Any:
+        seen.append(int(cp.cuda.get_current_stream().ptr))
+        return v + 1
+
+    children = []
+    while len(set(seen)) < 2 and len(seen) < 64:  # siblings: the pool's next streams
+        children.append(fut.then(fn))
+    assert len(set(seen)) == 2
+    block = _memory._block_of(x)
+    assert block is not None
+    assert set(seen) <= set(block.readers or {})
+    for child in children:
+        assert float(child.result()[0]) == 2.0
+
+
 def test_record_stream_argument_errors() -> None:
     with pytest.raises(TypeError, match="GPU array"):
         cudafut.record_stream(np.zeros(3), stream())
