@@ -36,6 +36,8 @@ THEN_TORCH_US = "cudafut then() per link, torch imported us"
 #: stream for torch's allocator, as torch.futures' own chain does).
 RECORD_TORCH_US = "cudafut record(), torch imported us"
 THEN_TENSOR_US = "cudafut then() per link, a torch tensor value us"
+#: What each such link pays torch itself: its Tensor.record_stream, alone.
+TENSOR_RECORD_FLOOR_US = "floor: torch Tensor.record_stream per call us"
 #: The host's speed moves within a run (a virtual machine's CPUs are
 #: shared): cudafut's and torch's chains alternated, a ratio per round.
 THEN_ROUNDS_RATIO = "ratio then() per link, torch imported / torch's, median of 7 alternated rounds"
@@ -168,6 +170,13 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
             key = THEN_TENSOR_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
             res[key] = min(chain_cudafut(with_kernel, tensor) for _ in range(3))
             progress.step(f"host: {key}: {res[key]:.2f}")
+        other = torch.cuda.Stream()  # another stream than the tensor's, as then()'s pool stream
+
+        def record_tensor() -> None:
+            tensor.record_stream(other)
+
+        per_call_us(record_tensor, 2000)
+        res[TENSOR_RECORD_FLOOR_US] = min(per_call_us(record_tensor, 20_000) for _ in range(3))
         torch_chain = _torch_chain(torch, tensor, links)
         for name, value in ((THEN_ROUNDS_RATIO, token), (THEN_TENSOR_ROUNDS_RATIO, tensor)):
             rounds = []
