@@ -2596,6 +2596,7 @@ cdef class Watch:
     cdef public object record
     cdef public object callback
     cdef public long long seq
+    cdef public long long arrival  # its number in the order the watchlist took its watches
 
     def __init__(self, record, callback):
         self.record = record
@@ -2671,6 +2672,34 @@ cdef inline object _status_of(object record):
     return record.query()
 
 
+# Streams a poll keeps its merge's state for on the stack (more: malloc).
+cdef enum:
+    _POLL_SMALL = 16
+
+
+cdef inline void _heap_down(long long *key, Py_ssize_t *src, Py_ssize_t size, Py_ssize_t pos) noexcept nogil:
+    """Sift the entry at ``pos`` down a binary min-heap of ``(key, src)``
+    pairs (compared as tuples, as heapq compares the pure twin's)."""
+    cdef long long k = key[pos]
+    cdef Py_ssize_t s = src[pos]
+    cdef Py_ssize_t child
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        if child + 1 < size and (
+            key[child + 1] < key[child] or (key[child + 1] == key[child] and src[child + 1] < src[child])
+        ):
+            child += 1
+        if not (key[child] < k or (key[child] == k and src[child] < s)):
+            break
+        key[pos] = key[child]
+        src[pos] = src[child]
+        pos = child
+    key[pos] = k
+    src[pos] = s
+
+
 cdef class Watchlist:
     """The twin of ``_waiter.Watchlist`` (see there): pending records in one
     queue per stream; not thread-safe by design."""
@@ -2679,12 +2708,14 @@ cdef class Watchlist:
     cdef public Py_ssize_t pending
     cdef bint _learn
     cdef public list learnt
+    cdef long long _arrived  # the next watch's arrival number
 
     def __init__(self, learn=True):
         self._queues = {}
         self.pending = 0
         self._learn = bool(learn)
         self.learnt = []
+        self._arrived = 0
 
     @property
     def streams(self):
@@ -2709,6 +2740,8 @@ cdef class Watchlist:
             self._queues[key] = queue
         else:
             queue = <_Queue>q
+        watch.arrival = self._arrived
+        self._arrived += 1
         queue._add(watch)
         self.pending += 1
         return 0
@@ -2764,60 +2797,146 @@ cdef class Watchlist:
     @cython.boundscheck(True)  # a reentered list may shrink under the walk: IndexError, not a crash
     def poll(self, double now, long long limit=1 << 62):
         """Query the oldest live record of each stream; return what fired
-        (``(callback, record)`` pairs), at most ``limit`` callbacks."""
+        (``(callback, record)`` pairs), at most ``limit`` callbacks, in the
+        order the watches were added across streams: each stream's
+        completed prefix, walked lazily oldest first, merged by arrival."""
         cdef list fired = []
         cdef dict queues = self._queues
+        cdef list keys
+        cdef list qs
+        cdef list wls
         cdef _Queue queue
         cdef list watches
         cdef Watch watch
-        cdef Py_ssize_t i, n
-        cdef bint first
-        for key in list(queues):
-            if len(fired) >= limit:
-                break
-            queue = <_Queue>queues[key]
-            watches = queue.watches
-            i = queue.head
-            n = len(watches)
-            first = True
-            while i < n:
-                # (A hint, as in _Wakeups: the watches and records ahead of
-                # the walk, apart in memory, asked for before they are read.)
-                if i + _WATCH_AHEAD < PyList_GET_SIZE(watches):
-                    cudafut_prefetch(PyList_GET_ITEM(watches, i + _WATCH_AHEAD), 2)
-                    watch = <Watch><object>PyList_GET_ITEM(watches, i + _WATCH_AHEAD // 2)
-                    cudafut_prefetch(<PyObject*>watch.record, 2)
-                    if type(watch) is AsyncioAwait:  # what run_fired reads of it: the task's wake-up
-                        cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._wakeup, 0)
-                        cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._context, 0)
-                watch = <Watch>watches[i]
-                callback = watch.callback
-                if callback is not None:
-                    if len(fired) >= limit:
-                        break
-                    record = watch.record
-                    if _status_of(record) is None:
-                        if type(record) is EventRecord:
-                            (<EventRecord>record).seen = now
-                        else:
-                            record.seen = now
-                        break
-                    if first:
-                        if self._learn:  # later ones completed unseen: they teach nothing
-                            self.learnt.append((record, now))
-                        first = False
+        cdef Py_ssize_t i, n, s, k, size
+        cdef bint joined
+        # Per stream: where its walk is (at), its length when the poll began
+        # (end), whether none of it fired yet (first); the merge's heap of
+        # the streams whose next live watch completed: its arrival (key) and
+        # the stream (src). On the stack for the usual few streams.
+        cdef Py_ssize_t small_i[4 * _POLL_SMALL]
+        cdef long long small_k[_POLL_SMALL]
+        cdef Py_ssize_t *ibuf = small_i
+        cdef long long *key = small_k
+        cdef Py_ssize_t *at
+        cdef Py_ssize_t *end
+        cdef Py_ssize_t *src
+        cdef Py_ssize_t *first
+        if limit <= 0:
+            return fired
+        keys = list(queues)
+        k = len(keys)
+        if k > _POLL_SMALL:
+            ibuf = <Py_ssize_t*>malloc(4 * k * sizeof(Py_ssize_t))
+            key = <long long*>malloc(k * sizeof(long long))
+            if ibuf == NULL or key == NULL:
+                free(ibuf)
+                free(key)
+                raise MemoryError()
+        at = ibuf
+        end = ibuf + k
+        src = ibuf + 2 * k
+        first = ibuf + 3 * k
+        qs = []
+        wls = []
+        try:
+            size = 0
+            for s in range(k):
+                queue = <_Queue>queues[keys[s]]
+                watches = queue.watches
+                qs.append(queue)
+                wls.append(watches)
+                i = queue.head
+                n = len(watches)
+                while i < n:
+                    watch = <Watch>watches[i]
+                    if watch.callback is not None:
+                        record = watch.record
+                        if _status_of(record) is None:
+                            if type(record) is EventRecord:
+                                (<EventRecord>record).seen = now
+                            else:
+                                record.seen = now
+                            break
                         if record.ordered and n - i > 2:
                             # Ask the newest: if it is complete, the stream's
                             # watermark answers every older one from memory.
                             _status_of((<Watch>watches[n - 1]).record)
+                        key[size] = watch.arrival
+                        src[size] = s
+                        size += 1
+                        break
+                    i += 1
+                at[s] = i
+                end[s] = n
+                first[s] = 1
+            s = size // 2
+            while s > 0:
+                s -= 1
+                _heap_down(key, src, size, s)
+            while size:
+                s = src[0]
+                watches = <list>PyList_GET_ITEM(wls, s)
+                i = at[s]
+                n = end[s]
+                watch = <Watch>watches[i]
+                callback = watch.callback
+                if callback is not None:  # (else removed meanwhile, by a query's reentrant code)
+                    record = watch.record
+                    if first[s]:
+                        if self._learn:  # later ones completed unseen: they teach nothing
+                            self.learnt.append((record, now))
+                        first[s] = 0
                     watch.callback = None
                     self.pending -= 1
                     fired.append((callback, record))
                 i += 1
-            if i >= n:
-                del queues[key]
-            else:
-                queue._advance(i)
+                if len(fired) >= limit:
+                    while i < n and (<Watch>watches[i]).callback is None:
+                        i += 1
+                    at[s] = i
+                    break
+                joined = False
+                while i < n:  # this stream's next live watch: complete, it joins the merge
+                    # (A hint, as in _Wakeups: the watches and records ahead of
+                    # the walk, apart in memory, asked for before they are read.)
+                    if i + _WATCH_AHEAD < PyList_GET_SIZE(watches):
+                        cudafut_prefetch(PyList_GET_ITEM(watches, i + _WATCH_AHEAD), 2)
+                        watch = <Watch><object>PyList_GET_ITEM(watches, i + _WATCH_AHEAD // 2)
+                        cudafut_prefetch(<PyObject*>watch.record, 2)
+                        if type(watch) is AsyncioAwait:  # what run_fired reads of it: the task's wake-up
+                            cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._wakeup, 0)
+                            cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._context, 0)
+                    watch = <Watch>watches[i]
+                    if watch.callback is not None:
+                        record = watch.record
+                        if _status_of(record) is None:
+                            if type(record) is EventRecord:
+                                (<EventRecord>record).seen = now
+                            else:
+                                record.seen = now
+                        else:
+                            key[0] = watch.arrival  # the top's stream stays, with its next watch
+                            _heap_down(key, src, size, 0)
+                            joined = True
+                        break
+                    i += 1
+                if not joined:
+                    size -= 1
+                    if size:
+                        key[0] = key[size]
+                        src[0] = src[size]
+                        _heap_down(key, src, size, 0)
+                at[s] = i
+            for s in range(k):
+                if at[s] >= end[s]:
+                    del queues[keys[s]]
+                else:
+                    (<_Queue>qs[s])._advance(at[s])
+        finally:
+            if ibuf != small_i:
+                free(ibuf)
+                free(key)
         return fired
 
     @cython.boundscheck(True)  # as poll()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import bisect
 import functools
+import heapq
 import threading
 import time
 from collections import deque
@@ -50,9 +51,13 @@ DoneCallback = Callable[[Exception | None], None]
 class Watch:
     """One waiter's interest in one record: an entry of its stream's queue
     itself (no tuple per entry, as every object alive per wait costs the
-    cyclic GC)."""
+    cyclic GC). ``arrival``: its number in the order the watchlist took
+    its watches (set by :meth:`Watchlist.add_watch`): a poll fires what
+    completed on all streams in that order."""
 
-    __slots__ = ("callback", "record", "seq")
+    __slots__ = ("arrival", "callback", "record", "seq")
+
+    arrival: int
 
     def __init__(self, record: EventRecord, callback: RecordCallback) -> None:
         self.record = record
@@ -127,6 +132,8 @@ class Watchlist:
         #: them (``Driver.poll``), and may teach them after the wake-ups
         #: they caused, off the path from completion to the awaiting code.
         self.learnt: list[tuple[EventRecord, float]] = []
+        # The next watch's arrival number (Watch.arrival).
+        self._arrived = 0
 
     @property
     def streams(self) -> int:
@@ -143,6 +150,8 @@ class Watchlist:
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _Queue()
+        watch.arrival = self._arrived
+        self._arrived += 1
         watches = queue.watches
         if watches and watches[-1].seq > watch.seq:
             queue.add(watch)  # out of order: a sorted insert
@@ -173,48 +182,89 @@ class Watchlist:
         """Query the oldest live record of each stream; return what fired,
         at most ``limit`` callbacks (the rest fire at the next poll).
 
+        What completed fires in the order the watches were added (their
+        ``arrival``), across streams: the completed prefix of each stream's
+        queue (oldest first, as a stream completes) is merged by arrival, as
+        plain futures released in the order their awaits came wake their
+        tasks (10,000 awaits over 8 streams then wake in task order, not
+        task 0, 8, 16, ...). Each stream's prefix is walked lazily: its next
+        watch is queried once the one before it fired.
+
         ``now`` is the ``perf_counter()`` time of the poll: the first
-        completion seen on each stream goes on :attr:`learnt` (for the
+        completion fired on each stream goes on :attr:`learnt` (for the
         duration predictor), pending records remember when they were seen.
         The caller runs the returned callbacks (they may add or remove
         watches, which must not happen while the queues are walked).
         """
         fired: list[tuple[RecordCallback, EventRecord]] = []
+        if limit <= 0:
+            return fired
         queues = self._queues
-        for key in list(queues):
-            if len(fired) >= limit:
-                break
+        keys = list(queues)
+        walks: list[list[Any]] = []  # per stream: [queue, watches, at, end, first]
+        heap: list[tuple[int, int]] = []  # (arrival, stream) of each stream's completed next watch
+        for s, key in enumerate(keys):
             queue = queues[key]
             watches = queue.watches
             i, n = queue.head, len(watches)
-            first = True
             while i < n:
                 watch = watches[i]
-                callback = watch.callback
-                if callback is not None:
-                    if len(fired) >= limit:
-                        break
+                if watch.callback is not None:
                     record = watch.record
                     if record.query() is None:
                         record.seen = now
                         break
-                    if first:
-                        if self._learn:  # later ones completed unseen: they teach nothing
-                            self.learnt.append((record, now))
-                        first = False
-                        if record.ordered and n - i > 2:
-                            # Ask the newest: if it is complete, the native
-                            # core's watermark answers every older one from
-                            # memory, without a driver query each.
-                            watches[n - 1].record.query()
-                    watch.callback = None
-                    self.pending -= 1
-                    fired.append((callback, record))
+                    if record.ordered and n - i > 2:
+                        # Ask the newest: if it is complete, the native
+                        # core's watermark answers every older one from
+                        # memory, without a driver query each.
+                        watches[n - 1].record.query()
+                    heap.append((watch.arrival, s))
+                    break
                 i += 1
-            if i >= n:
+            walks.append([queue, watches, i, n, True])
+        heapq.heapify(heap)
+        while heap:
+            s = heap[0][1]
+            walk = walks[s]
+            watches, i, n = walk[1], walk[2], walk[3]
+            watch = watches[i]
+            callback = watch.callback
+            if callback is not None:  # (else removed meanwhile, by a query's reentrant code)
+                record = watch.record
+                if walk[4]:
+                    if self._learn:  # later ones completed unseen: they teach nothing
+                        self.learnt.append((record, now))
+                    walk[4] = False
+                watch.callback = None
+                self.pending -= 1
+                fired.append((callback, record))
+            i += 1
+            if len(fired) >= limit:
+                while i < n and watches[i].callback is None:
+                    i += 1
+                walk[2] = i
+                break
+            joined = False
+            while i < n:  # this stream's next live watch: complete, it joins the merge
+                watch = watches[i]
+                if watch.callback is not None:
+                    record = watch.record
+                    if record.query() is None:
+                        record.seen = now
+                    else:
+                        heapq.heapreplace(heap, (watch.arrival, s))
+                        joined = True
+                    break
+                i += 1
+            if not joined:
+                heapq.heappop(heap)
+            walk[2] = i
+        for key, walk in zip(keys, walks, strict=True):
+            if walk[2] >= walk[3]:
                 del queues[key]
             else:
-                queue.advance(i)
+                walk[0].advance(walk[2])
         return fired
 
     def oldest(self) -> list[EventRecord]:

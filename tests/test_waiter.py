@@ -10,6 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,58 @@ def test_thousands_of_completions_fire_in_slices() -> None:
         polls += 1
     assert fired == list(range(1, 601))  # in stream order
     assert polls == -(-600 // _waiter.FIRE_PER_POLL)  # full slices, then the rest
+
+
+def _appends(out: list[Any], item: Any) -> Callable[[Any], None]:
+    return lambda _record: out.append(item)
+
+
+def test_completions_on_several_streams_fire_in_the_order_the_waits_came() -> None:
+    # Waits i on stream i % 3, all complete at once: they fire 0, 1, 2, ...
+    # (as plain futures released in order wake their tasks), not stream by
+    # stream; a slice of the limit ends mid-stream and the next poll goes on.
+    wl = _waiter.Watchlist()
+    streams = [stream_records(10) for _ in range(3)]
+    fired: list[int] = []
+    for i in range(30):
+        rec = streams[i % 3][i // 3]
+        wl.add(rec, _appends(fired, i))
+    for recs in streams:
+        for rec in recs[:7]:  # waits 0..20 complete, 21.. pending
+            rec.complete()
+    polls = 0
+    while True:
+        got = wl.poll(time.perf_counter(), 4)
+        for callback, record in got:
+            callback(record)
+        polls += 1
+        if len(got) < 4:
+            break
+    assert fired == list(range(21))
+    assert polls == 6 and wl.pending == 9
+    assert [rec.queries > 0 for rec in streams[0][7:]] == [True, False, False]  # the oldest pending only
+    # A poll's first completion fired on each stream teaches the predictor
+    # (the first poll's: wait 0, 1 and 2, in the order they fired).
+    firsts = [streams[0][0], streams[1][0], streams[2][0], streams[1][1]]
+    assert [rec for rec, _now in wl.learnt[:4]] == firsts
+
+
+def test_a_stream_completed_out_of_order_fires_in_queue_order_merged_by_arrival() -> None:
+    # A stream's queue is sorted by its number: a wait added late for an
+    # older record fires before the newer ones of its stream, wherever its
+    # arrival puts it among the other streams'.
+    wl = _waiter.Watchlist()
+    a, b = stream_records(3), stream_records(2)
+    order = [(a[1], "a2"), (b[0], "b1"), (a[2], "a3"), (a[0], "a1"), (b[1], "b2")]
+    fired: list[str] = []
+    for rec, name in order:
+        wl.add(rec, _appends(fired, name))
+    for rec in a + b:
+        rec.complete()
+    for callback, record in wl.poll(time.perf_counter()):
+        callback(record)
+    # Stream a's queue is a1 (arrival 3), a2 (0), a3 (2); b's b1 (1), b2 (4).
+    assert fired == ["b1", "a1", "a2", "a3", "b2"]
 
 
 def test_a_poll_queries_only_the_oldest_pending_record_of_each_stream() -> None:

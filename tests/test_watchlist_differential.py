@@ -434,6 +434,14 @@ def test_out_of_order_and_equal_numbers_fire_alike() -> None:
     run_both(program)
 
 
+def test_streams_completed_together_fire_alike_in_arrival_order() -> None:
+    # Interleaved waits on three streams, all complete, fired in slices:
+    # the merge by arrival across streams, a slice ending mid-stream.
+    program: list[Op] = [("add", i % 3, i // 3, True, "exact" if i % 2 else "duck", False) for i in range(40)]
+    program += [("complete_upto", 31), ("remove", 7), ("poll", 5), ("poll", 3), ("oldest",), ("poll", None)]
+    run_both(program)
+
+
 def test_a_queue_compacts_alike() -> None:
     # 50 of 80 fire, then another poll: the queue is compacted (past 32 and
     # past half), and an add out of order lands in the compacted queue.
