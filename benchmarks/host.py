@@ -124,19 +124,7 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
         )
 
     def chain_cudafut(with_kernel: bool, value: Any = token) -> float:
-        fut = cudafut.record(value, stream=stream)
-
-        def link(v: Any) -> Any:
-            if with_kernel:
-                launch()
-            return v
-
-        t = time.perf_counter()
-        for _ in range(links):
-            fut = fut.then(link)
-        per = (time.perf_counter() - t) / links * 1e6
-        fut.result()
-        return per
+        return cudafut_chain(stream, value, links, launch if with_kernel else None)
 
     res.update(_awaits(stream, token))
     progress.step(
@@ -177,16 +165,16 @@ def measure(progress: Progress, links: int = LINKS) -> dict[str, Any]:
 
         per_call_us(record_tensor, 2000)
         res[TENSOR_RECORD_FLOOR_US] = min(per_call_us(record_tensor, 20_000) for _ in range(3))
-        torch_chain = _torch_chain(torch, tensor, links)
+        theirs_chain = torch_chain(torch, tensor, links)
         for name, value in ((THEN_ROUNDS_RATIO, token), (THEN_TENSOR_ROUNDS_RATIO, tensor)):
             rounds = []
             for i in range(ROUNDS):  # which goes first alternates too
                 if i % 2:
-                    theirs = torch_chain(False)
+                    theirs = theirs_chain(False)
                     ours = chain_cudafut(False, value)
                 else:
                     ours = chain_cudafut(False, value)
-                    theirs = torch_chain(False)
+                    theirs = theirs_chain(False)
                 rounds.append(ours / theirs)
             rounds.sort()
             res[name] = rounds[ROUNDS // 2]
@@ -366,7 +354,7 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
     key = TORCH_CREATE_SET_US
     res[key] = min(per_call_us(create_set, 20_000) for _ in range(3))
 
-    chain = _torch_chain(torch, t, links)
+    chain = torch_chain(torch, t, links)
     for with_kernel in (False, True):
         chain(with_kernel)
         key = TORCH_THEN_US + (FN_LAUNCHES if with_kernel else FN_RETURNS)
@@ -375,7 +363,26 @@ def _torch_host(progress: Progress, links: int) -> dict[str, Any]:
     return res
 
 
-def _torch_chain(torch: Any, t: Any, links: int) -> Callable[[bool], float]:
+def cudafut_chain(stream: Any, value: Any, links: int, work: Callable[[], None] | None = None) -> float:
+    """µs per link of a chain of ``links`` ``then()`` links from ``value``
+    recorded on ``stream``, each ``fn`` returning its value (after calling
+    ``work``, a kernel launch, if given); waits for the chain's end, untimed."""
+    fut = cudafut.record(value, stream=stream)
+
+    def link(v: Any) -> Any:
+        if work is not None:
+            work()
+        return v
+
+    t = time.perf_counter()
+    for _ in range(links):
+        fut = fut.then(link)
+    per = (time.perf_counter() - t) / links * 1e6
+    fut.result()
+    return per
+
+
+def torch_chain(torch: Any, t: Any, links: int) -> Callable[[bool], float]:
     """``chain(with_kernel)``: µs per link of a ``torch.futures`` chain of
     ``links`` links on ``t``, ``fn`` returning the value (or launching a
     kernel first)."""

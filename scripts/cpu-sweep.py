@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp
 
 import cudafut
-from benchmarks.host import _torch_chain
+from benchmarks.host import cudafut_chain, torch_chain
 from benchmarks.support.gpu import gsleep, stream, token
 
 ZERO = cp.int64(0)
@@ -37,20 +37,8 @@ def launch() -> None:
     gsleep((1,), (1,), (ZERO,))
 
 
-def chain(with_kernel: bool, links: int = 1000) -> float:
-    fut = cudafut.record(token, stream=stream)
-
-    def link(v: Any) -> Any:
-        if with_kernel:
-            launch()
-        return v
-
-    t = time.perf_counter()
-    for _ in range(links):
-        fut = fut.then(link)
-    per = (time.perf_counter() - t) / links * 1e6
-    fut.result()
-    return per
+def chain(with_kernel: bool) -> float:
+    return cudafut_chain(stream, token, 1000, launch if with_kernel else None)
 
 
 def per_call(fn: Any, n: int) -> float:
@@ -69,12 +57,12 @@ def best(fn: Any, *args: Any) -> float:
 
 
 def main() -> None:
-    torch_chain = None
+    theirs = None
     for phase in ("no torch", "torch"):
         if phase == "torch":
             import torch
 
-            torch_chain = _torch_chain(torch, torch.zeros(1, device="cuda"), 1000)
+            theirs = torch_chain(torch, torch.zeros(1, device="cuda"), 1000)
         for cpu in sorted(os.sched_getaffinity(0)):
             os.sched_setaffinity(0, {cpu})  # this thread only
             row: dict[str, Any] = {
@@ -85,8 +73,8 @@ def main() -> None:
                 "record us": best(per_call, lambda: cudafut.record(token), 10_000),
                 "launch us": best(per_call, launch, 2000),
             }
-            if torch_chain is not None:
-                row["torch then us"] = best(torch_chain, False)
+            if theirs is not None:
+                row["torch then us"] = best(theirs, False)
                 row["ratio then / torch's"] = round(row["then us"] / row["torch then us"], 2)
             print(json.dumps(row), flush=True)
 
