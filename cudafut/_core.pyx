@@ -2677,19 +2677,6 @@ cdef enum:
     _POLL_SMALL = 16
 
 
-cdef inline bint _seen_complete(object record, double now) except -1:
-    """Whether a poll finds ``record`` complete (its status, or the
-    stream's watermark, or a query); if not, it remembers ``now`` as when
-    it was last seen pending."""
-    if _status_of(record) is not None:
-        return True
-    if type(record) is EventRecord:
-        (<EventRecord>record).seen = now
-    else:
-        record.seen = now
-    return False
-
-
 cdef inline void _heap_down(long long *key, Py_ssize_t *src, Py_ssize_t size, Py_ssize_t pos) noexcept nogil:
     """Sift the entry at ``pos`` down a binary min-heap of ``(key, src)``
     pairs (compared as tuples, as heapq compares the pure twin's)."""
@@ -2865,7 +2852,11 @@ cdef class Watchlist:
                     watch = <Watch>watches[i]
                     if watch.callback is not None:
                         record = watch.record
-                        if not _seen_complete(record, now):
+                        if _status_of(record) is None:
+                            if type(record) is EventRecord:
+                                (<EventRecord>record).seen = now
+                            else:
+                                record.seen = now
                             break
                         if record.ordered and n - i > 2:
                             # Ask the newest: if it is complete, the stream's
@@ -2918,7 +2909,13 @@ cdef class Watchlist:
                             cudafut_prefetch(<PyObject*>(<AsyncioAwait>watch)._context, 0)
                     watch = <Watch>watches[i]
                     if watch.callback is not None:
-                        if _seen_complete(watch.record, now):
+                        record = watch.record
+                        if _status_of(record) is None:
+                            if type(record) is EventRecord:
+                                (<EventRecord>record).seen = now
+                            else:
+                                record.seen = now
+                        else:
                             key[0] = watch.arrival  # the top's stream stays, with its next watch
                             _heap_down(key, src, size, 0)
                             joined = True
