@@ -2308,6 +2308,7 @@ cdef object _predictor = None
 cdef object _logger = None
 cdef int _DEBUG_LEVEL = 10
 cdef double _WARM_S = 0.0
+cdef double _NOTICE_POLLS = 0.0
 cdef double _DEFAULT_LATENESS_S = 0.0
 cdef double _INF = float("inf")
 
@@ -2319,6 +2320,7 @@ cdef double _first_sleep_s = 0.0
 cdef double _max_sleep_s = 0.0
 cdef double _cpu_budget = 0.0
 cdef double _notice_sleep_s = 0.0
+cdef double _predicted_sleep_s = 0.0
 cdef bint _predict = True
 cdef bint _notify = False
 
@@ -2327,7 +2329,7 @@ def bind_policy(policy):
     """Give the pacer the policy module (called once, by ``_policy`` at
     import): its policy in force, predictor, logger and constants."""
     global _policy_ns, _policy_mod, _histories, _predictor, _logger, _DEBUG_LEVEL
-    global _WARM_S, _DEFAULT_LATENESS_S
+    global _WARM_S, _DEFAULT_LATENESS_S, _NOTICE_POLLS
     _policy_mod = policy
     _policy_ns = policy.__dict__
     _predictor = policy.predictor
@@ -2335,13 +2337,14 @@ def bind_policy(policy):
     _logger = policy.logger
     _DEBUG_LEVEL = policy._DEBUG
     _WARM_S = policy._WARM_S
+    _NOTICE_POLLS = policy._NOTICE_POLLS
     _DEFAULT_LATENESS_S = policy._DEFAULT_LATENESS_S
 
 
 cdef object _current_policy():
     """The policy in force, its fields read into the C globals above."""
     global _seen_policy, _spin_s, _first_sleep_s, _max_sleep_s, _cpu_budget, _notice_sleep_s
-    global _predict, _notify
+    global _predicted_sleep_s, _predict, _notify
     policy = _policy_ns["_policy"]
     if policy is not _seen_policy:
         _spin_s = policy.spin_s
@@ -2349,6 +2352,7 @@ cdef object _current_policy():
         _max_sleep_s = policy.max_sleep_s
         _cpu_budget = policy.cpu_budget
         _notice_sleep_s = policy.notice_sleep_s
+        _predicted_sleep_s = policy.predicted_sleep_s
         _predict = policy.predict
         _notify = policy.notify
         _seen_policy = policy
@@ -2440,8 +2444,9 @@ cdef class Pacer:
     def next_poll(self, records, double now, arm=None):
         """When to poll next for ``records`` (the twin's, to the bit)."""
         cdef double spin_s, bound, best, start, low, high, opens, closes, spin_ends, t
-        cdef double max_sleep_s, notice_sleep_s, cpu_budget
-        cdef bint backoff = False, noticed = False, bounded = False, ahead, surprised, predict
+        cdef double max_sleep_s, notice_sleep_s, predicted_sleep_s, cpu_budget, until
+        cdef bint backoff = False, noticed = False, covered = False, bounded = False
+        cdef bint ahead, surprised, predict, cover
         cdef tuple modes, mode
         # One policy for the whole plan, as the twin's local: arm() and a
         # finding of modes run Python, and another thread's pacer may
@@ -2450,6 +2455,7 @@ cdef class Pacer:
         spin_s = _spin_s
         max_sleep_s = _max_sleep_s
         notice_sleep_s = _notice_sleep_s
+        predicted_sleep_s = _predicted_sleep_s
         cpu_budget = _cpu_budget
         predict = _predict
         bound = now + max_sleep_s
@@ -2457,6 +2463,7 @@ cdef class Pacer:
         self._retract = 0.0
         if not _notify:
             arm = None
+        cover = arm is not None and len(records) == 1 and predicted_sleep_s > max_sleep_s
         spin_ends = 0.0
         for rec in records:
             hist = None
@@ -2478,6 +2485,7 @@ cdef class Pacer:
             else:
                 modes, surprised = (), True
             ahead = False  # a mode's window is open now or still to come
+            until = 0.0
             if modes:
                 # As predictor.start(): modes come from a history (hist).
                 t = (<EventRecord>rec).t if type(rec) is EventRecord else rec.t
@@ -2493,6 +2501,7 @@ cdef class Pacer:
                     if now < opens:
                         if opens < best:
                             best = opens
+                        until = opens - now
                         ahead = True
                         break
                     if now < closes:
@@ -2501,7 +2510,10 @@ cdef class Pacer:
                         ahead = True
                         break
             if ahead and not surprised:
-                bounded = True
+                if cover and until > _NOTICE_POLLS * max_sleep_s and arm is not None and arm(rec):
+                    covered = True
+                else:
+                    bounded = True
                 continue
             if now < self.spin_until:
                 if self.spin_until > spin_ends:
@@ -2522,8 +2534,13 @@ cdef class Pacer:
             self._backoff = self._backoff * 2
             if max_sleep_s < self._backoff:
                 self._backoff = max_sleep_s
-        elif noticed and not backoff and not bounded:  # every record has a notice
-            bound = now + (max_sleep_s if max_sleep_s > notice_sleep_s else notice_sleep_s)
+        elif not backoff and not bounded:  # every record has a notice
+            if noticed:
+                bound = now + (max_sleep_s if max_sleep_s > notice_sleep_s else notice_sleep_s)
+                if covered and now + predicted_sleep_s < bound:
+                    bound = now + predicted_sleep_s
+            elif covered:
+                bound = now + predicted_sleep_s
         when = bound if bound < best else best
         if _logger.isEnabledFor(_DEBUG_LEVEL):
             _policy_mod.explain(self, records, now, when, policy)

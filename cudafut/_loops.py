@@ -158,16 +158,19 @@ class LoopDriver(Driver):
         and polls again, if the work's duration is learnt (or the policy
         asks for no notices), so that the poll which sees the end is the
         task's own: after a long sleep the hop's code runs cold and costs
-        tens of µs. Work of unknown duration goes to the driver, which asks
-        CUDA for a notice. Any other wait in the loop sends it to the
-        driver too.
+        tens of µs. Where the spin before the predicted end is more than
+        two ``max_sleep_s`` away, the plan arms a notice for the stream and
+        the task sleeps until that spin (at most ``predicted_sleep_s``); the
+        notice ends the sleep if the work ends early. Work of unknown
+        duration goes to the driver, which asks CUDA for a notice. Any other
+        wait in the loop sends it to the driver too.
         """
         if self.watchlist.pending or self._alone:
             return False
         pacer = self.pacer
         now = time.perf_counter()
         pacer.new_wait(now)
-        when = pacer.next_poll((record,), now)
+        when = pacer.next_poll((record,), now, self.arm)
         if when > now and not _sleeps_alone(record):
             pacer.retract()  # the driver plans that sleep again
             return False  # the plan says sleep, with a notice: the driver's
@@ -200,7 +203,7 @@ class LoopDriver(Driver):
                 if now < ends:
                     when = now  # the plan's spin goes on: poll at the next loop iteration
                     continue
-                when = pacer.next_poll((record,), now)
+                when = pacer.next_poll((record,), now, self.arm)
                 if when <= now:
                     ends = pacer.spin_ends
                 elif not _sleeps_alone(record):
@@ -451,6 +454,8 @@ class AsyncioDriver(LoopDriver):
         if self._mode == _SLEEP:
             self._cancel_sleep()
             self._tick(False)
+        elif self._mode == _ALONE:
+            self._end_alone(False)  # the lone await polls its record now
         # Spinning: a poll is queued already. Idle: nothing is watched.
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:

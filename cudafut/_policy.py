@@ -15,7 +15,10 @@ only while completion is likely near:
 **Bounded regret.** No sleep is ever planned longer than ``max_sleep_s``,
 whatever the predictor believes: a completion is noticed at most
 ``max_sleep_s`` after it happens, plus the time the operating system takes
-to wake the sleeper. A wrong prediction can waste CPU (a spin at the wrong
+to wake the sleeper; or, where a CUDA notice is armed for every stream
+waited on (``WaitPolicy.notify``), when the notice arrives, a poll at most
+``notice_sleep_s`` or ``predicted_sleep_s`` apart catching what a notice
+cannot report. A wrong prediction can waste CPU (a spin at the wrong
 time), never more latency than that.
 
 The :class:`Predictor` learns from every completion a waiter sees, one
@@ -84,10 +87,19 @@ _DEFAULT_LATENESS_S: Final = 300e-6
 #: lateness (``cpu_budget`` of the duration below it): a thread that slept
 #: for most of a long wait runs slowly for a while after it wakes (cold
 #: caches, a waking vCPU), and the spin should be warm when the work
-#: completes. After 20 ms of work on an H200 host, a spin of 0.1-0.3 ms saw
-#: the end +60-95 µs after a spinning thread (four runs), one of 1 ms +38 µs
-#: (two runs; bench wake).
-_WARM_S: Final = 2e-3
+#: completes. On an H200 host, alternated in one ``vary`` run (3 rounds,
+#: benchmarks/results/waiter-variants-h200.txt), 0.4 ms in place of 2 ms
+#: (1 ms before 20 ms work) cost 0.056 of a core instead of 0.083 on
+#: stable 20 ms work, at the same median wake-up (+146 against +145 µs).
+_WARM_S: Final = 0.4e-3
+#: A waiter of one stream sleeps through predicted work under a notice
+#: (``WaitPolicy.predicted_sleep_s``) where that saves more than this many
+#: polls ``max_sleep_s`` apart: a notice (its pipe, its arming, the notice
+#: thread's wake-up and the loop's) costs the host about as much CPU as 5
+#: of them (the ``vary`` benchmark, one H200 host). A waiter of several
+#: streams polls them all at once, and a notice per stream costs more than
+#: the polls it saves: it polls.
+_NOTICE_POLLS: Final = 6
 #: Streams whose histories are kept; beyond this the table starts afresh.
 _MAX_STREAMS: Final = 4096
 
@@ -109,11 +121,12 @@ class WaitPolicy:
     Whatever the policy and whatever was learnt, no sleep between two polls
     is longer than ``max_sleep_s``: a completion is noticed at most
     ``max_sleep_s`` after it happens, plus the operating system's wake-up
-    delay (docs/performance.md, "Bounded regret"). The one exception is a
-    sleep with a notice armed for every stream it waits on, where
-    ``notice_sleep_s`` is set above ``max_sleep_s``: it lasts up to
-    ``notice_sleep_s``, and the notice ends it when the work completes (a
-    notice lost to a context error is caught by that poll).
+    delay (docs/performance.md, "Bounded regret"). The exceptions are
+    sleeps with a notice armed for every stream they wait on, which the
+    notice ends when the work completes (a notice lost to a context error
+    is caught by the sleep's end): up to ``notice_sleep_s`` where that is
+    set above ``max_sleep_s``, and up to ``predicted_sleep_s`` through
+    predicted work on one stream.
 
     CUDA notices are on by default (``notify=True``), beside polls at most
     ``max_sleep_s`` apart (``notice_sleep_s`` = 1 ms): whichever comes first
@@ -169,6 +182,17 @@ class WaitPolicy:
             (the default, 1 ms: a poll at least every ``max_sleep_s``, as
             without notices; a longer one polls less and leaves the wait to
             the notice: later at p90 in ``vary``).
+        predicted_sleep_s: with ``notify=True`` and ``predict=True``, an
+            asyncio or uvloop waiter of one stream whose work is predicted
+            to end more than six ``max_sleep_s`` from now arms a notice
+            for the stream, which ends the sleep if the work ends early,
+            and sleeps until the spin before the predicted end, at most
+            this long, instead of polling ``max_sleep_s`` apart (each poll
+            a wake-up of the loop; a notice costs about five). A sticky
+            error, or a failure decided on the host, is seen at most this
+            late during such work. A waiter of several streams polls them
+            all at once and asks no notice for predicted work. At most
+            ``max_sleep_s``: none either.
 
     Every number may be any real number (NumPy scalars and ``Fraction``
     included, bools not).
@@ -191,10 +215,18 @@ class WaitPolicy:
     cpu_budget: float = 0.05
     notify: bool = True
     notice_sleep_s: float = 1e-3
+    predicted_sleep_s: float = 20e-3
 
     def __post_init__(self) -> None:
         values = {}
-        for name in ("spin_s", "first_sleep_s", "max_sleep_s", "cpu_budget", "notice_sleep_s"):
+        for name in (
+            "spin_s",
+            "first_sleep_s",
+            "max_sleep_s",
+            "cpu_budget",
+            "notice_sleep_s",
+            "predicted_sleep_s",
+        ):
             value = values[name] = _checks.real_number(getattr(self, name), f"WaitPolicy.{name}")
             if value < 0:
                 raise ValueError(f"WaitPolicy.{name} must not be negative, not {getattr(self, name)!r}")
@@ -221,6 +253,12 @@ class WaitPolicy:
                 f"WaitPolicy.notice_sleep_s={self.notice_sleep_s!r} is longer than a thread can sleep "
                 f"({MAX_SLEEP_LIMIT_S:g} s): it bounds how late an error a notice cannot report is "
                 "seen; tens of ms is usual"
+            )
+        if values["predicted_sleep_s"] > MAX_SLEEP_LIMIT_S:
+            raise ValueError(
+                f"WaitPolicy.predicted_sleep_s={self.predicted_sleep_s!r} is longer than a thread can "
+                f"sleep ({MAX_SLEEP_LIMIT_S:g} s): it bounds how late an error a notice cannot report "
+                "is seen during predicted work; tens of ms is usual"
             )
         if values["cpu_budget"] > 1:
             raise ValueError(f"WaitPolicy.cpu_budget is a share of the wait, 0 to 1, not {self.cpu_budget!r}")
@@ -571,13 +609,17 @@ class Pacer:
         self._retract = 0.0
         backoff = False
         noticed = False
+        covered = False  # a predicted record whose notice reports an early end
         bounded = False
         if not policy.notify:
             arm = None
+        # Predicted work is covered by notices for a waiter of one stream only.
+        cover = arm is not None and len(records) == 1 and policy.predicted_sleep_s > policy.max_sleep_s
         spin_ends = 0.0
         for rec in records:
             modes, surprised = predictor.modes(rec) if policy.predict else ((), True)
             ahead = False  # a mode's window is open now or still to come
+            until = 0.0  # how long until that window opens
             if modes:
                 start = predictor.start(rec)
                 for mode in modes:
@@ -585,6 +627,7 @@ class Pacer:
                     closes = start + mode.high + spin_s + (mode.high - mode.low)
                     if now < opens:
                         best = min(best, opens)
+                        until = opens - now
                         ahead = True
                         break
                     if now < closes:
@@ -592,9 +635,13 @@ class Pacer:
                         ahead = True
                         break
             if ahead and not surprised:
-                # Predicted: polled by the bound until its window opens, in
-                # case it ends early (no notice is asked for it).
-                bounded = True
+                # Predicted: until its window opens, polled by the bound in
+                # case it ends early; or, alone and far enough from it, by a
+                # notice, which reports an early end (_NOTICE_POLLS).
+                if cover and until > _NOTICE_POLLS * policy.max_sleep_s and arm is not None and arm(rec):
+                    covered = True
+                else:
+                    bounded = True
                 continue
             # Unknown work, work past every mode (it runs longer than learnt
             # this time), or a stream whose work just changed: spin after a
@@ -615,8 +662,13 @@ class Pacer:
             best = now + self._backoff
             self._retract = self._backoff
             self._backoff = min(self._backoff * 2, policy.max_sleep_s)
-        elif noticed and not backoff and not bounded:  # every record has a notice
-            bound = now + max(policy.notice_sleep_s, policy.max_sleep_s)
+        elif not backoff and not bounded:  # every record has a notice
+            if noticed:
+                bound = now + max(policy.notice_sleep_s, policy.max_sleep_s)
+                if covered:
+                    bound = min(bound, now + policy.predicted_sleep_s)
+            elif covered:
+                bound = now + policy.predicted_sleep_s
         when = min(best, bound)
         if logger.isEnabledFor(_DEBUG):
             explain(self, records, now, when, policy)

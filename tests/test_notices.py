@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import traceback
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,6 +158,45 @@ def test_the_notice_not_a_timer_ends_the_sleep(
     assert value.sum() == 2
     assert handed, "no notice was armed: the test would prove nothing"
     assert True not in fired, "the sleep ended on its timer, not on the notice"
+
+
+def _teach(key: tuple[int, ...], duration: float) -> None:
+    """Teach the predictor that work on stream ``key`` takes ``duration``:
+    six exact observations, all ended before now."""
+    base = time.perf_counter() - 10 * duration
+    for k in range(6):
+        t = base + k * duration
+        rec: Any = types.SimpleNamespace(stream_key=key, t=t, seen=t + duration - 1e-6)
+        _policy.predictor.observe(rec, t + duration)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_lone_await_of_long_learnt_work_sleeps_until_its_notice(
+    notices: tuple[testing.FakeCuda, list[int]], loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Work learnt to take 0.5 s on its stream ends after 20 ms: the lone
+    # await sleeps in its task toward the spin before the predicted end,
+    # under a notice armed for the stream, and the notice, not the timer,
+    # ends that sleep (polls max_sleep_s apart would have seen it too,
+    # after 20 wake-ups).
+    fake, handed = notices
+    cudafut.set_wait_policy(cudafut.WaitPolicy(notify=True, predicted_sleep_s=10.0))
+    fut = cudafut.record(np.ones(2), stream=fake.stream())
+    (rec,) = _interface.records_of(fut)
+    _teach(rec.stream_key, 0.5)
+    assert _loops._sleeps_alone(rec)
+    ends: list[bool] = []
+    end_alone = _loops.AsyncioDriver._end_alone
+
+    def recorded(self: Any, timed_out: bool) -> None:
+        ends.append(timed_out)
+        end_alone(self, timed_out)
+
+    monkeypatch.setattr(_loops.AsyncioDriver, "_end_alone", recorded)
+    (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.02)
+    assert value.sum() == 2
+    assert handed, "no notice covered the predicted work"
+    assert ends == [False], f"the lone await's sleeps ended so (True: by the timer): {ends}"
 
 
 @pytest.mark.parametrize("loop", LOOPS)

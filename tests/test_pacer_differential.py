@@ -104,6 +104,7 @@ policies = st.builds(
     cpu_budget=st.sampled_from((0.0, 0.05, 1.0)),
     notify=st.booleans(),
     notice_sleep_s=st.sampled_from((0.0, 20e-3)),
+    predicted_sleep_s=st.sampled_from((0.0, 3e-3, 20e-3)),
 )
 history = st.tuples(
     st.lists(  # (duration index, jitter, exact)
