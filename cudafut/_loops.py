@@ -159,7 +159,7 @@ class LoopDriver(Driver):
         asks for no notices), so that the poll which sees the end is the
         task's own: after a long sleep the hop's code runs cold and costs
         tens of µs. Where the spin before the predicted end is more than
-        two ``max_sleep_s`` away, the plan arms a notice for the stream and
+        six ``max_sleep_s`` away, the plan arms a notice for the stream and
         the task sleeps until that spin (at most ``predicted_sleep_s``); the
         notice ends the sleep if the work ends early. Work of unknown
         duration goes to the driver, which asks CUDA for a notice. Any other

@@ -130,18 +130,25 @@ def test_a_lone_await_of_another_processs_work_sleeps_in_its_task(
     fake.complete(fut)
 
 
+def _timer_flags(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
+    """From now on, each call of the asyncio driver's ``method`` (``_tick``
+    or ``_end_alone``): whether its sleep's timer ended it (False: a notice
+    or a new wait did)."""
+    flags: list[bool] = []
+    original = getattr(_loops.AsyncioDriver, method)
+
+    def recorded(self: Any, timer_fired: bool = False) -> None:
+        flags.append(timer_fired)
+        original(self, timer_fired)
+
+    monkeypatch.setattr(_loops.AsyncioDriver, method, recorded)
+    return flags
+
+
 def _polls_seen(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """The asyncio driver's polls from now on: for each, whether its sleep's
     timer ended it (a notice's poll says False)."""
-    fired: list[bool] = []
-    tick = _loops.AsyncioDriver._tick
-
-    def counted(self: Any, timer_fired: bool = False) -> None:
-        fired.append(timer_fired)
-        tick(self, timer_fired)
-
-    monkeypatch.setattr(_loops.AsyncioDriver, "_tick", counted)
-    return fired
+    return _timer_flags(monkeypatch, "_tick")
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -185,14 +192,7 @@ def test_a_lone_await_of_long_learnt_work_sleeps_until_its_notice(
     (rec,) = _interface.records_of(fut)
     _teach(rec.stream_key, 0.5)
     assert _loops._sleeps_alone(rec)
-    ends: list[bool] = []
-    end_alone = _loops.AsyncioDriver._end_alone
-
-    def recorded(self: Any, timed_out: bool) -> None:
-        ends.append(timed_out)
-        end_alone(self, timed_out)
-
-    monkeypatch.setattr(_loops.AsyncioDriver, "_end_alone", recorded)
+    ends = _timer_flags(monkeypatch, "_end_alone")
     (value,) = run_on(loop, _await_completed_later, fake, [fut], 0.02)
     assert value.sum() == 2
     assert handed, "no notice covered the predicted work"
